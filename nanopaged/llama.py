@@ -1,0 +1,338 @@
+"""The Llama model (Touvron et al. 2023) as the engine runs it: a flat batch of tokens
+from many sequences, K/V kept in the paged cache.
+
+Same math as Hugging Face's `LlamaForCausalLM` (and SmolLM2, which is a Llama): token
+embedding, then per layer
+
+    h = x + o_proj(attention(rope(q), rope(k), v))      q, k, v from input_layernorm(x)
+    x = h + down_proj(silu(gate_proj(y)) * up_proj(y))   y = post_attention_layernorm(h)
+
+then a final RMSNorm and the LM head (tied to the embedding in small models). Two
+serving changes, both vLLM's (`vllm/model_executor/models/llama.py`):
+
+- There is no batch dimension. The input is the new tokens of every scheduled sequence
+  laid end to end, `[num_tokens]`, with their `positions`; attention.py sorts out which
+  token belongs to which sequence from the AttentionMetadata.
+- q/k/v are one matmul (`qkv_proj`), and so are gate/up (`gate_up_proj`): fewer, larger
+  matmuls are faster, and the weights are just stacked at load time.
+
+Weights are read straight from safetensors (one file or an index of shards); config.json
+is parsed here too, so this file needs nothing but torch and safetensors.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, paged_attention, write_kv
+
+
+@dataclass
+class LlamaConfig:
+    """The fields of a Hugging Face Llama config.json that the model needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_id: list[int]
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike) -> "LlamaConfig":
+        """Read `folder/config.json`.
+
+        Raises:
+            FileNotFoundError: no config.json (the message names the path).
+            ValueError: not a Llama-style decoder (names the field), or unsupported options.
+        """
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {str(folder)!r}")
+        c = json.loads(path.read_text())
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: hidden_act={c['hidden_act']!r}; only 'silu' (Llama) is supported")
+        if c.get("attention_bias") or c.get("mlp_bias"):
+            raise ValueError(f"{path}: attention_bias/mlp_bias=True is not supported")
+        # transformers >= 5 keeps rope settings in `rope_parameters`; older ones in
+        # `rope_theta` + `rope_scaling`. Accept both.
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        heads = c["num_attention_heads"]
+        eos = c.get("eos_token_id")
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads", heads),
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        )
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """RoPE inverse frequencies, [head_dim // 2] float32, with the config's scaling.
+
+    Supported rope_scaling types: default (none), "linear" (positions divided by factor,
+    Chen et al. 2023) and "llama3" (Llama 3.1's frequency-dependent scaling). Matches
+    transformers' `modeling_rope_utils`.
+
+    Raises:
+        ValueError: any other rope type (names it).
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are slowed by `factor`, short ones kept, the band between blended
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like transformers' LlamaRMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)          # [num_tokens, heads, head_dim]
+        k = k.view(n, self.num_kv_heads, self.head_dim)       # [num_tokens, kv_heads, head_dim]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin                   # RoPE; cos/sin: [num_tokens, 1, head_dim]
+        k = k * cos + _rotate_half(k) * sin
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        o = paged_attention(q, key_cache, value_cache, meta, self.scale)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama over a flat token batch with a paged KV cache.
+
+    forward(input_ids [num_tokens] int64, positions [num_tokens] int64,
+            kv_caches [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim],
+            meta: AttentionMetadata) -> hidden states [num_tokens, hidden_size].
+    compute_logits(hidden [n, hidden_size]) -> [n, vocab_size] float32.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope_cos = self.rope_sin = None
+
+    def init_rope(self, max_positions: int) -> None:
+        """Precompute cos/sin for positions 0..max_positions-1: [max_positions, head_dim]."""
+        inv_freq = rope_inv_freq(self.config)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        self.rope_cos = emb.cos().to(device=device, dtype=dtype)
+        self.rope_sin = emb.sin().to(device=device, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)                     # [num_tokens, hidden]
+        cos = self.rope_cos[positions].unsqueeze(1)         # [num_tokens, 1, head_dim]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # -- loading -------------------------------------------------------------------------
+
+    def load_weights(self, folder: str | os.PathLike) -> None:
+        """Copy weights from the folder's safetensors (one file or sharded) into the model.
+
+        q/k/v and gate/up are stacked into qkv_proj and gate_up_proj. With tied
+        embeddings a stored lm_head.weight is ignored (transformers does the same).
+
+        Raises:
+            FileNotFoundError: no *.safetensors in the folder.
+            ValueError: a file that cannot be read, or a missing/misshapen tensor
+                (the message names the file or tensor).
+        """
+        from safetensors import safe_open
+
+        files = _safetensors_files(Path(folder))
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for file in files:
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():
+                        key = self._load_one(name, f.get_tensor(name), params, file)
+                        if key:
+                            loaded.add(key)
+            except Exception as e:      # safetensors raises its own SafetensorError
+                if isinstance(e, ValueError) and str(file) in str(e):
+                    raise
+                raise ValueError(f"could not read safetensors file {str(file)!r}: {e}") from e
+        # every parameter, or every part of a stacked one, must have come from a file
+        expected = set()
+        for name in params:
+            fused = name.split(".")[-2]
+            parts = [p for p, (f, _) in _STACKED.items() if f == fused]
+            expected |= {f"{name}#{p}" for p in parts} if parts else {name}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"model folder {str(folder)!r} lacks weights for {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+
+    def _load_one(self, name: str, tensor: torch.Tensor, params: dict, file: Path) -> str | None:
+        """Copy one stored tensor into its (slice of a) parameter; returns what it filled."""
+        name = name.removeprefix("model.")
+        if name.startswith("lm_head.") and self.lm_head is None or "rotary_emb" in name:
+            return None                # tied head, or a buffer we recompute
+        part = name.split(".")
+        if len(part) > 2 and part[-2] in _STACKED:
+            fused, index = _STACKED[part[-2]]
+            target = ".".join(part[:-2] + [fused, part[-1]])
+            sizes = _stack_sizes(self.config, fused)
+            start = sum(sizes[:index])
+            dst, key = params[target].data[start:start + sizes[index]], f"{target}#{part[-2]}"
+        elif name in params:
+            dst, key = params[name].data, name
+        else:
+            raise ValueError(f"{str(file)!r}: unexpected tensor {name!r} for a Llama model")
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise ValueError(f"{str(file)!r}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        return key
+
+
+# HF's separate projections -> (our stacked parameter, index of the part in it)
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _stack_sizes(config: LlamaConfig, fused: str) -> list[int]:
+    if fused == "qkv_proj":
+        kv = config.num_key_value_heads * config.head_dim
+        return [config.num_attention_heads * config.head_dim, kv, kv]
+    return [config.intermediate_size, config.intermediate_size]
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / s for s in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model folder {str(folder)!r}")
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"safetensors shard {str(f)!r} (named in the index) is missing")
+    return files
+
+
+def load_model(folder: str | os.PathLike, dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> LlamaForCausalLM:
+    """Build a LlamaForCausalLM from a Hugging Face folder, weights in `dtype` on `device`.
+
+    The module is created on the meta device (no random init of 100M+ numbers), then
+    materialized and filled from safetensors. RoPE tables cover `max_positions` tokens.
+    """
+    config = LlamaConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        model.load_weights(folder)
+    model.init_rope(max_positions)
+    return model.eval().requires_grad_(False)

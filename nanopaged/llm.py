@@ -1,0 +1,125 @@
+"""LLM: the offline entry point, vLLM's `LLM` class.
+
+    from nanopaged import LLM, SamplingParams
+    llm = LLM()                                   # the default model, converted once
+    outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=16))
+    print(outs[0].outputs[0].text)
+
+`generate` adds every prompt to the engine and calls `engine.step()` until all are
+done; continuous batching does the rest. vLLM: `vllm/entrypoints/llm.py`.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Sequence as Seq
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine plus a batch-generation loop.
+
+    Args:
+        model: local Hugging Face Llama folder, hub id, or None for the default
+            model (SmolLM2-135M-Instruct).
+        **engine_args: the fields of EngineConfig (dtype, device, block_size,
+            num_gpu_blocks, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
+            max_model_len, seed).
+
+    Raises:
+        TypeError: an unknown keyword argument (named in the message).
+        ValueError: a bad setting (named with its value).
+        FileNotFoundError: a model folder that does not exist or lacks files.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for a batch of prompts.
+
+        Args:
+            prompts: one string, a list of strings, one list of token ids, or a list of
+                lists of token ids.
+            sampling_params: one SamplingParams for all prompts, or a list with one
+                per prompt; None means SamplingParams().
+            use_tqdm: show a progress bar (rich) when there is more than one prompt.
+
+        Returns:
+            One finished RequestOutput per prompt, in the order of `prompts`.
+
+        Raises:
+            ValueError / TypeError: a bad prompt or parameter, before any generation;
+                requests of this call already queued are withdrawn, so the engine is
+                left as it was.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompt_list):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompt_list)} prompts")
+
+        ids = []
+        try:
+            for prompt, p in zip(prompt_list, params):
+                rid = str(next(self._request_counter))
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm and len(ids) > 1)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        progress = _progress(len(request_ids)) if use_tqdm else None
+        try:
+            while len(finished) < len(request_ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        if progress:
+                            progress.advance(0)
+        except BaseException:
+            self.engine.abort_request(r for r in request_ids if r not in finished)
+            raise
+        finally:
+            if progress:
+                progress.stop()
+        return [finished[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError("prompts is an empty list")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]              # one prompt given as token ids
+        return list(prompts)
+    raise TypeError(f"prompts must be a str, a list of str, or token id lists; got {type(prompts).__name__}")
+
+
+def _progress(total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.console import Console
+
+    p = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 console=Console(file=sys.stderr), transient=True)
+    p.add_task("generate", total=total)
+    p.start()
+    return p

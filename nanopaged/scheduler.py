@@ -1,0 +1,196 @@
+"""Scheduler: each step, decide which requests run and how many tokens each computes.
+
+Continuous batching (Orca, OSDI'22; the PagedAttention paper §4.5): the batch is rebuilt
+every step. Requests that finished last step have already left (the engine freed their
+blocks); requests that are running get one more token; waiting requests join, oldest
+first, while the step's limits and the free blocks allow. So a short request never
+waits for a long one to finish, and the KV pool is refilled the moment blocks free up.
+
+The limits of one step:
+    max_num_seqs            requests in the batch
+    max_num_batched_tokens  tokens computed in the step (prefill tokens + 1 per decode)
+    free blocks             every token computed needs a KV slot
+
+When a running request needs a new block and none is free, the scheduler preempts
+the request that arrived last (vLLM's policy: latest first, so the oldest requests
+always make progress and nobody starves), frees its blocks and puts it back at the head
+of the waiting queue. When it is admitted again it recomputes its prompt plus the tokens
+it had generated in one prefill ("recompute" preemption, paper §4.5). Its outputs do not
+change: the same tokens give the same K/V.
+
+The decision goes to the model runner as a SchedulerOutput; the scheduler never touches
+tensors. vLLM: `vllm/core/scheduler.py` (v0), `vllm/v1/core/sched/scheduler.py` (v1).
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence in this step's batch.
+
+    Attributes:
+        seq: the sequence.
+        seq_group: its request.
+        num_new_tokens: tokens computed for it this step, starting at
+            seq.num_computed_tokens (the whole uncached prompt on prefill, 1 on decode).
+    """
+
+    seq: Sequence
+    seq_group: SequenceGroup
+    num_new_tokens: int
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_new_tokens > 1 or self.seq.num_computed_tokens < len(self.seq.prompt_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner must do this step.
+
+    Attributes:
+        scheduled: the batch, running (decode) requests first, then new (prefill) ones.
+        num_batched_tokens: sum of num_new_tokens (<= max_num_batched_tokens).
+        preempted: requests preempted (by recompute) while making room this step.
+        blocks_to_copy: (src, dst) physical block pairs the runner copies before the
+            forward pass (copy-on-write; empty until blocks are shared).
+        finished_without_running: requests the scheduler ended itself (a lone sequence
+            that outgrew the whole pool); the engine reports them.
+    """
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    finished_without_running: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """FCFS continuous-batching scheduler with recompute preemption.
+
+    Args:
+        block_manager: the device pool's BlockManager.
+        max_num_seqs: most requests in one step's batch.
+        max_num_batched_tokens: most tokens computed in one step.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()   # kept in arrival order
+        self.num_preemptions = 0
+
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        self.waiting.append(seq_group)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Build this step's batch. Mutates queues and block tables; see the module doc."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running requests first, oldest first: each needs a slot for its next token.
+        scheduled_running: deque[SequenceGroup] = deque()
+        while self.running:
+            group = self.running.popleft()
+            while not self.block_manager.can_append_slots(group) and self.running:
+                self._preempt(self.running.pop(), out)     # evict the latest arrival
+            if not self.block_manager.can_append_slots(group):
+                if scheduled_running:
+                    self._preempt(group, out)   # it is the latest arrival left: itself
+                else:
+                    self._finish_too_long(group, out)
+                continue
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                self.block_manager.append_slots(seq)
+                out.scheduled.append(ScheduledSequence(seq, group, seq.num_uncomputed_tokens))
+                out.num_batched_tokens += seq.num_uncomputed_tokens
+            scheduled_running.append(group)
+        self.running = scheduled_running
+        budget -= out.num_batched_tokens
+
+        # 2. Then waiting requests, strictly in order (FCFS: never skip ahead of the head).
+        #    Not in a step that had to preempt: memory is tight, admitting more would
+        #    only cause more preemption (vLLM does the same).
+        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
+            group = self.waiting[0]
+            num_new_tokens = group.seqs[0].num_uncomputed_tokens
+            if self.block_manager.num_new_blocks_needed(group.seqs[0]) > self.block_manager.num_gpu_blocks:
+                self.waiting.popleft()            # can never fit again; see _finish_too_long
+                self._finish_too_long(group, out)
+                continue
+            if num_new_tokens > budget or not self.block_manager.can_allocate(group):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(group)
+            for seq in group.seqs:
+                seq.status = SequenceStatus.RUNNING
+                out.scheduled.append(ScheduledSequence(seq, group, num_new_tokens))
+                out.num_batched_tokens += num_new_tokens
+            budget -= num_new_tokens * len(group.seqs)
+            self.running.append(group)
+        return out
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Recompute preemption: drop the request's KV and send it back to the queue head."""
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            self.block_manager.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(group)
+        self.num_preemptions += 1
+        out.preempted.append(group)
+
+    def _finish_too_long(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """A request alone in the pool that still cannot get a block will never fit:
+        finish it with finish_reason "length" instead of preempting and re-prefilling
+        it forever (a livelock real engines have shipped)."""
+        logger.warning("request %r needs more KV blocks than the whole pool has (%d blocks "
+                       "of %d tokens); finishing it with finish_reason='length'",
+                       group.request_id, self.block_manager.num_gpu_blocks,
+                       self.block_manager.block_size)
+        for seq in group.seqs:
+            if not seq.status.is_finished:
+                seq.status = SequenceStatus.FINISHED_LENGTH
+            self.block_manager.free(seq)
+        out.finished_without_running.append(group)
+
+    def finish_seq_group(self, group: SequenceGroup) -> None:
+        """Free a finished request's blocks and drop it from the running queue."""
+        for seq in group.seqs:
+            self.block_manager.free(seq)
+        try:
+            self.running.remove(group)
+        except ValueError:
+            pass
+
+    def abort_seq_group(self, request_id: str) -> SequenceGroup | None:
+        """Remove a request wherever it is, free its blocks; returns it, or None if unknown."""
+        for queue in (self.waiting, self.running):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.seqs:
+                        if not seq.status.is_finished:
+                            seq.status = SequenceStatus.FINISHED_ABORTED
+                        self.block_manager.free(seq)
+                    return group
+        return None

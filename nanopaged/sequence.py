@@ -1,0 +1,140 @@
+"""Sequence and SequenceGroup: the engine's record of a request while it is served.
+
+A *request* (one prompt plus its SamplingParams) is a SequenceGroup; each completion it
+asks for is a Sequence (one today; `n` of them, sharing prompt blocks, with parallel
+sampling and beam search). The scheduler moves groups between its queues; the block
+manager gives each Sequence a BlockTable; the engine appends sampled tokens.
+
+The one number that drives scheduling is `num_computed_tokens`: how many of the
+sequence's tokens already have their K/V in the cache. A fresh request has 0, so its
+next step computes the whole prompt (prefill); after that it is one behind its token
+count, so each step computes exactly the last sampled token (decode). A request preempted
+by recompute drops back to 0 and recomputes prompt + output in one pass. This is vLLM
+v1's view (`vllm/v1/request.py`): prefill and decode are the same operation with
+different lengths. Names follow vLLM v0's `vllm/sequence.py`.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+from .block_table import BlockTable
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life. WAITING -> RUNNING -> FINISHED_*, with
+    RUNNING -> WAITING again when it is preempted by recompute."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()            # reserved for swap preemption (CPU block pool)
+    FINISHED_STOPPED = enum.auto()   # hit EOS or a stop token
+    FINISHED_LENGTH = enum.auto()    # hit max_tokens or max_model_len (or the pool's size)
+    FINISHED_ABORTED = enum.auto()   # abort_request()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's CompletionOutput.finish_reason: "stop", "length", "abort" or None."""
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+             SequenceStatus.FINISHED_ABORTED}
+_FINISH_REASON = {SequenceStatus.FINISHED_STOPPED: "stop",
+                  SequenceStatus.FINISHED_LENGTH: "length",
+                  SequenceStatus.FINISHED_ABORTED: "abort"}
+
+
+class Sequence:
+    """One completion: its tokens, how many have K/V cached, and its block table.
+
+    Attributes:
+        seq_id: engine-wide unique id.
+        prompt_token_ids / output_token_ids: token ids (ints).
+        num_computed_tokens: tokens (from position 0) whose K/V are in the cache.
+        block_table: where those K/V live (see block_table.py).
+        status: a SequenceStatus.
+        output_text: detokenized output so far (kept up to date by the engine).
+    """
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], block_size: int) -> None:
+        self.seq_id = seq_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.block_table = BlockTable(block_size)
+        self.status = SequenceStatus.WAITING
+        self.output_text = ""
+
+    def __repr__(self) -> str:
+        return (f"Sequence(seq_id={self.seq_id}, num_tokens={self.num_tokens}, "
+                f"num_computed_tokens={self.num_computed_tokens}, status={self.status.name})")
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt plus output token ids (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_id_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens the next forward pass must compute: the whole prompt on prefill, 1 on decode."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True until the prompt has been computed once (again after a recompute preemption)."""
+        return self.num_computed_tokens < len(self.prompt_token_ids) or self.num_uncomputed_tokens > 1
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+
+class SequenceGroup:
+    """One request: a prompt, its SamplingParams and its sequences (vLLM v0's name).
+
+    Attributes:
+        request_id: the caller's id (a str).
+        prompt: the prompt text, or None when the caller passed token ids.
+        prompt_token_ids: the prompt's token ids.
+        sampling_params: a SamplingParams.
+        seqs: the group's sequences (len == sampling_params.n).
+        arrival_time: time.monotonic() when added, seconds; FCFS order.
+        generator: this request's torch.Generator when it has a seed, else None.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, seqs: list[Sequence],
+                 sampling_params: SamplingParams, generator=None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.seqs = seqs
+        self.sampling_params = sampling_params
+        self.generator = generator
+        self.arrival_time = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        """The group's sequences, optionally only those with `status`."""
+        return self.seqs if status is None else [s for s in self.seqs if s.status == status]
+
+    def is_finished(self) -> bool:
+        return all(s.status.is_finished for s in self.seqs)

@@ -1,0 +1,44 @@
+"""The block-accounting invariants of ../shared/DESIGN.md, checked against a live engine."""
+from __future__ import annotations
+
+from collections import Counter
+
+from nanopaged.sequence import SequenceStatus
+
+
+def check_block_invariants(engine) -> None:
+    """Raise AssertionError if the engine's KV pool bookkeeping is inconsistent."""
+    bm, sched = engine.block_manager, engine.scheduler
+    held = Counter()
+    for group in list(sched.waiting) + list(sched.running):
+        for seq in group.seqs:
+            table = seq.block_table
+            held.update(table.block_ids)
+            if seq.status == SequenceStatus.RUNNING:
+                # L tokens with K/V in the pool hold exactly ceil(L / block_size) blocks
+                assert table.num_tokens == seq.num_computed_tokens, (seq, table)
+                assert len(table) == -(-seq.num_computed_tokens // bm.block_size), (seq, table)
+            elif seq.status == SequenceStatus.WAITING:
+                assert len(table) == 0 and seq.num_computed_tokens == 0, (seq, table)
+            else:
+                assert len(table) == 0, (seq, table)
+    for block_id in range(bm.num_gpu_blocks):
+        assert bm.ref_count[block_id] == held[block_id], (block_id, bm.ref_count[block_id], held[block_id])
+        assert (bm.ref_count[block_id] == 0) == (block_id in bm.free_block_ids), block_id
+    assert len(bm.free_block_ids) + sum(1 for c in bm.ref_count if c > 0) == bm.num_gpu_blocks
+
+
+def run_checked(engine, max_steps: int = 10_000) -> dict[str, object]:
+    """step() until idle, checking invariants after every step; returns final outputs by id."""
+    final = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        check_block_invariants(engine)
+    else:
+        raise AssertionError("engine did not finish within max_steps")
+    assert engine.block_manager.get_num_free_gpu_blocks() == engine.block_manager.num_gpu_blocks
+    return final

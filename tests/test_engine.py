@@ -1,0 +1,182 @@
+"""LLM / LLMEngine behaviour on a tiny random Llama: API shapes, bad input, batching,
+preemption and block accounting. Fast; the real-model checks are in test_real_model.py."""
+import pytest
+
+from nanopaged import LLM, LLMEngine, EngineConfig, SamplingParams
+from nanopaged.block_manager import BlockManager
+from nanopaged.block_table import BlockTable
+
+from invariants import check_block_invariants, run_checked
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4)
+
+
+def engine(tiny_model_dir, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), **kw))
+
+
+# -- API shapes ---------------------------------------------------------------------------
+
+def test_generate_accepts_every_prompt_form(llm):
+    ids = llm.get_tokenizer()("Hello, my name is").input_ids
+    one = llm.generate("Hello, my name is", GREEDY)
+    assert len(one) == 1 and one[0].prompt == "Hello, my name is" and one[0].prompt_token_ids == ids
+    assert llm.generate(ids, GREEDY)[0].outputs[0].token_ids == one[0].outputs[0].token_ids
+    assert llm.generate([ids, ids], GREEDY)[1].prompt is None
+    outs = llm.generate(["a", "The capital", "b"], GREEDY)
+    assert [o.prompt for o in outs] == ["a", "The capital", "b"]
+
+
+def test_request_output_fields(llm):
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=5))[0]
+    c = out.outputs[0]
+    assert out.finished and c.index == 0 and c.finish_reason in ("stop", "length")
+    assert 1 <= len(c.token_ids) <= 5 and isinstance(c.text, str)
+    assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_one_sampling_params_per_prompt(llm):
+    outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=2, ignore_eos=True),
+                                     SamplingParams(max_tokens=5, ignore_eos=True)])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
+    with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
+        llm.generate(["a", "b", "c"], [SamplingParams()] * 2)
+
+
+def test_stop_token_ids_and_eos(llm):
+    first = llm.generate("Hello", GREEDY)[0].outputs[0].token_ids
+    stop = first[3]
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]))[0]
+    assert out.outputs[0].token_ids == first[:first.index(stop) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_get_stats_keys(llm):
+    stats = llm.engine.get_stats()
+    for key in ["num_total_gpu_blocks", "num_free_gpu_blocks", "num_running", "num_waiting",
+                "num_preemptions", "num_steps"]:
+        assert isinstance(stats[key], int)
+    assert stats["num_free_gpu_blocks"] == stats["num_total_gpu_blocks"] == 64
+
+
+def test_seeded_request_is_batch_invariant(llm):
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate("Hello", p)[0].outputs[0].token_ids
+    crowd = llm.generate(["The", "Hello", "Paged attention"],
+                         [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), p,
+                          SamplingParams(temperature=0.7, max_tokens=3)])
+    assert crowd[1].outputs[0].token_ids == alone
+
+
+# -- bad input: a clear error before any work, and the engine keeps serving --------------
+
+@pytest.mark.parametrize("kwargs,match", [({"block_sizee": 4}, "block_sizee"),
+                                          ({"swap_space_gb": 1}, "swap_space_gb")])
+def test_unknown_keyword_to_llm_is_a_type_error(tiny_model_dir, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        LLM(str(tiny_model_dir), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"block_size": 0}, "block_size"),
+                                          ({"num_gpu_blocks": -1}, "num_gpu_blocks"),
+                                          ({"dtype": "int8"}, "dtype"),
+                                          ({"max_model_len": 10_000}, "max_model_len")])
+def test_bad_engine_setting_is_named(tiny_model_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_model_dir), **kwargs)
+
+
+@pytest.mark.parametrize("prompt,match", [("", "empty"), ([], "empty"), ([5, 999], "999"),
+                                          ([1] * 300, "max_model_len=256")])
+def test_bad_prompt_raises_and_engine_keeps_serving(llm, prompt, match):
+    before = llm.engine.get_stats()
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["fine", prompt], GREEDY)      # the good one is withdrawn too
+    after = llm.engine.get_stats()
+    assert after["num_free_gpu_blocks"] == before["num_free_gpu_blocks"]
+    assert after["num_waiting"] == after["num_running"] == 0
+    assert llm.generate("fine", GREEDY)[0].finished
+
+
+def test_missing_model_folder_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        LLM(str(tmp_path / "no-such-model"))
+
+
+def test_prompt_needing_more_blocks_than_the_pool(tiny_model_dir):
+    eng = engine(tiny_model_dir, num_gpu_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match=r"needs 5 KV blocks.*holds only 4 blocks"):
+        eng.add_request("big", list(range(1, 21)), GREEDY)
+    eng.add_request("small", list(range(1, 6)), SamplingParams(temperature=0, max_tokens=3))
+    assert run_checked(eng)["small"].outputs[0].finish_reason == "length"
+
+
+def test_lone_sequence_outgrowing_the_pool_finishes_with_length(tiny_model_dir, caplog):
+    eng = engine(tiny_model_dir, num_gpu_blocks=4, block_size=4)
+    eng.add_request("grow", list(range(1, 15)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    out = run_checked(eng, max_steps=50)["grow"].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 16 - 14 + 1
+    assert "more KV blocks than the whole pool" in caplog.text
+
+
+def test_abort_frees_blocks(tiny_model_dir):
+    eng = engine(tiny_model_dir, num_gpu_blocks=32, block_size=4, max_num_seqs=1)
+    for i in range(3):
+        eng.add_request(str(i), list(range(1, 10)), SamplingParams(max_tokens=20, ignore_eos=True))
+    eng.step()
+    eng.abort_request(["0", "2"])          # one running, one waiting
+    check_block_invariants(eng)
+    assert eng.get_stats()["num_running"] == 0 and eng.get_stats()["num_waiting"] == 1
+    assert run_checked(eng)["1"].finished
+
+
+# -- batching and preemption ----------------------------------------------------------------
+
+def solo(tiny_model_dir, prompts, params):
+    eng = engine(tiny_model_dir, num_gpu_blocks=256, block_size=16)
+    out = {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(str(i), p, sp)
+        out.update(run_checked(eng))
+    return {k: v.outputs[0].token_ids for k, v in out.items()}
+
+
+def test_continuous_batching_refills_the_batch(tiny_model_dir):
+    eng = engine(tiny_model_dir, num_gpu_blocks=64, block_size=4, max_num_seqs=2)
+    lengths = [2, 6, 3, 5, 4]
+    for i, n in enumerate(lengths):
+        eng.add_request(str(i), [1 + i, 2, 3], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    running = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        running.append([g.request_id for g in eng.scheduler.running])
+    # request 2 joins the step after request 0 (2 tokens) finished, while 1 keeps running
+    assert running[0] == ["0", "1"] and running[2] == ["1", "2"]
+    assert eng.get_stats()["num_steps"] < sum(lengths)      # batched, not one at a time
+
+
+def test_preemption_by_recompute_keeps_outputs_exact(tiny_model_dir):
+    prompts = [list(range(1 + i, 12 + i)) for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=10 + 3 * i, ignore_eos=True) for i in range(6)]
+    eng = engine(tiny_model_dir, num_gpu_blocks=14, block_size=4)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(str(i), p, sp)
+    got = {k: v.outputs[0].token_ids for k, v in run_checked(eng).items()}
+    assert eng.get_stats()["num_preemptions"] > 0
+    assert got == solo(tiny_model_dir, prompts, params)
+
+
+def test_block_table_and_manager_basics():
+    bm = BlockManager(num_gpu_blocks=5, block_size=4)
+    table = BlockTable(4)
+    for _ in range(table.num_new_blocks_for(9)):
+        table.append_block(bm._allocate_block())
+    table.num_tokens = 9
+    assert len(table) == 3 and table.last_block_fill == 1
+    assert table.slots(7, 9) == [table.block_ids[1] * 4 + 3, table.block_ids[2] * 4]
+    assert bm.get_num_free_gpu_blocks() == 2 and bm.ref_count[table.block_ids[0]] == 1

@@ -1,0 +1,169 @@
+"""The correctness anchors on the real default model (SmolLM2-135M-Instruct), fp32:
+greedy ids equal HF transformers' generate, alone and batched, at several block sizes;
+plus the field cases of ../shared/cases/CASES.md that this engine already covers."""
+import shutil
+
+import pytest
+import torch
+
+from nanopaged import LLM, SamplingParams
+
+from invariants import check_block_invariants, run_checked
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for staying healthy.",
+    "What is 12 times 12?",
+    "Explain what a neural network is in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "Name a famous painting by Leonardo da Vinci.",
+    "Why is the sky blue?",
+]
+MAX_TOKENS = 32
+SMALL_KV = 64 << 20        # 64 MiB: ~1400 tokens at fp32, plenty for these tests
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model_dir):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def hf_greedy(hf_model, ids: list[int], max_new_tokens: int) -> list[int]:
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(tokenizer):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                          add_generation_prompt=True) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model, tokenizer, chat_prompts):
+    return [hf_greedy(hf_model, tokenizer(p).input_ids, MAX_TOKENS) for p in chat_prompts]
+
+
+@pytest.mark.parametrize("block_size", [16, 4, 1])
+def test_greedy_matches_transformers_alone_and_batched(default_model_dir, chat_prompts,
+                                                       hf_reference, block_size):
+    llm = LLM(str(default_model_dir), dtype="float32", block_size=block_size,
+              kv_cache_memory_bytes=SMALL_KV)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    batched = [o.outputs[0].token_ids for o in llm.generate(chat_prompts, params)]
+    assert batched == hf_reference
+    alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in chat_prompts]
+    assert alone == hf_reference
+    assert llm.engine.get_stats()["num_free_gpu_blocks"] == llm.engine.get_stats()["num_total_gpu_blocks"]
+
+
+def test_c05_block_boundary_append(default_model_dir, hf_model):
+    prompts = [list(range(1000, 1000 + n)) for n in (3, 4, 5, 8)]
+    # exactly the blocks the four need: prompt + 8 more tokens get a slot (the 9th is never fed)
+    need = sum(-(-(len(p) + 9 - 1) // 4) for p in prompts)
+    llm = LLM(str(default_model_dir), dtype="float32", block_size=4, num_gpu_blocks=need)
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=9))
+    outs = run_checked(eng)            # checks len(table) == ceil(len / B) after every step
+    for i, p in enumerate(prompts):
+        assert outs[str(i)].outputs[0].token_ids == hf_greedy(hf_model, p, 9)
+
+
+def test_c07_prompt_longer_than_max_model_len(default_model_dir):
+    llm = LLM(str(default_model_dir), dtype="float32", max_model_len=32, kv_cache_memory_bytes=SMALL_KV)
+    eng = llm.engine
+    with pytest.raises(ValueError, match=r"33 tokens.*max_model_len=32"):
+        eng.add_request("long", list(range(100, 133)), SamplingParams(max_tokens=4))
+    assert not eng.has_unfinished_requests()
+    assert llm.generate([list(range(100, 105))], SamplingParams(max_tokens=4))[0].finished
+    assert eng.get_stats()["num_waiting"] == 0
+    # The rule (vLLM's): a sequence stops once prompt + output reach max_model_len, so a
+    # prompt of exactly max_model_len tokens still gets one token, and never more.
+    for max_tokens in (1, 5):
+        out = llm.generate([list(range(100, 132))], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+        assert len(out.outputs[0].token_ids) == 1
+    out = llm.generate([list(range(100, 130))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 2 and out.outputs[0].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def smol(default_model_dir):
+    return LLM(str(default_model_dir), dtype="float32", kv_cache_memory_bytes=SMALL_KV)
+
+
+def test_c12_top_p_zero_top_k_zero(smol):
+    prompt = "The capital of France is"
+    greedy = smol.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0]
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=0.0, max_tokens=8)
+    tiny_p = smol.generate(prompt, SamplingParams(temperature=1.0, top_p=1e-9, max_tokens=8))[0].outputs[0]
+    assert tiny_p.token_ids == greedy.token_ids and "\ufffd" not in tiny_p.text
+    for top_k in (0, -1):
+        out = smol.generate(prompt, SamplingParams(temperature=1.0, top_k=top_k, max_tokens=8, seed=3))[0]
+        assert len(out.outputs[0].token_ids) >= 1
+
+
+def test_c14_max_tokens_zero_and_one(smol):
+    eng = smol.engine
+    free = eng.get_stats()["num_free_gpu_blocks"]
+    with pytest.raises(ValueError, match="max_tokens"):
+        smol.generate("Hello", SamplingParams(max_tokens=0))
+    assert eng.get_stats()["num_free_gpu_blocks"] == free
+    out = smol.generate("Hello", SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    assert eng.get_stats()["num_free_gpu_blocks"] == eng.get_stats()["num_total_gpu_blocks"]
+
+
+def test_c15_empty_prompt(smol):
+    for empty in ("", []):
+        with pytest.raises(ValueError, match="empty"):
+            smol.generate(empty, SamplingParams(max_tokens=4))
+    assert not smol.engine.has_unfinished_requests()
+    assert smol.generate("The capital of France is", SamplingParams(max_tokens=4))[0].finished
+
+
+def test_c20_tied_embeddings(default_model_dir, hf_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+    untied = tmp_path / "with-lm-head"
+    shutil.copytree(default_model_dir, untied, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = load_file(default_model_dir / "model.safetensors")
+    assert "lm_head.weight" not in weights                # SmolLM2 ships without a head
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, untied / "model.safetensors")
+    prompt = list(range(2000, 2012))
+    reference = hf_greedy(hf_model, prompt, 16)
+    for folder in (default_model_dir, untied):
+        llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=SMALL_KV)
+        model = llm.engine.model_runner.model
+        assert model.lm_head is None                      # the head is the embedding matrix
+        assert torch.equal(model.compute_logits(model.embed_tokens.weight[:3]),
+                           model.embed_tokens.weight[:3] @ model.embed_tokens.weight.T)
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16))[0]
+        assert out.outputs[0].token_ids == reference
+
+
+def test_streamed_text_has_no_broken_characters(smol):
+    eng = smol.engine
+    eng.add_request("s", "Write the word 'café' and a smiley emoji.", SamplingParams(temperature=0, max_tokens=40))
+    texts = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            texts.append(out.outputs[0].text)
+            check_block_invariants(eng)
+    for a, b in zip(texts, texts[1:]):
+        assert b.startswith(a)                            # cumulative text only grows
+    assert "\ufffd" not in texts[-1]
