@@ -79,21 +79,27 @@ class BlockManager:
         waste bound of the paper (§4.3). Raises RuntimeError when the pool is empty.
         """
         table = seq.block_table
-        for _ in range(table.num_new_blocks_for(seq.num_tokens)):
+        needed = table.num_new_blocks_for(seq.num_tokens)
+        if needed > len(self.free_block_ids):      # check first: all or nothing
+            raise RuntimeError(f"sequence {seq.seq_id} needs {needed} more KV blocks, only "
+                               f"{len(self.free_block_ids)} free (the scheduler should have "
+                               "checked can_allocate / can_append_slots)")
+        for _ in range(needed):
             table.append_block(self._allocate_block())
         table.num_tokens = seq.num_tokens
 
     def free(self, seq: Sequence) -> None:
-        """Return every block of `seq` whose last holder it was to the free list."""
+        """Return every block of `seq` whose last holder it was to the free list.
+
+        Tail blocks go in first, so when prefix caching evicts the oldest free block it
+        takes a sequence's last blocks before its first ones (the prefix others share).
+        """
         for block_id in reversed(seq.block_table.clear()):
             self.ref_count[block_id] -= 1
             if self.ref_count[block_id] == 0:
                 self.free_block_ids[block_id] = None
 
     def _allocate_block(self) -> int:
-        if not self.free_block_ids:
-            raise RuntimeError("no free KV-cache block left (the scheduler should have "
-                               "checked can_allocate / can_append_slots)")
         block_id, _ = self.free_block_ids.popitem(last=False)
         self.ref_count[block_id] = 1
         return block_id

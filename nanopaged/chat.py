@@ -48,9 +48,9 @@ def stream_answer(engine, request_id: str, prompt_ids: list[int], params: Sampli
     leave blocks allocated for a request the scheduler no longer tracks). Returns the
     answer text, partial if stopped.
     """
+    engine.add_request(request_id, prompt_ids, params)      # may raise ValueError: nothing to undo
     stop = []
     previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
-    engine.add_request(request_id, prompt_ids, params)
     text = ""
     try:
         while engine.has_unfinished_requests():
@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     if interactive:
         err.print(f"[dim]nanopaged chat - {engine.model_path.name}. /reset clears the "
                   "conversation, /exit quits, Ctrl-C stops an answer.[/dim]")
+    # leave room for at least one answer token, in the model and in the KV pool
+    bm = engine.block_manager
+    max_prompt_tokens = min(engine.config.max_model_len, bm.num_gpu_blocks * bm.block_size) - 1
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     for turn in itertools.count():
@@ -125,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed + turn)
         try:
-            prompt_ids = build_prompt(tokenizer, messages, engine.config.max_model_len - 1)
-        except ValueError as e:
+            prompt_ids = build_prompt(tokenizer, messages, max_prompt_tokens)
+            answer = stream_answer(engine, f"chat-{turn}", prompt_ids, params)
+        except ValueError as e:            # too long for the model or for the KV pool
             err.print(f"[red]error:[/red] {e}")
             messages.pop()
             continue
-        answer = stream_answer(engine, f"chat-{turn}", prompt_ids, params)
         messages.append({"role": "assistant", "content": answer})
     return 0
 

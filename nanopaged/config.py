@@ -33,7 +33,7 @@ class EngineConfig:
         num_gpu_blocks: blocks in the device KV pool (vLLM CacheConfig); None sizes it
             from kv_cache_memory_bytes.
         kv_cache_memory_bytes: bytes for the KV pool when num_gpu_blocks is None; None
-            means min(2 GiB, 25% of free host memory) on the CPU, 90% of free device
+            means min(1 GiB, 25% of free host memory) on the CPU, 90% of free device
             memory on CUDA.
         max_num_seqs: most requests in one step's batch.
         max_num_batched_tokens: most tokens computed in one step; None = max(2048,
@@ -97,7 +97,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_position_embeddings}")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(2048, self.max_model_len)
+            self.max_num_batched_tokens = max(2048, self.max_model_len, self.max_num_seqs)
+        elif self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller "
+                             f"than max_num_seqs={self.max_num_seqs}: a full batch of decodes "
+                             "(one token each) would not fit in one step")
         elif self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller "
                              f"than max_model_len={self.max_model_len}: a full-length prompt "

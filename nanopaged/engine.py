@@ -33,7 +33,7 @@ from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_CPU_KV_BYTES = 2 << 30          # 2 GiB, at most 25% of free memory (see config.py)
+_DEFAULT_CPU_KV_BYTES = 1 << 30          # 1 GiB, at most 25% of free memory (see config.py)
 
 
 class LLMEngine:
@@ -242,7 +242,8 @@ def _generation_eos(folder) -> list[int]:
     path = os.path.join(folder, "generation_config.json")
     if not os.path.isfile(path):
         return []
-    eos = json.load(open(path)).get("eos_token_id")
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 

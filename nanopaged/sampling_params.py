@@ -34,8 +34,8 @@ class SamplingParams:
         seed: if set, this request draws from its own random generator, so it gets
             the same tokens whatever else shares the batch.
         max_tokens: most tokens to generate (>= 1).
-        stop_token_ids: extra token ids that end the sequence (the stop token is kept
-            in `token_ids` but not rendered into `text`).
+        stop_token_ids: extra token ids that end the sequence. As in vLLM, the stop
+            token stays in `token_ids`, and in `text` too unless it is a special token.
         ignore_eos: keep generating past the end-of-sequence token (for benchmarks).
 
     Raises:

@@ -48,10 +48,6 @@ class ScheduledSequence:
     seq_group: SequenceGroup
     num_new_tokens: int
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_new_tokens > 1 or self.seq.num_computed_tokens < len(self.seq.prompt_token_ids)
-
 
 @dataclass
 class SchedulerOutput:
@@ -160,9 +156,9 @@ class Scheduler:
         out.preempted.append(group)
 
     def _finish_too_long(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """A request alone in the pool that still cannot get a block will never fit:
-        finish it with finish_reason "length" instead of preempting and re-prefilling
-        it forever (a livelock real engines have shipped)."""
+        """A request that cannot get its blocks even with the pool to itself will never
+        fit: finish it with finish_reason "length". Without this it would sit at the
+        head of the waiting queue forever, and FCFS would block everyone behind it."""
         logger.warning("request %r needs more KV blocks than the whole pool has (%d blocks "
                        "of %d tokens); finishing it with finish_reason='length'",
                        group.request_id, self.block_manager.num_gpu_blocks,

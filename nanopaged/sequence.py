@@ -94,11 +94,6 @@ class Sequence:
         """Tokens the next forward pass must compute: the whole prompt on prefill, 1 on decode."""
         return self.num_tokens - self.num_computed_tokens
 
-    @property
-    def is_prefill(self) -> bool:
-        """True until the prompt has been computed once (again after a recompute preemption)."""
-        return self.num_computed_tokens < len(self.prompt_token_ids) or self.num_uncomputed_tokens > 1
-
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 

@@ -1,0 +1,71 @@
+"""The chat REPL: piped stdin, multi-turn history, /reset, /exit, Ctrl-C."""
+import io
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.chat import build_prompt, stream_answer
+
+
+def run_chat(stdin: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanopaged.chat", *args], input=stdin,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_piped_session_with_reset_and_exit(tiny_model_dir):
+    r = run_chat("Hello\nThe capital\n/reset\nParis\n/exit\nnever read\n",
+                 "--model", str(tiny_model_dir), "--max-tokens", "5", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) >= 3           # three answers, then /exit
+    assert "conversation cleared" in r.stderr
+
+
+def test_bad_flag_value_is_named(tiny_model_dir):
+    r = run_chat("", "--model", str(tiny_model_dir), "--top-p", "0")
+    assert r.returncode == 1 and "top_p" in r.stderr
+
+
+def test_history_is_trimmed_to_fit(tiny_model_dir):
+    tok = LLM(str(tiny_model_dir), num_gpu_blocks=8).get_tokenizer()
+    msgs = [{"role": "user", "content": "Hello " * 30}, {"role": "assistant", "content": "Paris " * 30},
+            {"role": "user", "content": "The capital"}]
+    ids = build_prompt(tok, msgs, 40)
+    assert len(ids) <= 40
+    assert ids == build_prompt(tok, msgs[2:], 40)     # the old turns were dropped
+    with pytest.raises(ValueError, match="at most 3"):
+        build_prompt(tok, msgs[2:], 3)
+
+
+def test_ctrl_c_stops_the_answer_not_the_program(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4)
+    engine, real_step, steps = llm.engine, llm.engine.step, []
+
+    def step():                       # Ctrl-C arrives in the middle of the third step
+        steps.append(1)
+        if len(steps) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step()
+
+    engine.step = step
+    out = io.StringIO()
+    text = stream_answer(engine, "r", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True), out)
+    assert len(steps) == 3 and out.getvalue().endswith(" [stopped]\n")
+    assert text and not engine.has_unfinished_requests()
+    assert engine.get_stats()["num_free_gpu_blocks"] == 64
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # restored
+    engine.step = real_step
+    out = io.StringIO()
+    stream_answer(engine, "next", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True), out)
+    assert out.getvalue().endswith("\n") and "[stopped]" not in out.getvalue()
+    assert engine.num_generated_tokens == 3 + 3      # 3 before the stop, then the next answer in full
+
+
+@pytest.mark.slow
+def test_chat_answers_capital_of_france_with_paris(default_model_dir):
+    r = run_chat("What is the capital of France?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
