@@ -1,98 +1,231 @@
-"""BlockManager: the physical KV-cache pool, its free list and per-block ref counts.
+"""BlockManager: the physical KV-cache pool, its free list, ref counts and prefix cache.
 
-PagedAttention (Kwon et al., SOSP'23, §4.2-4.3) splits the KV cache into fixed-size
+PagedAttention (Kwon et al., SOSP'23, §4.2-4.4) splits the KV cache into fixed-size
 physical blocks and hands them to sequences one at a time, on demand, the way an OS
 hands out pages. This file is the allocator; the BlockTable of each sequence
 (block_table.py) records which blocks it got; the scheduler decides *when* to ask.
 
     pool: num_gpu_blocks blocks of block_size token slots each (per layer, K and V)
     ref_count[b]: how many block tables hold block b (0 = free)
-    free_block_ids: the free blocks, oldest-freed first
+    free_block_ids: the free blocks, least recently freed first
 
-Why reference counts, when today every block has one owner? Because the next features
-share blocks: parallel samples and beams fork a sequence and share its prompt blocks
-(copy-on-write before a write into a shared block), and prefix caching lets a new
-request reuse blocks whose tokens it has in common with an old one. The free list is
-kept in the order blocks were freed so that prefix caching can later evict the least
-recently used cached block first (vLLM v1's FreeKVCacheBlockQueue).
+Blocks are shared, which is why they are reference counted:
+
+- Parallel sampling (n > 1) and beam search *fork* a sequence: the child's table points
+  at the parent's blocks (`fork`). Before a sequence writes into a block someone else
+  also holds, it gets a private copy (copy-on-write, paper §4.4): `append_slots`
+  returns the (src, dst) pairs and the model runner copies them before the forward pass.
+- Automatic prefix caching (vLLM v1's KVCacheManager): every *full* block is named by a
+  hash of its tokens chained with its parent block's hash, so equal hashes mean equal
+  prefixes. A new request whose first blocks hash the same reuses those blocks instead
+  of recomputing them. We use sha256 (collision-safe: a false hit would silently corrupt
+  an answer) and also keep each cached block's token ids to confirm a hit.
+  A block whose ref_count drops to 0 keeps its hash and stays in the free queue; it is
+  evicted only when a fresh block is needed and it is the least recently freed.
 
 "GPU" is vLLM's name for the device pool; on a CPU-only run it lives in host memory.
-vLLM: `vllm/core/block_manager.py` (v0), `vllm/v1/core/block_pool.py` (v1).
+vLLM: `vllm/core/block_manager.py` (v0), `vllm/v1/core/block_pool.py`,
+`vllm/v1/core/kv_cache_manager.py` and `kv_cache_utils.py` (v1).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import hashlib
+from array import array
+from collections import Counter, OrderedDict
 
-from .sequence import Sequence, SequenceGroup
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """sha256(parent hash || token ids as int64): the prefix-cache name of a full block."""
+    h = hashlib.sha256(parent_hash or b"")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class BlockManager:
-    """Allocates and frees physical blocks of the device KV pool.
+    """Allocates, shares and frees physical blocks of the device KV pool.
 
     Args:
         num_gpu_blocks: blocks in the pool (>= 1).
         block_size: token slots per block (>= 1).
+        enable_prefix_caching: reuse full blocks across requests by content hash.
     """
 
-    def __init__(self, num_gpu_blocks: int, block_size: int) -> None:
+    def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_gpu_blocks
-        # An OrderedDict used as a queue we can also delete from in the middle (prefix
-        # caching will pull a cached block back out of it when it gets a hit).
+        # An OrderedDict is a queue we can also delete from in the middle: a prefix-cache
+        # hit pulls a free cached block back out of it.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_gpu_blocks))
+        self.cached_blocks: dict[bytes, int] = {}                   # block hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_gpu_blocks
+        self.block_token_ids: list[tuple[int, ...] | None] = [None] * num_gpu_blocks
+        self.prefix_cache_queries = 0      # tokens looked up
+        self.prefix_cache_hits = 0         # tokens found
+        self.num_copy_on_write = 0         # blocks copied because they were shared
 
     def get_num_free_gpu_blocks(self) -> int:
-        """Free blocks in the device pool."""
+        """Free blocks in the device pool (cached-but-unused blocks count as free)."""
         return len(self.free_block_ids)
+
+    # -- prefix cache ------------------------------------------------------------------------
+
+    def _full_block_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of seq's full blocks, extended incrementally and kept across preemption."""
+        bs, hashes = self.block_size, seq.block_hashes
+        while len(hashes) < seq.num_tokens // bs:
+            i = len(hashes)
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
+                                            seq.token_ids_slice(i * bs, (i + 1) * bs)))
+        return hashes
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding seq's longest cached prefix. At most num_tokens - 1 tokens
+        can hit: the last token is always computed, to have logits to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, blocks = self.block_size, []
+        hashes = self._full_block_hashes(seq)
+        for i, h in enumerate(hashes[:(seq.num_tokens - 1) // bs]):
+            block_id = self.cached_blocks.get(h)
+            if block_id is None or self.block_token_ids[block_id] != tuple(seq.token_ids_slice(i * bs, (i + 1) * bs)):
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens of a waiting seq that a prefix-cache lookup would find (no side effects)."""
+        return len(self._cached_prefix(seq)) * self.block_size
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Name seq's full blocks in the prefix cache (their K/V are computed this step)."""
+        if not self.enable_prefix_caching:
+            return
+        bs, table = self.block_size, seq.block_table
+        for i, h in enumerate(self._full_block_hashes(seq)):
+            block_id = table.block_ids[i]
+            if self.block_hash[block_id] is not None:
+                continue                      # already named (a hit, or cached earlier)
+            if h in self.cached_blocks:
+                continue                      # same content computed twice: keep the first
+            self.cached_blocks[h] = block_id
+            self.block_hash[block_id] = h
+            self.block_token_ids[block_id] = tuple(seq.token_ids_slice(i * bs, (i + 1) * bs))
+
+    def _evict(self, block_id: int) -> None:
+        h = self.block_hash[block_id]
+        if h is not None:
+            del self.cached_blocks[h]
+            self.block_hash[block_id] = self.block_token_ids[block_id] = None
 
     # -- questions the scheduler asks before it commits to anything ----------------------
 
-    def num_new_blocks_needed(self, seq: Sequence) -> int:
-        """Blocks `seq` must gain so that all its tokens have a KV slot."""
-        return seq.block_table.num_new_blocks_for(seq.num_tokens)
+    def _blocks_to_take(self, seqs: list[Sequence]) -> int:
+        """Blocks a waiting group's seqs would take from the free queue: fresh blocks plus
+        cached hits that are currently free."""
+        take = 0
+        for seq in seqs:
+            hits = self._cached_prefix(seq)
+            take += seq.block_table.num_blocks_for(seq.num_tokens) - len(hits)
+            take += sum(1 for b in set(hits) if self.ref_count[b] == 0)
+        return take
 
     def can_allocate(self, seq_group: SequenceGroup) -> bool:
-        """Can a waiting request get the blocks for all its tokens right now?"""
-        return self.num_new_blocks_needed(seq_group.seqs[0]) <= self.get_num_free_gpu_blocks()
+        """Can a waiting request get blocks for all its tokens right now?"""
+        return self._blocks_to_take(seq_group.seqs_to_compute()) <= self.get_num_free_gpu_blocks()
+
+    def never_fits(self, seq_group: SequenceGroup) -> bool:
+        """True if one of the request's sequences needs more blocks than the whole pool."""
+        return any(s.block_table.num_blocks_for(s.num_tokens) > self.num_gpu_blocks
+                   for s in seq_group.get_seqs(SequenceStatus.WAITING))
+
+    def _blocks_to_append(self, seqs: list[Sequence]) -> int:
+        """New blocks the running seqs need for their next token, copy-on-write included."""
+        need, sharers = 0, Counter()
+        for seq in seqs:
+            table = seq.block_table
+            need += table.num_new_blocks_for(seq.num_tokens)
+            if table.num_tokens % self.block_size and self.ref_count[table.block_ids[-1]] > 1:
+                sharers[table.block_ids[-1]] += 1
+        for block_id, k in sharers.items():
+            # the last holder of a shared block may write it in place
+            need += k if self.ref_count[block_id] > k else k - 1
+        return need
 
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
-        """Can every unfinished sequence of a running request get a slot for its next token?"""
-        needed = sum(self.num_new_blocks_needed(s) for s in seq_group.seqs if not s.status.is_finished)
-        return needed <= self.get_num_free_gpu_blocks()
+        """Can every running sequence of a request get a slot for its next token?"""
+        return self._blocks_to_append(seq_group.get_seqs(SequenceStatus.RUNNING)) <= self.get_num_free_gpu_blocks()
 
     # -- the changes ------------------------------------------------------------------------
 
     def allocate(self, seq_group: SequenceGroup) -> None:
-        """Give a request that is about to be prefilled blocks for all its tokens.
+        """Give a waiting request blocks for all its tokens, reusing cached prefix blocks.
 
-        Raises:
-            RuntimeError: not enough free blocks (call can_allocate first).
+        Sets each computing seq's num_computed_tokens to its cached prefix. A fresh
+        request with n > 1 is computed once: its other sequences fork the first one.
+        Raises RuntimeError if the pool runs out (call can_allocate first).
         """
-        for seq in seq_group.seqs:
+        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
+        computing = seq_group.seqs_to_compute()
+        for seq in computing:
+            hits = self._cached_prefix(seq)
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += len(hits) * self.block_size
+            for block_id in hits:
+                if self.ref_count[block_id] == 0:
+                    del self.free_block_ids[block_id]
+                self.ref_count[block_id] += 1
+                seq.block_table.append_block(block_id)
+            seq.num_computed_tokens = len(hits) * self.block_size
             self.append_slots(seq)
+        for child in seqs[len(computing):]:
+            self.fork(computing[0], child)
 
-    def append_slots(self, seq: Sequence) -> None:
-        """Grow `seq`'s block table until every one of its tokens has a slot.
+    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Make room for all of seq's tokens; returns the copy-on-write (src, dst) pairs.
 
-        On decode this adds a block only when the last one is full: the one-block
-        waste bound of the paper (§4.3). Raises RuntimeError when the pool is empty.
+        The next token is written at position seq.block_table.num_tokens. If that lands
+        in a partly filled block that another table also holds, the block is first
+        copied to a fresh one. Otherwise a block is added only when the last one is full:
+        the paper's one-block waste bound (§4.3).
         """
-        table = seq.block_table
-        needed = table.num_new_blocks_for(seq.num_tokens)
-        if needed > len(self.free_block_ids):      # check first: all or nothing
-            raise RuntimeError(f"sequence {seq.seq_id} needs {needed} more KV blocks, only "
-                               f"{len(self.free_block_ids)} free (the scheduler should have "
-                               "checked can_allocate / can_append_slots)")
-        for _ in range(needed):
+        table, bs = seq.block_table, self.block_size
+        copies = []
+        if self._blocks_to_append([seq]) > len(self.free_block_ids):     # all or nothing
+            raise RuntimeError(f"sequence {seq.seq_id} needs more KV blocks than the "
+                               f"{len(self.free_block_ids)} free (the scheduler should have checked)")
+        if table.num_tokens % bs and self.ref_count[table.block_ids[-1]] > 1:
+            src, dst = table.block_ids[-1], self._allocate_block()
+            self.ref_count[src] -= 1
+            table.block_ids[-1] = dst
+            copies.append((src, dst))
+            self.num_copy_on_write += 1
+        for _ in range(table.num_new_blocks_for(seq.num_tokens)):
             table.append_block(self._allocate_block())
         table.num_tokens = seq.num_tokens
+        self._cache_full_blocks(seq)
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Make child share all of parent's blocks (ref_count + 1 each), e.g. a new sample
+        or a surviving beam. Any blocks child held are freed first."""
+        self.free(child)
+        for block_id in parent.block_table.block_ids:
+            self.ref_count[block_id] += 1
+        child.block_table.block_ids = list(parent.block_table.block_ids)
+        child.block_table.num_tokens = parent.block_table.num_tokens
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
 
     def free(self, seq: Sequence) -> None:
-        """Return every block of `seq` whose last holder it was to the free list.
+        """Drop seq's hold on its blocks; a block nobody holds goes to the free queue.
 
-        Tail blocks go in first, so when prefix caching evicts the oldest free block it
-        takes a sequence's last blocks before its first ones (the prefix others share).
+        Tail blocks go in first, so when the cache evicts the least recently freed block
+        it takes a sequence's last blocks before its first ones (the prefix others share).
+        A freed block keeps its prefix-cache entry until it is evicted.
         """
         for block_id in reversed(seq.block_table.clear()):
             self.ref_count[block_id] -= 1
@@ -100,6 +233,8 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
 
     def _allocate_block(self) -> int:
-        block_id, _ = self.free_block_ids.popitem(last=False)
+        block_id, _ = self.free_block_ids.popitem(last=False)   # least recently freed
+        self._evict(block_id)
         self.ref_count[block_id] = 1
         return block_id
+

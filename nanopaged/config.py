@@ -41,6 +41,8 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output) in tokens; None = the model's
             max_position_embeddings.
         seed: seed of the engine's random generator (requests without their own seed).
+        enable_prefix_caching: reuse the KV blocks of prompt prefixes seen before
+            (automatic prefix caching, on by default as in vLLM v1).
     """
 
     model: str | os.PathLike | None = None
@@ -53,6 +55,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     seed: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):
@@ -61,6 +64,8 @@ class EngineConfig:
                      "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):

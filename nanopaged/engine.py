@@ -27,6 +27,7 @@ from .detokenizer import IncrementalDetokenizer
 from .llama import LlamaConfig, load_model
 from .model_runner import ModelRunner, ModelRunnerOutput
 from .outputs import CompletionOutput, RequestOutput
+from .beam_search import BeamSearchParams, BeamState, beam_search_step
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
@@ -56,7 +57,8 @@ class LLMEngine:
                            config.max_model_len)
         num_gpu_blocks = config.num_gpu_blocks or self._num_blocks_from_memory(model)
         self.model_runner = ModelRunner(model, num_gpu_blocks, config.block_size, config.seed)
-        self.block_manager = BlockManager(num_gpu_blocks, config.block_size)
+        self.block_manager = BlockManager(num_gpu_blocks, config.block_size,
+                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(self.model_config.eos_token_id + _generation_eos(self.model_path)
@@ -93,7 +95,8 @@ class LLMEngine:
         Args:
             request_id: unique among unfinished requests.
             prompt: text (tokenized with the model's tokenizer) or a list of token ids.
-            sampling_params: defaults to SamplingParams().
+            sampling_params: a SamplingParams (default SamplingParams()), or a
+                BeamSearchParams for a beam-search request.
 
         Raises:
             ValueError: duplicate request_id; empty prompt; a token id outside the
@@ -102,23 +105,36 @@ class LLMEngine:
             TypeError: prompt or sampling_params of the wrong type.
         """
         params = SamplingParams() if sampling_params is None else sampling_params
+        beam = None
+        if isinstance(params, BeamSearchParams):     # beams are n greedy-scored sequences
+            beam = BeamState(params)
+            params = SamplingParams(n=params.beam_width, temperature=0, max_tokens=params.max_tokens,
+                                    ignore_eos=params.ignore_eos)
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError("sampling_params must be a SamplingParams or BeamSearchParams, "
+                            f"got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
 
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.config.torch_device).manual_seed(params.seed)
-        seqs = [Sequence(next(self._seq_ids), prompt_ids, self.config.block_size)
-                for _ in range(params.n)]
-        group = SequenceGroup(request_id, prompt_text, seqs, params, generator)
+        seqs = [Sequence(next(self._seq_ids), prompt_ids, self.config.block_size,
+                         self._generator(params.seed, i)) for i in range(params.n)]
+        group = SequenceGroup(request_id, prompt_text, seqs, params)
+        group.beam_state = beam
         for seq in seqs:
             self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         self.requests[request_id] = group
         self.scheduler.add_seq_group(group)
+
+    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
+        """A seeded request's i-th sequence draws from its own stream: the first from
+        `seed` itself, the others from seeds derived from (seed, i), so the n samples
+        differ and a rerun repeats them."""
+        if seed is None:
+            return None
+        seed = seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
+        return torch.Generator(device=self.config.torch_device).manual_seed(seed)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -176,18 +192,25 @@ class LLMEngine:
         touched: dict[str, SequenceGroup] = {}
         sampled = runner_output.sampled_token_ids
         for s in scheduler_output.scheduled:
-            seq, group = s.seq, s.seq_group
-            seq.num_computed_tokens += s.num_new_tokens
+            group = s.seq_group
             touched[group.request_id] = group
-            token = sampled.get(seq.seq_id)
-            if token is None:
-                continue
-            seq.append_token(token)
-            seq.output_text += self._detokenizers[seq.seq_id].step(token)
-            self.num_generated_tokens += 1
-            self._check_stop(seq, group.sampling_params)
+            s.seq.num_computed_tokens += s.num_new_tokens
+            for seq in [s.seq, *s.forks]:
+                seq.num_computed_tokens = s.seq.num_computed_tokens
+                token = sampled.get(seq.seq_id)
+                if token is None or group.beam_state is not None:
+                    continue              # beams are extended below, all at once
+                seq.append_token(token)
+                seq.output_text += self._detokenizers[seq.seq_id].step(token)
+                self.num_generated_tokens += 1
+                self._check_stop(seq, group.sampling_params)
+                if seq.status.is_finished:
+                    self.block_manager.free(seq)      # its siblings may run on
         for group in scheduler_output.finished_without_running:
             touched[group.request_id] = group
+        for group in touched.values():
+            if group.beam_state is not None and not group.is_finished():
+                self._beam_step(group, runner_output)
 
         outputs = []
         for rid, group in touched.items():
@@ -197,6 +220,26 @@ class LLMEngine:
                 self._forget(self.requests.pop(rid))
             outputs.append(_make_output(group, finished))
         return outputs
+
+    def _beam_step(self, group: SequenceGroup, runner_output: ModelRunnerOutput) -> None:
+        """Extend a beam-search request by one token per beam (beam_search.py)."""
+        beams = group.get_seqs(SequenceStatus.RUNNING)
+        if not all(b.seq_id in runner_output.beam_candidates for b in beams):
+            return                       # not sampled this step (e.g. mid-recompute)
+
+        def fork(parent: Sequence, child: Sequence) -> None:
+            self.block_manager.fork(parent, child)
+
+        beam_search_step(group, runner_output.beam_candidates, self.eos_token_ids,
+                         self.config.max_model_len, fork)
+        self.num_generated_tokens += len(beams)
+        if group.beam_state.done:
+            for seq in beams:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                self.block_manager.free(seq)
+            for hyp in group.beam_state.finished:
+                hyp.text = self.tokenizer.decode(hyp.tokens[len(group.prompt_token_ids):],
+                                                 skip_special_tokens=True)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams) -> None:
         """vLLM's order: EOS (unless ignore_eos), stop token ids, max_tokens, max_model_len."""
@@ -222,10 +265,21 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
+            "prefix_cache_queries": self.block_manager.prefix_cache_queries,
+            "prefix_cache_hits": self.block_manager.prefix_cache_hits,
+            "num_copy_on_write": self.block_manager.num_copy_on_write,
         }
 
 
 def _make_output(group: SequenceGroup, finished: bool) -> RequestOutput:
+    if group.beam_state is not None and group.beam_state.done:     # best hypotheses first
+        n = len(group.prompt_token_ids)
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+            outputs=[CompletionOutput(index=i, text=h.text, token_ids=h.tokens[n:],
+                                      finish_reason=h.finish_reason, cumulative_logprob=h.cum_logprob)
+                     for i, h in enumerate(group.beam_state.finished)],
+            finished=finished)
     return RequestOutput(
         request_id=group.request_id, prompt=group.prompt,
         prompt_token_ids=group.prompt_token_ids,

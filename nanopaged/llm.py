@@ -17,6 +17,7 @@ from typing import Sequence as Seq
 from .config import EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
+from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .sampling_params import SamplingParams
 
 
@@ -70,7 +71,25 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompt_list):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompt_list)} prompts")
+        return self._add_and_run(prompt_list, params, use_tqdm)
 
+    def beam_search(self, prompts: str | list[str] | list[int] | list[list[int]],
+                    params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's `LLM.beam_search`; see beam_search.py).
+
+        Returns one BeamSearchOutput per prompt, in order; its `.sequences` are the best
+        hypotheses, best first, each with `.tokens` (prompt + generated), `.text` and
+        `.cum_logprob`. Raises ValueError / TypeError for bad input, before any work.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompt_list = _as_prompt_list(prompts)
+        outs = self._add_and_run(prompt_list, [params] * len(prompt_list), use_tqdm)
+        return [BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, c.cumulative_logprob,
+                                                     c.text, finish_reason=c.finish_reason)
+                                  for c in o.outputs]) for o in outs]
+
+    def _add_and_run(self, prompt_list: list, params: list, use_tqdm: bool) -> list[RequestOutput]:
         ids = []
         try:
             for prompt, p in zip(prompt_list, params):

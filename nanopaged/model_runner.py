@@ -19,7 +19,7 @@ vLLM: `vllm/worker/model_runner.py` (v0), `vllm/v1/worker/gpu_model_runner.py` (
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,7 @@ class ModelInput:
             (the last new token of each sequence whose prompt is now fully computed).
         sampled_seq_ids: seq_id of each of those rows.
         sampling_metadata: per-row sampling settings.
+        beam_rows, beam_ks: rows of beam-search sequences and how many top tokens each wants.
     """
 
     input_ids: torch.Tensor
@@ -49,13 +50,18 @@ class ModelInput:
     logits_indices: torch.Tensor
     sampled_seq_ids: list[int]
     sampling_metadata: SamplingMetadata
+    beam_rows: list[int] = field(default_factory=list)
+    beam_ks: list[int] = field(default_factory=list)
 
 
 @dataclass
 class ModelRunnerOutput:
-    """sampled_token_ids[seq_id] = the token sampled for that sequence this step."""
+    """sampled_token_ids[seq_id] = the token sampled for that sequence this step;
+    beam_candidates[seq_id] = (logprobs, token ids) of its 2 * beam_width best next
+    tokens, for the sequences of beam-search requests."""
 
     sampled_token_ids: dict[int, int]
+    beam_candidates: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -92,6 +98,7 @@ class ModelRunner:
         batch = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens > 1)
         input_ids, positions, slot_mapping, seq_lens, query_start_loc = [], [], [], [], [0]
         logits_indices, sampled_seq_ids, params, generators = [], [], [], []
+        beam_rows, beam_ks = [], []
         for s in batch:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
@@ -104,10 +111,14 @@ class ModelRunner:
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
             if end == seq.num_tokens:        # prompt fully computed: sample the next token
-                logits_indices.append(query_start_loc[-1] - 1)
-                sampled_seq_ids.append(seq.seq_id)
-                params.append(s.seq_group.sampling_params)
-                generators.append(s.seq_group.generator)
+                for sampling_seq in [seq, *s.forks]:       # forks sample from the same row
+                    if s.seq_group.beam_state is not None:
+                        beam_rows.append(len(logits_indices))
+                        beam_ks.append(2 * s.seq_group.beam_state.params.beam_width)
+                    logits_indices.append(query_start_loc[-1] - 1)
+                    sampled_seq_ids.append(sampling_seq.seq_id)
+                    params.append(s.seq_group.sampling_params)
+                    generators.append(sampling_seq.generator)
         max_blocks = max(len(s.seq.block_table) for s in batch)
         block_tables = [s.seq.block_table.block_ids + [0] * (max_blocks - len(s.seq.block_table))
                         for s in batch]
@@ -124,7 +135,8 @@ class ModelRunner:
             input_ids=t(input_ids), positions=t(positions), attn_metadata=meta,
             logits_indices=t(logits_indices), sampled_seq_ids=sampled_seq_ids,
             sampling_metadata=SamplingMetadata.build(params, generators,
-                                                     self.model.config.vocab_size, self.device))
+                                                     self.model.config.vocab_size, self.device),
+            beam_rows=beam_rows, beam_ks=beam_ks)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -139,7 +151,15 @@ class ModelRunner:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[inp.logits_indices])      # [num_sampled, vocab]
         tokens = self.sampler(logits, inp.sampling_metadata, self.generator).tolist()
-        return ModelRunnerOutput(dict(zip(inp.sampled_seq_ids, tokens)))
+        out = ModelRunnerOutput(dict(zip(inp.sampled_seq_ids, tokens)))
+        if inp.beam_rows:                          # beam search wants the top 2k instead
+            rows = torch.tensor(inp.beam_rows, device=self.device)
+            k = max(inp.beam_ks)
+            top = torch.log_softmax(logits[rows], dim=-1).topk(k, dim=-1)
+            for i, (lp, ids) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
+                kk = inp.beam_ks[i]
+                out.beam_candidates[inp.sampled_seq_ids[inp.beam_rows[i]]] = (lp[:kk], ids[:kk])
+        return out
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer, K and V (copy-on-write)."""

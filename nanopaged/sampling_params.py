@@ -25,8 +25,9 @@ class SamplingParams:
     """Per-request sampling settings (vLLM's `SamplingParams`).
 
     Args:
-        n: number of completions for this request. Only 1 for now: parallel sampling
-            shares prompt blocks with copy-on-write, which lands with that feature.
+        n: number of completions for this request (parallel sampling). The n sequences
+            share the prompt's KV blocks and copy a shared block before writing into it
+            (copy-on-write); each draws from its own random stream.
         temperature: >= 0. 0 means greedy (argmax). Logits are divided by it.
         top_p: nucleus sampling, in (0, 1]: keep the smallest set of tokens whose
             probability sums to at least top_p (always at least one token).
@@ -59,9 +60,6 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
-        if self.n != 1:
-            raise ValueError(f"SamplingParams.n={self.n} is not supported yet: only n=1 "
-                             "(parallel sampling comes with copy-on-write)")
         if not _is_real(self.temperature) or not self.temperature >= 0 or math.isinf(self.temperature):
             raise bad("temperature", self.temperature, "a finite number >= 0")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:

@@ -41,12 +41,15 @@ class ScheduledSequence:
         seq: the sequence.
         seq_group: its request.
         num_new_tokens: tokens computed for it this step, starting at
-            seq.num_computed_tokens (the whole uncached prompt on prefill, 1 on decode).
+            seq.num_computed_tokens (the uncached prompt on prefill, 1 on decode).
+        forks: sequences sharing seq's blocks and this computation (the other n - 1
+            samples of a fresh request); each samples its own token from seq's logits.
     """
 
     seq: Sequence
     seq_group: SequenceGroup
     num_new_tokens: int
+    forks: list[Sequence] = field(default_factory=list)
 
 
 @dataclass
@@ -116,7 +119,7 @@ class Scheduler:
                     self._finish_too_long(group, out)
                 continue
             for seq in group.get_seqs(SequenceStatus.RUNNING):
-                self.block_manager.append_slots(seq)
+                out.blocks_to_copy += self.block_manager.append_slots(seq)
                 out.scheduled.append(ScheduledSequence(seq, group, seq.num_uncomputed_tokens))
                 out.num_batched_tokens += seq.num_uncomputed_tokens
             scheduled_running.append(group)
@@ -128,20 +131,25 @@ class Scheduler:
         #    only cause more preemption (vLLM does the same).
         while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
             group = self.waiting[0]
-            num_new_tokens = group.seqs[0].num_uncomputed_tokens
-            if self.block_manager.num_new_blocks_needed(group.seqs[0]) > self.block_manager.num_gpu_blocks:
+            if self.block_manager.never_fits(group):
                 self.waiting.popleft()            # can never fit again; see _finish_too_long
                 self._finish_too_long(group, out)
                 continue
+            # a fresh request with n > 1 is computed once and forked (see block_manager)
+            computing = group.seqs_to_compute()
+            num_new_tokens = sum(s.num_tokens - self.block_manager.num_cached_tokens(s) for s in computing)
             if num_new_tokens > budget or not self.block_manager.can_allocate(group):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(group)
-            for seq in group.seqs:
+            seqs = group.get_seqs(SequenceStatus.WAITING)
+            self.block_manager.allocate(group)       # sets num_computed_tokens to the cache hit
+            forks = seqs[len(computing):]
+            for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-                out.scheduled.append(ScheduledSequence(seq, group, num_new_tokens))
-                out.num_batched_tokens += num_new_tokens
-            budget -= num_new_tokens * len(group.seqs)
+            for seq in computing:
+                out.scheduled.append(ScheduledSequence(seq, group, seq.num_uncomputed_tokens, forks))
+                out.num_batched_tokens += seq.num_uncomputed_tokens
+                budget -= seq.num_uncomputed_tokens
             self.running.append(group)
         return out
 

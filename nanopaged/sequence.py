@@ -58,18 +58,25 @@ class Sequence:
         prompt_token_ids / output_token_ids: token ids (ints).
         num_computed_tokens: tokens (from position 0) whose K/V are in the cache.
         block_table: where those K/V live (see block_table.py).
+        block_hashes: prefix-cache hashes of its full blocks (kept across preemption).
         status: a SequenceStatus.
         output_text: detokenized output so far (kept up to date by the engine).
+        generator: its own torch.Generator when the request has a seed, else None.
+        cumulative_logprob: sum of the logprobs of its output tokens (beam search).
     """
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], block_size: int) -> None:
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], block_size: int,
+                 generator=None) -> None:
         self.seq_id = seq_id
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.block_table = BlockTable(block_size)
+        self.block_hashes: list[bytes] = []
         self.status = SequenceStatus.WAITING
         self.output_text = ""
+        self.generator = generator
+        self.cumulative_logprob = 0.0
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, num_tokens={self.num_tokens}, "
@@ -84,6 +91,13 @@ class Sequence:
     def token_ids(self) -> list[int]:
         """Prompt plus output token ids (a new list)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n):end - n]
 
     def token_id_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
@@ -108,17 +122,16 @@ class SequenceGroup:
         sampling_params: a SamplingParams.
         seqs: the group's sequences (len == sampling_params.n).
         arrival_time: time.monotonic() when added, seconds; FCFS order.
-        generator: this request's torch.Generator when it has a seed, else None.
     """
 
     def __init__(self, request_id: str, prompt: str | None, seqs: list[Sequence],
-                 sampling_params: SamplingParams, generator=None) -> None:
+                 sampling_params: SamplingParams) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.seqs = seqs
         self.sampling_params = sampling_params
-        self.generator = generator
         self.arrival_time = time.monotonic()
+        self.beam_state = None       # a beam_search.BeamState for beam-search requests
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"
@@ -130,6 +143,16 @@ class SequenceGroup:
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         """The group's sequences, optionally only those with `status`."""
         return self.seqs if status is None else [s for s in self.seqs if s.status == status]
+
+    def seqs_to_compute(self) -> list[Sequence]:
+        """The waiting sequences that need their own prefill. A fresh request (no output
+        yet) is computed once, since its n sequences are identical; the others fork it.
+        After a recompute preemption the sequences differ and each is recomputed (the
+        shared prompt comes back through the prefix cache)."""
+        seqs = self.get_seqs(SequenceStatus.WAITING)
+        if seqs and all(not s.output_token_ids for s in seqs):
+            return seqs[:1]
+        return seqs
 
     def is_finished(self) -> bool:
         return all(s.status.is_finished for s in self.seqs)

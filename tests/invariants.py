@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from nanopaged.block_manager import hash_block_tokens
 from nanopaged.sequence import SequenceStatus
 
 
@@ -22,6 +23,21 @@ def check_block_invariants(engine) -> None:
                 assert len(table) == 0 and seq.num_computed_tokens == 0, (seq, table)
             else:
                 assert len(table) == 0, (seq, table)
+    # every prefix-cache entry names a block whose stored tokens are the ones hashed; a
+    # sequence holding a named block at index i has exactly those tokens there
+    for h, block_id in bm.cached_blocks.items():
+        assert bm.block_hash[block_id] == h and bm.block_token_ids[block_id] is not None, block_id
+    for group in sched.running:
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            parent = None
+            for i, block_id in enumerate(seq.block_table.block_ids):
+                if (i + 1) * bm.block_size > seq.num_computed_tokens:
+                    break
+                tokens = seq.token_ids_slice(i * bm.block_size, (i + 1) * bm.block_size)
+                parent = hash_block_tokens(parent, tokens)
+                if bm.block_hash[block_id] is not None:
+                    assert bm.block_hash[block_id] == parent, (seq, i, block_id)
+                    assert bm.block_token_ids[block_id] == tuple(tokens), (seq, i, block_id)
     for block_id in range(bm.num_gpu_blocks):
         assert bm.ref_count[block_id] == held[block_id], (block_id, bm.ref_count[block_id], held[block_id])
         assert (bm.ref_count[block_id] == 0) == (block_id in bm.free_block_ids), block_id

@@ -1,0 +1,148 @@
+"""Beam search: keep the beam_width most likely continuations, sharing their KV blocks.
+
+A beam-search request is a SequenceGroup of beam_width sequences (the beams). Each step
+the model runner returns, for every beam, its 2 * beam_width most likely next tokens
+with their log-probabilities, and `beam_search_step` decides the next generation:
+
+1. candidates = (beam, token) pairs scored by beam.cumulative_logprob + logprob; keep
+   the best 2 * beam_width of them, best first;
+2. a candidate that ends (EOS, or reaching max_tokens) and ranks among the first
+   beam_width becomes a finished hypothesis, scored cum_logprob / length ** length_penalty
+   (length = generated tokens); the best beam_width hypotheses are kept;
+3. the best beam_width candidates that do not end become the next beams.
+
+A beam that is chosen twice *forks*: the second child gets a Sequence of its own whose
+block table shares all the parent's blocks (BlockManager.fork, ref_count + 1); when both
+append their next tokens the shared, partly filled last block is copied (copy-on-write).
+A beam that is not chosen frees its blocks. This is the paper's §4.4 use case, and
+where sharing saves the most memory (its Fig. 15).
+
+The rules follow transformers' `generate(num_beams=k, early_stopping=True)`
+(`GenerationMixin._beam_search`), so the two agree token for token: the search ends when
+beam_width hypotheses have finished, when no candidate can continue, or at max_tokens.
+vLLM's `LLM.beam_search` returns the same shapes (`vllm/beam_search.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam-search settings (vLLM's name and fields).
+
+    Args:
+        beam_width: beams kept each step (>= 1).
+        max_tokens: most tokens generated (>= 1).
+        ignore_eos: do not end hypotheses at EOS.
+        length_penalty: hypothesis score = cum_logprob / generated_len ** length_penalty.
+
+    Raises:
+        ValueError: a value out of range, naming the field.
+    """
+
+    beam_width: int = 4
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"BeamSearchParams.{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
+            raise ValueError(f"BeamSearchParams.length_penalty must be a number, got {self.length_penalty!r}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """A finished hypothesis: tokens = prompt + generated ids."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str = ""
+    score: float = 0.0           # cum_logprob / generated_len ** length_penalty
+    finish_reason: str = "stop"  # "stop" (EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """One prompt's result: its best hypotheses, best first."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)
+
+
+@dataclass
+class BeamState:
+    """Per-request beam-search bookkeeping kept on the SequenceGroup."""
+
+    params: BeamSearchParams
+    finished: list[BeamSearchSequence] = field(default_factory=list)
+    done: bool = False
+
+
+def beam_search_step(group: SequenceGroup, candidates: dict[int, tuple[list[float], list[int]]],
+                     eos_token_ids: frozenset[int], max_model_len: int, fork) -> None:
+    """Advance one beam-search request by one token (see the module docstring).
+
+    Args:
+        group: the request; group.beam_state holds its BeamState.
+        candidates: seq_id -> (logprobs, token ids) of that beam's top 2 * beam_width tokens.
+        eos_token_ids: tokens that end a hypothesis (unless ignore_eos).
+        max_model_len: a hypothesis also ends when it reaches this many tokens.
+        fork: fork(parent, child), the BlockManager's; shares parent's blocks with child.
+    """
+    state: BeamState = group.beam_state
+    p, k = state.params, state.params.beam_width
+    beams = group.get_seqs(SequenceStatus.RUNNING)
+    if all(not b.output_token_ids for b in beams):
+        beams = beams[:1]            # the first step: all beams are the prompt; expand one
+    scored = sorted(((b.cumulative_logprob + lp, -bi, ti, b, tok)
+                     for bi, b in enumerate(beams)
+                     for ti, (lp, tok) in enumerate(zip(*candidates[b.seq_id]))),
+                    key=lambda c: (c[0], c[1], -c[2]), reverse=True)[:2 * k]
+
+    gen_len = len(beams[0].output_token_ids) + 1          # generated length after this step
+    ends_by_length = gen_len >= p.max_tokens or len(beams[0].prompt_token_ids) + gen_len >= max_model_len
+    next_beams, new_finished = [], []
+    for rank, (score, _, _, parent, tok) in enumerate(scored):
+        is_eos = not p.ignore_eos and tok in eos_token_ids
+        ends = ends_by_length or is_eos
+        if not ends:
+            if len(next_beams) < k:
+                next_beams.append((score, parent, tok))
+        elif rank < k and len(state.finished) < k:       # full -> no new hypotheses (early_stopping)
+            new_finished.append(BeamSearchSequence(parent.token_ids + [tok], score,
+                                                   score=score / gen_len ** p.length_penalty,
+                                                   finish_reason="stop" if is_eos else "length"))
+    state.finished = sorted(state.finished + new_finished, key=lambda h: h.score, reverse=True)[:k]
+
+    # transformers stops once beam_width hypotheses are done, or nothing can continue
+    if len(state.finished) >= k or len(next_beams) < k:
+        state.done = True
+        return
+
+    # Assign the next beams to Sequence objects. A parent's first child continues in the
+    # parent itself; further children take over the Sequence of a beam that died.
+    children_of: dict[int, list[tuple[float, int]]] = {}
+    for score, parent, tok in next_beams:
+        children_of.setdefault(parent.seq_id, []).append((score, tok))
+    all_beams = group.get_seqs(SequenceStatus.RUNNING)
+    spare = [b for b in all_beams if b.seq_id not in children_of]
+    for parent in all_beams:
+        extra = children_of.get(parent.seq_id, [])[1:]
+        for score, tok in extra:
+            child = spare.pop()
+            fork(parent, child)                          # shares blocks (ref_count + 1)
+            child.output_token_ids = list(parent.output_token_ids)
+            child.cumulative_logprob = score
+            child.output_token_ids.append(tok)
+    for parent in all_beams:
+        kids = children_of.get(parent.seq_id)
+        if kids:
+            score, tok = kids[0]
+            parent.cumulative_logprob = score
+            parent.output_token_ids.append(tok)
