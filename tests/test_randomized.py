@@ -1,65 +1,87 @@
 """A randomized workload (hypothesis) with the DESIGN.md invariants checked after every
-step: random prompt and output lengths, arrival steps, aborts, block sizes 1-16 and
-tiny pools. Greedy outputs of requests that were not aborted must equal solo runs."""
+step: random prompts (some sharing a prefix), output lengths, arrival steps, aborts,
+parallel sampling (n > 1, seeded), beam search, block sizes 1-16, tiny pools and prefix
+caching on or off. Every request that was not aborted must produce exactly what it
+produces alone, in a roomy engine with caching off."""
 from functools import lru_cache
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from nanopaged import EngineConfig, LLMEngine, SamplingParams
+from nanopaged import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 
 from invariants import check_block_invariants
+
+SHARED_PREFIX = tuple(range(40, 60))
 
 
 @st.composite
 def workloads(draw):
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
-    n = draw(st.integers(1, 6))
     reqs = []
-    for i in range(n):
-        prompt = tuple(draw(st.lists(st.integers(1, 319), min_size=1, max_size=24)))
-        reqs.append(dict(prompt=prompt, max_tokens=draw(st.integers(1, 12)),
-                         arrival=draw(st.integers(0, 6)),
+    for i in range(draw(st.integers(1, 6))):
+        prompt = tuple(draw(st.lists(st.integers(1, 319), min_size=1, max_size=20)))
+        if draw(st.booleans()):
+            prompt = SHARED_PREFIX[:draw(st.integers(4, 20))] + prompt
+        kind = draw(st.sampled_from(["greedy", "sample", "beam"]))
+        n = 1 if kind == "greedy" else draw(st.integers(1, 3))
+        reqs.append(dict(prompt=prompt, kind=kind, n=n, max_tokens=draw(st.integers(1, 10)),
+                         seed=draw(st.integers(0, 3)), arrival=draw(st.integers(0, 6)),
                          abort_at=draw(st.one_of(st.none(), st.integers(0, 10)))))
-    longest = max(len(r["prompt"]) + r["max_tokens"] for r in reqs)
-    # from a pool that only just fits the longest request to a roomy one
-    min_blocks = -(-longest // block_size)
-    num_blocks = draw(st.integers(min_blocks, 3 * min_blocks))
-    max_num_seqs = draw(st.integers(1, 4))
-    return block_size, num_blocks, max_num_seqs, reqs
+    # from a pool that only just fits the biggest request alone to a roomy one
+    need = max(width(r) * -(-(len(r["prompt"]) + r["max_tokens"]) // block_size) for r in reqs)
+    num_blocks = draw(st.integers(need, 3 * need))
+    return block_size, num_blocks, draw(st.integers(1, 4)), draw(st.booleans()), reqs
+
+
+def width(r):
+    """Sequences a request runs at once (beams: n + 1, so that beams really branch)."""
+    return r["n"] + 1 if r["kind"] == "beam" else r["n"]
+
+
+def params_of(r):
+    if r["kind"] == "beam":
+        return BeamSearchParams(beam_width=width(r), max_tokens=r["max_tokens"], ignore_eos=True)
+    return SamplingParams(n=r["n"], temperature=0 if r["kind"] == "greedy" else 1.0, seed=r["seed"],
+                          max_tokens=r["max_tokens"], ignore_eos=True)
 
 
 _engines = {}
 
 
-def get_engine(folder, block_size, num_blocks, max_num_seqs):
-    key = (block_size, num_blocks, max_num_seqs)
+def get_engine(folder, block_size, num_blocks, max_num_seqs, caching):
+    key = (block_size, num_blocks, max_num_seqs, caching)
     if key not in _engines:
         _engines[key] = LLMEngine(EngineConfig(model=str(folder), block_size=block_size,
-                                               num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs))
+                                               num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                                               enable_prefix_caching=caching))
     return _engines[key]
 
 
+def completions(out):
+    return tuple(tuple(c.token_ids) for c in out.outputs)
+
+
 @lru_cache(maxsize=None)
-def solo_output(folder, prompt, max_tokens):
-    eng = get_engine(folder, 16, 64, 1)
-    eng.add_request("solo", list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+def solo_output(folder, prompt, kind, n, max_tokens, seed):
+    eng = get_engine(folder, 16, 256, 1, False)
+    r = dict(prompt=prompt, kind=kind, n=n, max_tokens=max_tokens, seed=seed)
+    eng.add_request("solo", list(prompt), params_of(r))
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.finished:
-                return tuple(out.outputs[0].token_ids)
+                return completions(out)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workloads())
 def test_random_workload_keeps_invariants_and_outputs(tiny_model_dir, workload):
-    block_size, num_blocks, max_num_seqs, reqs = workload
-    eng = get_engine(tiny_model_dir, block_size, num_blocks, max_num_seqs)
+    block_size, num_blocks, max_num_seqs, caching, reqs = workload
+    eng = get_engine(tiny_model_dir, block_size, num_blocks, max_num_seqs, caching)
     finished, aborted = {}, set()
-    for step in range(500):
+    for step in range(1000):
         for i, r in enumerate(reqs):
             if r["arrival"] == step:
-                eng.add_request(f"r{i}", list(r["prompt"]),
-                                SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True))
+                eng.add_request(f"r{i}", list(r["prompt"]), params_of(r))
             if r["abort_at"] == step and r["arrival"] <= step and f"r{i}" not in finished:
                 eng.abort_request(f"r{i}")
                 aborted.add(f"r{i}")
@@ -71,11 +93,9 @@ def test_random_workload_keeps_invariants_and_outputs(tiny_model_dir, workload):
                 finished[out.request_id] = out
         check_block_invariants(eng)
     else:
-        raise AssertionError("workload did not finish in 500 steps")
+        raise AssertionError("workload did not finish in 1000 steps")
     assert eng.block_manager.get_num_free_gpu_blocks() == num_blocks
     for i, r in enumerate(reqs):
-        rid = f"r{i}"
-        if rid in aborted:
-            continue
-        assert tuple(finished[rid].outputs[0].token_ids) == solo_output(
-            str(tiny_model_dir), r["prompt"], r["max_tokens"]), rid
+        if f"r{i}" not in aborted:
+            assert completions(finished[f"r{i}"]) == solo_output(
+                str(tiny_model_dir), r["prompt"], r["kind"], r["n"], r["max_tokens"], r["seed"]), (i, r)

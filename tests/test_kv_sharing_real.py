@@ -1,0 +1,143 @@
+"""KV sharing on the real default model (fp32): the field cases C01, C02, C03, C09, C10
+of ../shared/cases/CASES.md, prefix caching never changing an output, and beam search
+against transformers' generate(num_beams=...)."""
+import pytest
+import torch
+
+from nanopaged import LLM, BeamSearchParams, SamplingParams
+
+from invariants import check_block_invariants, run_checked
+
+pytestmark = pytest.mark.slow
+SMALL_KV = 64 << 20
+
+
+def llm_for(folder, **kw):
+    kw.setdefault("kv_cache_memory_bytes", SMALL_KV)
+    return LLM(str(folder), dtype="float32", **kw)
+
+
+def ids(out):
+    return [c.token_ids for c in out.outputs]
+
+
+def test_c01_fully_cached_prompt_on_a_block_boundary(default_model_dir):
+    llm = llm_for(default_model_dir, block_size=16)
+    prompt = list(range(3000, 3032))                                  # 32 tokens = 2 blocks
+    params = SamplingParams(temperature=0, max_tokens=8)
+    first = ids(llm.generate([prompt], params)[0])
+    stats = llm.engine.get_stats()
+    again = ids(llm.generate([prompt], params)[0])
+    hits = llm.engine.get_stats()["prefix_cache_hits"] - stats["prefix_cache_hits"]
+    assert again == first and 0 < hits <= len(prompt) - 1
+    assert all(ids(o) == first for o in llm.generate([prompt] * 8, params))
+
+
+def test_c02_stale_cache_entry_after_a_block_is_recycled(default_model_dir):
+    llm = llm_for(default_model_dir, block_size=4, num_gpu_blocks=6, kv_cache_memory_bytes=None)
+    eng, params = llm.engine, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    p = list(range(4000, 4012))
+
+    def run(prompt):
+        eng.add_request(str(len(eng.requests) + eng.num_steps), prompt, params)
+        return ids(next(iter(run_checked(eng).values())))   # run_checked checks the cache after every step
+
+    first = run(p)
+    run(list(range(5000, 5012)))
+    run(list(range(6000, 6012)))                              # every block has been reused by now
+    assert run(p) == first
+
+
+def test_c03_cached_tokens_counted_after_the_prefill_length_was_fixed(default_model_dir):
+    x = list(range(7000, 7016))                                       # one full block
+    b_prompt = x + list(range(8000, 8013))
+    off = llm_for(default_model_dir, block_size=16, enable_prefix_caching=False)
+    expected = ids(off.generate([b_prompt], SamplingParams(temperature=0, max_tokens=8))[0])
+    llm = llm_for(default_model_dir, block_size=16)
+    llm.generate([x + list(range(9000, 9005))], SamplingParams(temperature=0, max_tokens=4))
+    eng = llm.engine
+    eng.add_request("B", b_prompt, SamplingParams(temperature=0, max_tokens=8))
+    seq = eng.requests["B"].seqs[0]
+    scheduled = eng.scheduler.schedule()
+    assert [s.num_new_tokens for s in scheduled.scheduled] == [13]    # X came from the cache
+    eng._update(scheduled, eng.model_runner.execute(scheduled))
+    assert seq.num_computed_tokens == 29
+    assert ids(run_checked(eng)["B"]) == expected
+
+
+def test_c09_parallel_sampling_under_preemption(default_model_dir):
+    llm = llm_for(default_model_dir, block_size=4, num_gpu_blocks=12, kv_cache_memory_bytes=None)
+    eng = llm.engine
+    period = eng.tokenizer.convert_tokens_to_ids(".")
+    prompts = ["The capital of France is", "My favourite food is"]
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=20,
+                                                  stop_token_ids=[period]))
+    texts_seen = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            for c in out.outputs:
+                key = (out.request_id, c.index)
+                if key in texts_seen and texts_seen[key][1] is not None:
+                    assert (c.text, c.finish_reason) == texts_seen[key]     # finished siblings keep their text
+                texts_seen[key] = (c.text, c.finish_reason)
+        check_block_invariants(eng)          # ref counts equal live sharers after every step
+    assert len(texts_seen) == 6 and all(reason is not None for _, reason in texts_seen.values())
+    assert eng.get_stats()["num_free_gpu_blocks"] == 12
+
+
+def test_c10_seeded_n4_gives_different_samples_and_copies_on_write(default_model_dir):
+    llm = llm_for(default_model_dir, block_size=16)
+    params = SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=16)
+    eng = llm.engine
+    eng.add_request("a", "The capital of France is", params)
+    eng.step()                                                     # prefill: 4 samples, 1 computation
+    assert eng.get_stats()["num_copy_on_write"] == 0
+    eng.step()                                                     # first decode writes the shared block
+    assert eng.get_stats()["num_copy_on_write"] == 3               # the 4th writes it in place
+    first = [c.text for c in run_checked(eng)["a"].outputs]
+    assert len(set(first)) > 1
+    assert [c.text for c in llm.generate("The capital of France is", params)[0].outputs] == first
+
+
+def test_prefix_caching_never_changes_an_output(default_model_dir, tokenizer_chat_prompts):
+    system = "You are a terse assistant. Answer in one short sentence. " * 6
+    prompts = [system + q for q in tokenizer_chat_prompts]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    results = []
+    for caching in (False, True):
+        llm = llm_for(default_model_dir, block_size=16, enable_prefix_caching=caching)
+        results.append([ids(o) for o in llm.generate(prompts, params)] +
+                       [ids(llm.generate(p, params)[0]) for p in prompts])
+    assert results[0] == results[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_chat_prompts():
+    return ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?",
+            "Who wrote Hamlet?"]
+
+
+def test_beam_search_matches_transformers(default_model_dir):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    llm = llm_for(default_model_dir)
+    tok = llm.get_tokenizer()
+    questions = ["What is the capital of France?", "Write a haiku about the sea.",
+                 "Why is the sky blue?", "What is 12 times 12?"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                       add_generation_prompt=True) for q in questions]
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=24))
+    for prompt, out in zip(prompts, outs):
+        x = torch.tensor([tok(prompt).input_ids])
+        with torch.no_grad():
+            g = hf.generate(x, attention_mask=torch.ones_like(x), num_beams=4, do_sample=False,
+                            length_penalty=1.0, early_stopping=True, max_new_tokens=24,
+                            num_return_sequences=4, output_scores=True, return_dict_in_generate=True)
+        for ours, theirs, score in zip(out.sequences, g.sequences, g.sequences_scores):
+            # transformers pads finished beams with the pad token (= EOS here)
+            assert ours.tokens == theirs.tolist()[:len(ours.tokens)]
+            assert all(t == tok.pad_token_id for t in theirs.tolist()[len(ours.tokens):])
+            n_gen = len(ours.tokens) - x.shape[1]
+            assert ours.cum_logprob / n_gen == pytest.approx(score.item(), abs=1e-4)
+    assert llm.engine.get_stats()["num_free_gpu_blocks"] == llm.engine.get_stats()["num_total_gpu_blocks"]
