@@ -100,13 +100,15 @@ class BlockManager:
         """Tokens of a waiting seq that a prefix-cache lookup would find (no side effects)."""
         return len(self._cached_prefix(seq)) * self.block_size
 
-    def _cache_full_blocks(self, seq: Sequence) -> None:
-        """Name seq's full blocks in the prefix cache (their K/V are computed this step)."""
+    def _cache_full_blocks(self, seq: Sequence, first: int) -> None:
+        """Name seq's full blocks from index `first` on in the prefix cache (their K/V
+        are computed this step; blocks before `first` were handled on earlier steps)."""
         if not self.enable_prefix_caching:
             return
         bs, table = self.block_size, seq.block_table
-        for i, h in enumerate(self._full_block_hashes(seq)):
-            block_id = table.block_ids[i]
+        hashes = self._full_block_hashes(seq)
+        for i in range(first, len(hashes)):
+            h, block_id = hashes[i], table.block_ids[i]
             if self.block_hash[block_id] is not None:
                 continue                      # already named (a hit, or cached earlier)
             if h in self.cached_blocks:
@@ -193,6 +195,7 @@ class BlockManager:
         the paper's one-block waste bound (§4.3).
         """
         table, bs = seq.block_table, self.block_size
+        already_full = table.num_tokens // bs
         copies = []
         if self._blocks_to_append([seq]) > len(self.free_block_ids):     # all or nothing
             raise RuntimeError(f"sequence {seq.seq_id} needs more KV blocks than the "
@@ -206,7 +209,7 @@ class BlockManager:
         for _ in range(table.num_new_blocks_for(seq.num_tokens)):
             table.append_block(self._allocate_block())
         table.num_tokens = seq.num_tokens
-        self._cache_full_blocks(seq)
+        self._cache_full_blocks(seq, already_full)
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

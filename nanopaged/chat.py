@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         err.print(f"[red]error:[/red] {e}")
         return 1
+    except KeyboardInterrupt:            # Ctrl-C while loading: just leave
+        return 130
 
     tokenizer = engine.tokenizer
     interactive = sys.stdin.isatty()
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             print()
             continue
         except EOFError:
+            if interactive:
+                print()                  # leave the shell prompt on a line of its own
             line = ""
         if not line:                      # end of input
             break

@@ -226,12 +226,8 @@ class LLMEngine:
         beams = group.get_seqs(SequenceStatus.RUNNING)
         if not all(b.seq_id in runner_output.beam_candidates for b in beams):
             return                       # not sampled this step (e.g. mid-recompute)
-
-        def fork(parent: Sequence, child: Sequence) -> None:
-            self.block_manager.fork(parent, child)
-
         beam_search_step(group, runner_output.beam_candidates, self.eos_token_ids,
-                         self.config.max_model_len, fork)
+                         self.config.max_model_len, self.block_manager.fork)
         self.num_generated_tokens += len(beams)
         if group.beam_state.done:
             for seq in beams:

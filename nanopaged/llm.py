@@ -67,10 +67,13 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompt_list)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompt_list):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompt_list)} prompts")
+        else:
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
         return self._add_and_run(prompt_list, params, use_tqdm)
 
     def beam_search(self, prompts: str | list[str] | list[int] | list[list[int]],

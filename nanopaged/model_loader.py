@@ -120,19 +120,20 @@ def resolve_model(model: str | os.PathLike[str] | None = None, *, progress: bool
     if path.exists():
         return check_model_dir(path)
     if _looks_like_path(text):
-        raise FileNotFoundError(f"model path {text!r} ({path.absolute()}) does not exist")
+        where = "" if str(path.absolute()) == text else f" ({path.absolute()})"
+        raise FileNotFoundError(f"model path {text!r}{where} does not exist")
     return _download_from_hub(text)
 
 
 def _looks_like_path(text: str) -> bool:
     """Whether ``text`` (known not to exist) was meant as a local path.
 
-    Hub ids are ``name`` or ``org/name``: no leading '/', '.', '~', at most one
-    '/', no backslash. A value whose first component exists locally
+    Hub ids are ``org/name``: no leading '/', '.', '~', exactly one '/', no
+    backslash; a bare ``name`` that does not exist is a missing folder. A value whose first component exists locally
     (``models/foo`` next to a ``models`` folder) is also taken as a path, so a
     typo in a local path reports "not found" instead of a confusing hub error.
     """
-    if text.startswith(("/", ".", "~")) or "\\" in text or text.count("/") > 1:
+    if text.startswith(("/", ".", "~")) or "\\" in text or text.count("/") != 1:
         return True
     first = text.split("/", 1)[0]
     return "/" in text and Path(first).exists()

@@ -263,6 +263,12 @@ def test_hub_missing_repo_is_not_blamed_on_the_network(monkeypatch):
         ml.resolve_model("org/typo")
 
 
+def test_missing_bare_folder_name_is_not_sent_to_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="'no-such-model-dir'"):
+        ml.resolve_model("no-such-model-dir")
+
+
 def test_invalid_hub_id_is_a_value_error():
     with pytest.raises(ValueError, match="bad--name"):
         ml.resolve_model("org/bad--name")

@@ -79,6 +79,7 @@ def test_c05_block_boundary_append(default_model_dir, hf_model):
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=9))
     outs = run_checked(eng)            # checks len(table) == ceil(len / B) after every step
+    assert eng.get_stats()["num_preemptions"] == 0       # exactly enough blocks, none to spare
     for i, p in enumerate(prompts):
         assert outs[str(i)].outputs[0].token_ids == hf_greedy(hf_model, p, 9)
 
@@ -94,10 +95,12 @@ def test_c07_prompt_longer_than_max_model_len(default_model_dir):
     # The rule (vLLM's): a sequence stops once prompt + output reach max_model_len, so a
     # prompt of exactly max_model_len tokens still gets one token, and never more.
     for max_tokens in (1, 5):
-        out = llm.generate([list(range(100, 132))], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
-        assert len(out.outputs[0].token_ids) == 1
+        out = llm.generate([list(range(100, 132))], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                   ignore_eos=True))[0]
+        assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
     out = llm.generate([list(range(100, 130))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 2 and out.outputs[0].finish_reason == "length"
+    assert eng.get_stats()["num_waiting"] == eng.get_stats()["num_running"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +132,11 @@ def test_c14_max_tokens_zero_and_one(smol):
 
 
 def test_c15_empty_prompt(smol):
-    for empty in ("", []):
-        with pytest.raises(ValueError, match="empty"):
+    for empty in ("", [""], [[]]):
+        with pytest.raises(ValueError, match="prompt is empty"):
             smol.generate(empty, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        smol.engine.add_request("zero-ids", [], SamplingParams(max_tokens=4))
     assert not smol.engine.has_unfinished_requests()
     assert smol.generate("The capital of France is", SamplingParams(max_tokens=4))[0].finished
 

@@ -62,6 +62,15 @@ def test_c12_top_k_zero_or_minus_one_means_no_filter(top_k):
     assert not meta.any_top_k
 
 
+def test_c12_mixed_batch_top_k_zero_row_is_unfiltered():
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(6)).repeat(2, 1)
+    meta = SamplingMetadata.build([SamplingParams(top_k=0), SamplingParams(top_k=5)], [None, None], 40,
+                                  torch.device("cpu"))
+    filtered = apply_top_k_top_p(logits, meta.top_k, None)
+    assert torch.equal(filtered[0], logits[0])                   # top_k=0: nothing filtered
+    assert torch.isfinite(filtered[1]).sum() == 5
+
+
 def test_seeded_row_ignores_the_rest_of_the_batch():
     logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(5))
     p = SamplingParams(temperature=1.0, seed=7)
