@@ -96,9 +96,14 @@ class BlockManager:
             blocks.append(block_id)
         return blocks
 
-    def num_cached_tokens(self, seq: Sequence) -> int:
-        """Tokens of a waiting seq that a prefix-cache lookup would find (no side effects)."""
-        return len(self._cached_prefix(seq)) * self.block_size
+    def num_tokens_to_compute(self, seq_group: SequenceGroup) -> int:
+        """Tokens a waiting request's prefill computes once allocated (no side effects):
+        the first sequence's uncached tokens plus, after a recompute preemption, each
+        other sequence's tokens past the shared full prompt blocks (see allocate)."""
+        first, *rest = seq_group.seqs_to_compute()
+        shared = len(first.prompt_token_ids) // self.block_size * self.block_size
+        return (first.num_tokens - len(self._cached_prefix(first)) * self.block_size
+                + sum(s.num_tokens - shared for s in rest))
 
     def _cache_full_blocks(self, seq: Sequence, first: int) -> None:
         """Name seq's full blocks from index `first` on in the prefix cache (their K/V
@@ -125,24 +130,29 @@ class BlockManager:
 
     # -- questions the scheduler asks before it commits to anything ----------------------
 
-    def _blocks_to_take(self, seqs: list[Sequence]) -> int:
-        """Blocks a waiting group's seqs would take from the free queue: fresh blocks plus
-        cached hits that are currently free."""
-        take = 0
-        for seq in seqs:
-            hits = self._cached_prefix(seq)
-            take += seq.block_table.num_blocks_for(seq.num_tokens) - len(hits)
-            take += sum(1 for b in set(hits) if self.ref_count[b] == 0)
-        return take
+    def _blocks_to_take(self, seq_group: SequenceGroup) -> int:
+        """Blocks a waiting request would take from the free queue: fresh blocks plus
+        cached hits that are currently free. Sequences recomputed together share the
+        full blocks of their common prompt (see allocate)."""
+        first, *rest = seq_group.seqs_to_compute()
+        hits = self._cached_prefix(first)
+        take = first.block_table.num_blocks_for(first.num_tokens) - len(hits)
+        take += sum(1 for b in set(hits) if self.ref_count[b] == 0)
+        shared = len(first.prompt_token_ids) // self.block_size
+        return take + sum(s.block_table.num_blocks_for(s.num_tokens) - shared for s in rest)
 
     def can_allocate(self, seq_group: SequenceGroup) -> bool:
         """Can a waiting request get blocks for all its tokens right now?"""
-        return self._blocks_to_take(seq_group.seqs_to_compute()) <= self.get_num_free_gpu_blocks()
+        return self._blocks_to_take(seq_group) <= self.get_num_free_gpu_blocks()
 
     def never_fits(self, seq_group: SequenceGroup) -> bool:
-        """True if one of the request's sequences needs more blocks than the whole pool."""
-        return any(s.block_table.num_blocks_for(s.num_tokens) > self.num_gpu_blocks
-                   for s in seq_group.get_seqs(SequenceStatus.WAITING))
+        """True if the request needs more blocks than the whole pool, even with the pool
+        to itself and no cache hits (so waiting for others to finish cannot help)."""
+        first, *rest = seq_group.seqs_to_compute()
+        shared = len(first.prompt_token_ids) // self.block_size
+        need = first.block_table.num_blocks_for(first.num_tokens)
+        need += sum(s.block_table.num_blocks_for(s.num_tokens) - shared for s in rest)
+        return need > self.num_gpu_blocks
 
     def _blocks_to_append(self, seqs: list[Sequence]) -> int:
         """New blocks the running seqs need for their next token, copy-on-write included."""
@@ -166,25 +176,35 @@ class BlockManager:
     def allocate(self, seq_group: SequenceGroup) -> None:
         """Give a waiting request blocks for all its tokens, reusing cached prefix blocks.
 
-        Sets each computing seq's num_computed_tokens to its cached prefix. A fresh
-        request with n > 1 is computed once: its other sequences fork the first one.
+        Sets each computing seq's num_computed_tokens to what it need not compute. A
+        fresh request with n > 1 is computed once: its other sequences fork the first.
+        Sequences recomputed after a preemption share the first one's full prompt
+        blocks (computed by it in this same step: each layer writes K/V before it
+        reads them) and compute only their own tokens.
         Raises RuntimeError if the pool runs out (call can_allocate first).
         """
         seqs = seq_group.get_seqs(SequenceStatus.WAITING)
-        computing = seq_group.seqs_to_compute()
-        for seq in computing:
-            hits = self._cached_prefix(seq)
-            self.prefix_cache_queries += seq.num_tokens
+        first, *rest = seq_group.seqs_to_compute()
+        hits = self._cached_prefix(first)
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += first.num_tokens
             self.prefix_cache_hits += len(hits) * self.block_size
-            for block_id in hits:
-                if self.ref_count[block_id] == 0:
-                    del self.free_block_ids[block_id]
+        for block_id in hits:
+            if self.ref_count[block_id] == 0:
+                del self.free_block_ids[block_id]
+            self.ref_count[block_id] += 1
+            first.block_table.append_block(block_id)
+        first.num_computed_tokens = len(hits) * self.block_size
+        self.append_slots(first)
+        shared = first.block_table.block_ids[:len(first.prompt_token_ids) // self.block_size]
+        for seq in rest:
+            for block_id in shared:
                 self.ref_count[block_id] += 1
                 seq.block_table.append_block(block_id)
-            seq.num_computed_tokens = len(hits) * self.block_size
+            seq.num_computed_tokens = seq.block_table.num_tokens = len(shared) * self.block_size
             self.append_slots(seq)
-        for child in seqs[len(computing):]:
-            self.fork(computing[0], child)
+        for child in seqs[1 + len(rest):]:
+            self.fork(first, child)
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
         """Make room for all of seq's tokens; returns the copy-on-write (src, dst) pairs.

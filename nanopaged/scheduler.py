@@ -137,8 +137,10 @@ class Scheduler:
                 continue
             # a fresh request with n > 1 is computed once and forked (see block_manager)
             computing = group.seqs_to_compute()
-            num_new_tokens = sum(s.num_tokens - self.block_manager.num_cached_tokens(s) for s in computing)
-            if num_new_tokens > budget or not self.block_manager.can_allocate(group):
+            num_new_tokens = self.block_manager.num_tokens_to_compute(group)
+            # (a recomputed n > 1 request may need more than the whole budget: it then
+            # runs in a step of its own rather than never)
+            if (num_new_tokens > budget and out.scheduled) or not self.block_manager.can_allocate(group):
                 break
             self.waiting.popleft()
             seqs = group.get_seqs(SequenceStatus.WAITING)

@@ -115,3 +115,14 @@ def test_beam_search_greedy_width_one_is_greedy(tiny_model_dir):
     greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
     beam = llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=1, max_tokens=7, ignore_eos=True))[0]
     assert beam.sequences[0].tokens == [5, 6, 7] + greedy.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_preempted_parallel_sampling_request_is_recomputed_not_stuck(tiny_model_dir, caching):
+    eng = engine(tiny_model_dir, block_size=4, num_gpu_blocks=8, enable_prefix_caching=caching)
+    eng.add_request("x", [10, 11, 12], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    eng.add_request("y", [50, 51, 52, 53, 54], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8,
+                                                               ignore_eos=True))
+    outs = run_checked(eng, max_steps=200)
+    assert eng.get_stats()["num_preemptions"] > 0
+    assert len(outs["y"].outputs) == 3 and all(o.finish_reason == "length" for o in outs["y"].outputs)
