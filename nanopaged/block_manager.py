@@ -96,23 +96,24 @@ class BlockManager:
             blocks.append(block_id)
         return blocks
 
-    def num_tokens_to_compute(self, seq_group: SequenceGroup) -> int:
-        """Tokens a waiting request's prefill computes once allocated (no side effects):
-        the first sequence's uncached tokens plus, after a recompute preemption, each
-        other sequence's tokens past the shared full prompt blocks (see allocate)."""
+    def num_tokens_to_compute(self, seq_group: SequenceGroup) -> tuple[int, int]:
+        """(first sequence's uncached tokens, the other sequences' tokens) that a waiting
+        request's prefill computes (no side effects). The others exist only after a
+        recompute preemption; they skip the shared full prompt blocks (see allocate)."""
         first, *rest = seq_group.seqs_to_compute()
         shared = len(first.prompt_token_ids) // self.block_size * self.block_size
-        return (first.num_tokens - len(self._cached_prefix(first)) * self.block_size
-                + sum(s.num_tokens - shared for s in rest))
+        return (first.num_tokens - len(self._cached_prefix(first)) * self.block_size,
+                sum(s.num_tokens - shared for s in rest))
 
-    def _cache_full_blocks(self, seq: Sequence, first: int) -> None:
-        """Name seq's full blocks from index `first` on in the prefix cache (their K/V
-        are computed this step; blocks before `first` were handled on earlier steps)."""
+    def _cache_full_blocks(self, seq: Sequence, first: int, end: int) -> None:
+        """Name seq's full blocks [first, end // block_size) in the prefix cache: their
+        K/V are computed this step (blocks before `first` were named on earlier steps;
+        blocks past `end` belong to later chunks)."""
         if not self.enable_prefix_caching:
             return
         bs, table = self.block_size, seq.block_table
         hashes = self._full_block_hashes(seq)
-        for i in range(first, len(hashes)):
+        for i in range(first, min(len(hashes), end // bs)):
             h, block_id = hashes[i], table.block_ids[i]
             if self.block_hash[block_id] is not None:
                 continue                      # already named (a hit, or cached earlier)
@@ -130,20 +131,23 @@ class BlockManager:
 
     # -- questions the scheduler asks before it commits to anything ----------------------
 
-    def _blocks_to_take(self, seq_group: SequenceGroup) -> int:
+    def _blocks_to_take(self, seq_group: SequenceGroup, first_end: int) -> int:
         """Blocks a waiting request would take from the free queue: fresh blocks plus
         cached hits that are currently free. Sequences recomputed together share the
         full blocks of their common prompt (see allocate)."""
         first, *rest = seq_group.seqs_to_compute()
         hits = self._cached_prefix(first)
-        take = first.block_table.num_blocks_for(first.num_tokens) - len(hits)
+        take = first.block_table.num_blocks_for(first_end) - len(hits)
         take += sum(1 for b in set(hits) if self.ref_count[b] == 0)
         shared = len(first.prompt_token_ids) // self.block_size
         return take + sum(s.block_table.num_blocks_for(s.num_tokens) - shared for s in rest)
 
-    def can_allocate(self, seq_group: SequenceGroup) -> bool:
-        """Can a waiting request get blocks for all its tokens right now?"""
-        return self._blocks_to_take(seq_group) <= self.get_num_free_gpu_blocks()
+    def can_allocate(self, seq_group: SequenceGroup, first_end: int | None = None) -> bool:
+        """Can a waiting request get its blocks right now? Its first sequence needs slots
+        for positions < first_end (default: all its tokens; fewer when chunked)."""
+        if first_end is None:
+            first_end = seq_group.seqs_to_compute()[0].num_tokens
+        return self._blocks_to_take(seq_group, first_end) <= self.get_num_free_gpu_blocks()
 
     def never_fits(self, seq_group: SequenceGroup) -> bool:
         """True if the request needs more blocks than the whole pool, even with the pool
@@ -154,12 +158,12 @@ class BlockManager:
         need += sum(s.block_table.num_blocks_for(s.num_tokens) - shared for s in rest)
         return need > self.num_gpu_blocks
 
-    def _blocks_to_append(self, seqs: list[Sequence]) -> int:
-        """New blocks the running seqs need for their next token, copy-on-write included."""
+    def _blocks_to_append(self, seqs: list[Sequence], ends: list[int]) -> int:
+        """New blocks the seqs need for slots up to ends[i], copy-on-write included."""
         need, sharers = 0, Counter()
-        for seq in seqs:
+        for seq, end in zip(seqs, ends):
             table = seq.block_table
-            need += table.num_new_blocks_for(seq.num_tokens)
+            need += table.num_new_blocks_for(end)
             if table.num_tokens % self.block_size and self.ref_count[table.block_ids[-1]] > 1:
                 sharers[table.block_ids[-1]] += 1
         for block_id, k in sharers.items():
@@ -167,24 +171,25 @@ class BlockManager:
             need += k if self.ref_count[block_id] > k else k - 1
         return need
 
-    def can_append_slots(self, seq_group: SequenceGroup) -> bool:
-        """Can every running sequence of a request get a slot for its next token?"""
-        return self._blocks_to_append(seq_group.get_seqs(SequenceStatus.RUNNING)) <= self.get_num_free_gpu_blocks()
+    def can_append_slots(self, seqs: list[Sequence], ends: list[int]) -> bool:
+        """Can each running seq get slots for its positions < ends[i] right now?"""
+        return self._blocks_to_append(seqs, ends) <= self.get_num_free_gpu_blocks()
 
     # -- the changes ------------------------------------------------------------------------
 
-    def allocate(self, seq_group: SequenceGroup) -> None:
-        """Give a waiting request blocks for all its tokens, reusing cached prefix blocks.
+    def allocate(self, seq_group: SequenceGroup, first_end: int | None = None) -> None:
+        """Give a waiting request its blocks, reusing cached prefix blocks.
 
-        Sets each computing seq's num_computed_tokens to what it need not compute. A
-        fresh request with n > 1 is computed once: its other sequences fork the first.
-        Sequences recomputed after a preemption share the first one's full prompt
-        blocks (computed by it in this same step: each layer writes K/V before it
-        reads them) and compute only their own tokens.
+        The first sequence gets slots for positions < first_end (its first chunk) and
+        its num_computed_tokens is set to its cache hit. A fresh request with n > 1 is
+        computed once, by the first sequence; the others fork it when its prefill is
+        done (LLMEngine._update). Sequences recomputed after a preemption share the
+        first one's full prompt blocks (computed by it in this same step: each layer
+        writes K/V before it reads them) and compute only their own tokens.
         Raises RuntimeError if the pool runs out (call can_allocate first).
         """
-        seqs = seq_group.get_seqs(SequenceStatus.WAITING)
         first, *rest = seq_group.seqs_to_compute()
+        first_end = first.num_tokens if first_end is None else first_end
         hits = self._cached_prefix(first)
         if self.enable_prefix_caching:
             self.prefix_cache_queries += first.num_tokens
@@ -195,19 +200,18 @@ class BlockManager:
             self.ref_count[block_id] += 1
             first.block_table.append_block(block_id)
         first.num_computed_tokens = len(hits) * self.block_size
-        self.append_slots(first)
+        self.append_slots(first, first_end)
         shared = first.block_table.block_ids[:len(first.prompt_token_ids) // self.block_size]
         for seq in rest:
             for block_id in shared:
                 self.ref_count[block_id] += 1
                 seq.block_table.append_block(block_id)
             seq.num_computed_tokens = seq.block_table.num_tokens = len(shared) * self.block_size
-            self.append_slots(seq)
-        for child in seqs[1 + len(rest):]:
-            self.fork(first, child)
+            self.append_slots(seq, seq.num_tokens)
 
-    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Make room for all of seq's tokens; returns the copy-on-write (src, dst) pairs.
+    def append_slots(self, seq: Sequence, end: int | None = None) -> list[tuple[int, int]]:
+        """Give seq slots for positions < end (the tokens it computes this step; default
+        all its tokens); returns the copy-on-write (src, dst) pairs.
 
         The next token is written at position seq.block_table.num_tokens. If that lands
         in a partly filled block that another table also holds, the block is first
@@ -215,9 +219,10 @@ class BlockManager:
         the paper's one-block waste bound (§4.3).
         """
         table, bs = seq.block_table, self.block_size
+        end = seq.num_tokens if end is None else end
         already_full = table.num_tokens // bs
         copies = []
-        if self._blocks_to_append([seq]) > len(self.free_block_ids):     # all or nothing
+        if self._blocks_to_append([seq], [end]) > len(self.free_block_ids):     # all or nothing
             raise RuntimeError(f"sequence {seq.seq_id} needs more KV blocks than the "
                                f"{len(self.free_block_ids)} free (the scheduler should have checked)")
         if table.num_tokens % bs and self.ref_count[table.block_ids[-1]] > 1:
@@ -226,10 +231,10 @@ class BlockManager:
             table.block_ids[-1] = dst
             copies.append((src, dst))
             self.num_copy_on_write += 1
-        for _ in range(table.num_new_blocks_for(seq.num_tokens)):
+        for _ in range(table.num_new_blocks_for(end)):
             table.append_block(self._allocate_block())
-        table.num_tokens = seq.num_tokens
-        self._cache_full_blocks(seq, already_full)
+        table.num_tokens = end
+        self._cache_full_blocks(seq, already_full, end)
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -36,13 +36,16 @@ class EngineConfig:
             means min(1 GiB, 25% of free host memory) on the CPU, 90% of free device
             memory on CUDA.
         max_num_seqs: most requests in one step's batch.
-        max_num_batched_tokens: most tokens computed in one step; None = max(2048,
-            max_model_len). Must be >= max_model_len (a prompt is prefilled in one step).
+        max_num_batched_tokens: most tokens computed in one step (the token budget);
+            None = 2048 with chunked prefill, else max(2048, max_model_len). Without
+            chunked prefill it must be >= max_model_len (a prompt is prefilled whole).
         max_model_len: longest sequence (prompt + output) in tokens; None = the model's
             max_position_embeddings.
         seed: seed of the engine's random generator (requests without their own seed).
         enable_prefix_caching: reuse the KV blocks of prompt prefixes seen before
             (automatic prefix caching, on by default as in vLLM v1).
+        enable_chunked_prefill: split prompts longer than the step's remaining token
+            budget over several steps (on by default as in vLLM v1).
     """
 
     model: str | os.PathLike | None = None
@@ -56,6 +59,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):
@@ -64,8 +68,9 @@ class EngineConfig:
                      "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -102,15 +107,16 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_position_embeddings}")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(2048, self.max_model_len, self.max_num_seqs)
+            floor = 2048 if self.enable_chunked_prefill else max(2048, self.max_model_len)
+            self.max_num_batched_tokens = max(floor, self.max_num_seqs)
         elif self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller "
                              f"than max_num_seqs={self.max_num_seqs}: a full batch of decodes "
                              "(one token each) would not fit in one step")
-        elif self.max_num_batched_tokens < self.max_model_len:
+        elif self.max_num_batched_tokens < self.max_model_len and not self.enable_chunked_prefill:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller "
                              f"than max_model_len={self.max_model_len}: a full-length prompt "
-                             "could never be scheduled (chunked prefill is not there yet)")
+                             "could never be scheduled (turn on enable_chunked_prefill)")
 
 
 def _check_positive_int(name: str, value: object) -> None:

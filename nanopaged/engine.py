@@ -60,7 +60,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_gpu_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.eos_token_ids = frozenset(self.model_config.eos_token_id + _generation_eos(self.model_path)
                                        + ([self.tokenizer.eos_token_id]
                                           if self.tokenizer.eos_token_id is not None else []))
@@ -195,8 +195,10 @@ class LLMEngine:
             group = s.seq_group
             touched[group.request_id] = group
             s.seq.num_computed_tokens += s.num_new_tokens
+            if s.forks and s.seq.seq_id in sampled:       # prefill done: the n - 1 others fork it
+                for fork in s.forks:
+                    self.block_manager.fork(s.seq, fork)
             for seq in [s.seq, *s.forks]:
-                seq.num_computed_tokens = s.seq.num_computed_tokens
                 token = sampled.get(seq.seq_id)
                 if token is None or group.beam_state is not None:
                     continue              # beams are extended below, all at once

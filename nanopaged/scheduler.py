@@ -83,12 +83,17 @@ class Scheduler:
     Args:
         block_manager: the device pool's BlockManager.
         max_num_seqs: most requests in one step's batch.
-        max_num_batched_tokens: most tokens computed in one step.
+        max_num_batched_tokens: most tokens computed in one step (the token budget).
+        enable_chunked_prefill: compute a prompt that does not fit in what is left of the
+            budget over several steps (vLLM's chunked prefill), its num_computed_tokens
+            advancing chunk by chunk; attention for a chunk reads the earlier chunks
+            through the block table.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True) -> None:
         self.block_manager = block_manager
+        self.enable_chunked_prefill = enable_chunked_prefill
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[SequenceGroup] = deque()
@@ -106,25 +111,35 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
-        # 1. Running requests first, oldest first: each needs a slot for its next token.
-        scheduled_running: deque[SequenceGroup] = deque()
+        # 1. Running requests first, oldest first: a decode needs a slot for its next
+        #    token, a chunked prefill goes on with as much of its prompt as the budget allows.
+        kept: deque[SequenceGroup] = deque()
         while self.running:
             group = self.running.popleft()
-            while not self.block_manager.can_append_slots(group) and self.running:
+            seqs = group.seqs_to_compute(SequenceStatus.RUNNING)
+            forks = [s for s in group.get_seqs(SequenceStatus.RUNNING) if s not in seqs]
+            work = [(s, self._chunk(s.num_uncomputed_tokens, budget)) for s in seqs]
+            # Out of budget: it keeps its blocks and waits a step. (A request whose n
+            # sequences alone exceed the whole budget runs in a step of its own.)
+            if any(n == 0 for _, n in work) or (sum(n for _, n in work) > budget and out.scheduled):
+                kept.append(group)
+                continue
+            ends = [s.num_computed_tokens + n for s, n in work]
+            while not self.block_manager.can_append_slots(seqs, ends) and self.running:
                 self._preempt(self.running.pop(), out)     # evict the latest arrival
-            if not self.block_manager.can_append_slots(group):
-                if scheduled_running:
+            if not self.block_manager.can_append_slots(seqs, ends):
+                if kept:
                     self._preempt(group, out)   # it is the latest arrival left: itself
                 else:
                     self._finish_too_long(group, out)
                 continue
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                out.blocks_to_copy += self.block_manager.append_slots(seq)
-                out.scheduled.append(ScheduledSequence(seq, group, seq.num_uncomputed_tokens))
-                out.num_batched_tokens += seq.num_uncomputed_tokens
-            scheduled_running.append(group)
-        self.running = scheduled_running
-        budget -= out.num_batched_tokens
+            for (seq, n), end in zip(work, ends):
+                out.blocks_to_copy += self.block_manager.append_slots(seq, end)
+                out.scheduled.append(ScheduledSequence(seq, group, n, forks))
+                out.num_batched_tokens += n
+                budget -= n
+            kept.append(group)
+        self.running = kept
 
         # 2. Then waiting requests, strictly in order (FCFS: never skip ahead of the head).
         #    Not in a step that had to preempt: memory is tight, admitting more would
@@ -135,25 +150,33 @@ class Scheduler:
                 self.waiting.popleft()            # can never fit again; see _finish_too_long
                 self._finish_too_long(group, out)
                 continue
-            # a fresh request with n > 1 is computed once and forked (see block_manager)
-            computing = group.seqs_to_compute()
-            num_new_tokens = self.block_manager.num_tokens_to_compute(group)
-            # (a recomputed n > 1 request may need more than the whole budget: it then
-            # runs in a step of its own rather than never)
-            if (num_new_tokens > budget and out.scheduled) or not self.block_manager.can_allocate(group):
+            first, *rest = group.seqs_to_compute()
+            first_tokens, rest_tokens = self.block_manager.num_tokens_to_compute(group)
+            # Only a lone sequence is chunked. A recomputed n > 1 request may need more
+            # than the whole budget: it then runs in a step of its own rather than never.
+            n_first = first_tokens if rest else self._chunk(first_tokens, budget)
+            if n_first == 0 or (n_first + rest_tokens > budget and out.scheduled):
+                break
+            first_end = first.num_tokens - first_tokens + n_first
+            if not self.block_manager.can_allocate(group, first_end):
                 break
             self.waiting.popleft()
-            seqs = group.get_seqs(SequenceStatus.WAITING)
-            self.block_manager.allocate(group)       # sets num_computed_tokens to the cache hit
-            forks = seqs[len(computing):]
-            for seq in seqs:
+            forks = [s for s in group.get_seqs(SequenceStatus.WAITING) if s is not first and s not in rest]
+            self.block_manager.allocate(group, first_end)   # num_computed_tokens = cache hit
+            for seq in group.get_seqs(SequenceStatus.WAITING):
                 seq.status = SequenceStatus.RUNNING
-            for seq in computing:
-                out.scheduled.append(ScheduledSequence(seq, group, seq.num_uncomputed_tokens, forks))
-                out.num_batched_tokens += seq.num_uncomputed_tokens
-                budget -= seq.num_uncomputed_tokens
+            for seq in [first, *rest]:
+                n = (first_end if seq is first else seq.num_tokens) - seq.num_computed_tokens
+                out.scheduled.append(ScheduledSequence(seq, group, n, forks if seq is first else []))
+                out.num_batched_tokens += n
+                budget -= n
             self.running.append(group)
         return out
+
+    def _chunk(self, num_tokens: int, budget: int) -> int:
+        """Tokens of a prefill computed this step: all of them, or with chunked prefill
+        as many as the budget has left (a decode is 1 token: never cut)."""
+        return min(num_tokens, max(budget, 0)) if self.enable_chunked_prefill else num_tokens
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Recompute preemption: drop the request's KV and send it back to the queue head."""

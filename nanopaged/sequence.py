@@ -144,12 +144,12 @@ class SequenceGroup:
         """The group's sequences, optionally only those with `status`."""
         return self.seqs if status is None else [s for s in self.seqs if s.status == status]
 
-    def seqs_to_compute(self) -> list[Sequence]:
-        """The waiting sequences that need their own prefill. A fresh request (no output
-        yet) is computed once, since its n sequences are identical; the others fork it.
-        After a recompute preemption the sequences differ and each is recomputed (the
-        shared prompt comes back through the prefix cache)."""
-        seqs = self.get_seqs(SequenceStatus.WAITING)
+    def seqs_to_compute(self, status: SequenceStatus = SequenceStatus.WAITING) -> list[Sequence]:
+        """The sequences (with `status`) that compute their own tokens. A fresh request
+        (no output yet) is computed once, since its n sequences are identical; the
+        others fork it when its prefill is done. After a recompute preemption the
+        sequences differ and each is recomputed (sharing the prompt's full blocks)."""
+        seqs = self.get_seqs(status)
         if seqs and all(not s.output_token_ids for s in seqs):
             return seqs[:1]
         return seqs

@@ -180,3 +180,30 @@ def test_block_table_and_manager_basics():
     assert len(table) == 3 and table.last_block_fill == 1
     assert table.slots(7, 9) == [table.block_ids[1] * 4 + 3, table.block_ids[2] * 4]
     assert bm.get_num_free_gpu_blocks() == 2 and bm.ref_count[table.block_ids[0]] == 1
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_keeps_outputs(tiny_model_dir):
+    prompt = list(range(1, 40))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eng = engine(tiny_model_dir, num_gpu_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    eng.add_request("short", [5, 6, 7], params)
+    eng.step()                                              # short is decoding from now on
+    eng.add_request("long", prompt, params)
+    chunks, final = [], {}
+    while eng.has_unfinished_requests():
+        out = eng.scheduler.schedule()
+        chunks.append({s.seq_group.request_id: s.num_new_tokens for s in out.scheduled})
+        final.update({o.request_id: o for o in eng._update(out, eng.model_runner.execute(out)) if o.finished})
+        check_block_invariants(eng)
+    # running decodes first, then as much of the prompt as the 16-token budget has left
+    assert chunks[:3] == [{"short": 1, "long": 15}, {"short": 1, "long": 15}, {"short": 1, "long": 9}]
+    assert max(sum(c.values()) for c in chunks) <= 16
+    whole = engine(tiny_model_dir, num_gpu_blocks=64, block_size=4, enable_chunked_prefill=False,
+                   max_num_batched_tokens=256)
+    whole.add_request("long", prompt, params)
+    assert run_checked(whole)["long"].outputs[0].token_ids == final["long"].outputs[0].token_ids
+
+
+def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt(tiny_model_dir):
+    with pytest.raises(ValueError, match="max_num_batched_tokens=16 is smaller than max_model_len=256"):
+        engine(tiny_model_dir, enable_chunked_prefill=False, max_num_batched_tokens=16, max_num_seqs=4)

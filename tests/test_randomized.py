@@ -1,7 +1,7 @@
 """A randomized workload (hypothesis) with the DESIGN.md invariants checked after every
 step: random prompts (some sharing a prefix), output lengths, arrival steps, aborts,
-parallel sampling (n > 1, seeded), beam search, block sizes 1-16, tiny pools and prefix
-caching on or off. Every request that was not aborted must produce exactly what it
+parallel sampling (n > 1, seeded), beam search, block sizes 1-16, tiny pools, small token
+budgets (chunked prefill) and prefix caching on or off. Every request that was not aborted must produce exactly what it
 produces alone, in a roomy engine with caching off."""
 from functools import lru_cache
 
@@ -32,7 +32,10 @@ def workloads(draw, tight=False):
     need = max((1 if tight else width(r)) * -(-(len(r["prompt"]) + r["max_tokens"]) // block_size)
                for r in reqs)
     num_blocks = draw(st.integers(need, 3 * need))
-    return block_size, num_blocks, draw(st.integers(1, 4)), draw(st.booleans()), reqs
+    max_num_seqs = draw(st.integers(1, 4))
+    # a small token budget makes chunked prefill cut prompts into several steps
+    budget = draw(st.one_of(st.integers(max_num_seqs, 24), st.just(None)))
+    return block_size, num_blocks, (max_num_seqs, budget), draw(st.booleans()), reqs
 
 
 def width(r):
@@ -50,11 +53,13 @@ def params_of(r):
 _engines = {}
 
 
-def get_engine(folder, block_size, num_blocks, max_num_seqs, caching):
-    key = (block_size, num_blocks, max_num_seqs, caching)
+def get_engine(folder, block_size, num_blocks, limits, caching):
+    key = (block_size, num_blocks, limits, caching)
+    max_num_seqs, budget = limits
     if key not in _engines:
         _engines[key] = LLMEngine(EngineConfig(model=str(folder), block_size=block_size,
                                                num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                                               max_num_batched_tokens=budget,
                                                enable_prefix_caching=caching))
     return _engines[key]
 
@@ -65,7 +70,7 @@ def completions(out):
 
 @lru_cache(maxsize=None)
 def solo_output(folder, prompt, kind, n, max_tokens, seed):
-    eng = get_engine(folder, 16, 256, 1, False)
+    eng = get_engine(folder, 16, 256, (1, None), False)
     r = dict(prompt=prompt, kind=kind, n=n, max_tokens=max_tokens, seed=seed)
     eng.add_request("solo", list(prompt), params_of(r))
     while eng.has_unfinished_requests():
@@ -101,8 +106,8 @@ def run_workload(eng, reqs, max_steps=1000):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workloads())
 def test_random_workload_keeps_invariants_and_outputs(tiny_model_dir, workload):
-    block_size, num_blocks, max_num_seqs, caching, reqs = workload
-    eng = get_engine(tiny_model_dir, block_size, num_blocks, max_num_seqs, caching)
+    block_size, num_blocks, limits, caching, reqs = workload
+    eng = get_engine(tiny_model_dir, block_size, num_blocks, limits, caching)
     finished, aborted = run_workload(eng, reqs)
     for i, r in enumerate(reqs):
         if f"r{i}" not in aborted:
@@ -115,7 +120,7 @@ def test_random_workload_keeps_invariants_and_outputs(tiny_model_dir, workload):
 def test_tight_pools_never_hang_or_leak(tiny_model_dir, workload):
     """Pools too small for a whole n > 1 request: it may end with "length", but the
     engine always drains, never leaks a block, and answers every request."""
-    block_size, num_blocks, max_num_seqs, caching, reqs = workload
-    eng = get_engine(tiny_model_dir, block_size, num_blocks, max_num_seqs, caching)
+    block_size, num_blocks, limits, caching, reqs = workload
+    eng = get_engine(tiny_model_dir, block_size, num_blocks, limits, caching)
     finished, aborted = run_workload(eng, reqs)
     assert set(finished) | aborted == {f"r{i}" for i in range(len(reqs))}
