@@ -108,8 +108,7 @@ def bench_prefix_caching(model, dtype) -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
         after = llm.engine.get_stats()
-        computed = (after["prefix_cache_queries"] - before["prefix_cache_queries"]
-                    - after["prefix_cache_hits"] + before["prefix_cache_hits"])
+        computed = after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"]
         result[caching] = (computed, elapsed, [o.outputs[0].token_ids for o in outs])
         print(f"prefix caching {'on ' if caching else 'off'}: {computed:6d} prompt tokens computed, "
               f"{elapsed:6.1f} s")

@@ -50,10 +50,13 @@ class BlockManager:
         num_gpu_blocks: blocks in the pool (>= 1).
         block_size: token slots per block (>= 1).
         enable_prefix_caching: reuse full blocks across requests by content hash.
+        num_cpu_blocks: blocks in the CPU swap pool (0: no swapping).
     """
 
-    def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0) -> None:
         self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_gpu_blocks
@@ -66,6 +69,9 @@ class BlockManager:
         self.prefix_cache_queries = 0      # tokens looked up
         self.prefix_cache_hits = 0         # tokens found
         self.num_copy_on_write = 0         # blocks copied because they were shared
+        # the CPU swap pool (paper §4.5): plain ref counts and a free list, no caching
+        self.cpu_ref_count = [0] * num_cpu_blocks
+        self.free_cpu_block_ids: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
 
     def get_num_free_gpu_blocks(self) -> int:
         """Free blocks in the device pool (cached-but-unused blocks count as free)."""
@@ -248,6 +254,56 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
 
+    # -- swapping (preemption by swap, paper §4.5) -------------------------------------------
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return len(self.free_cpu_block_ids)
+
+    @staticmethod
+    def _distinct_blocks(seqs: list[Sequence]) -> list[int]:
+        return list(dict.fromkeys(b for s in seqs for b in s.block_table.block_ids))
+
+    def can_swap_out(self, seq_group: SequenceGroup) -> bool:
+        seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+        return len(self._distinct_blocks(seqs)) <= self.get_num_free_cpu_blocks()
+
+    def can_swap_in(self, seq_group: SequenceGroup, headroom: int) -> bool:
+        """Room for the request's blocks plus `headroom` more (one per sequence keeps it
+        from being preempted again at once; 0 when the pool has nobody else)."""
+        seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
+        return len(self._distinct_blocks(seqs)) + headroom <= self.get_num_free_gpu_blocks()
+
+    def swap_out(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move a running request's blocks to the CPU pool; returns (gpu, cpu) pairs to
+        copy. Blocks its sequences share stay shared (one copy, ref counted)."""
+        seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
+        mapping = {}
+        for gpu in self._distinct_blocks(seqs):
+            mapping[gpu] = cpu = self.free_cpu_block_ids.pop()
+        for seq in seqs:
+            table = seq.block_table
+            gpu_ids, num_tokens = list(table.block_ids), table.num_tokens
+            self.free(seq)                    # freed GPU blocks keep their cache entries
+            table.block_ids, table.num_tokens, table.on_cpu = [mapping[g] for g in gpu_ids], num_tokens, True
+            for cpu in table.block_ids:
+                self.cpu_ref_count[cpu] += 1
+        return list(mapping.items())
+
+    def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move a swapped request's blocks back to the device pool; returns (cpu, gpu) pairs."""
+        seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
+        mapping = {cpu: self._allocate_block() for cpu in self._distinct_blocks(seqs)}
+        for gpu in mapping.values():
+            self.ref_count[gpu] = 0
+        for seq in seqs:
+            table = seq.block_table
+            cpu_ids, num_tokens = list(table.block_ids), table.num_tokens
+            self.free(seq)
+            table.block_ids, table.num_tokens = [mapping[c] for c in cpu_ids], num_tokens
+            for gpu in table.block_ids:
+                self.ref_count[gpu] += 1
+        return list(mapping.items())
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's hold on its blocks; a block nobody holds goes to the free queue.
 
@@ -255,6 +311,12 @@ class BlockManager:
         it takes a sequence's last blocks before its first ones (the prefix others share).
         A freed block keeps its prefix-cache entry until it is evicted.
         """
+        if seq.block_table.on_cpu:
+            for block_id in seq.block_table.clear():
+                self.cpu_ref_count[block_id] -= 1
+                if self.cpu_ref_count[block_id] == 0:
+                    self.free_cpu_block_ids.append(block_id)
+            return
         for block_id in reversed(seq.block_table.clear()):
             self.ref_count[block_id] -= 1
             if self.ref_count[block_id] == 0:

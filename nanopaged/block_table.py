@@ -28,12 +28,14 @@ class BlockTable:
         block_ids: physical block id of each logical block, in order.
         num_tokens: tokens (from position 0) that have a KV slot reserved.
             Invariant: len(block_ids) == ceil(num_tokens / block_size).
+        on_cpu: the ids are blocks of the CPU swap pool (the sequence is swapped out).
     """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.block_ids: list[int] = []
         self.num_tokens = 0
+        self.on_cpu = False
 
     def __len__(self) -> int:
         """Number of blocks held."""
@@ -74,4 +76,5 @@ class BlockTable:
     def clear(self) -> list[int]:
         """Forget every block; returns the ids that were held (the caller frees them)."""
         ids, self.block_ids, self.num_tokens = self.block_ids, [], 0
+        self.on_cpu = False
         return ids

@@ -46,6 +46,11 @@ class EngineConfig:
             (automatic prefix caching, on by default as in vLLM v1).
         enable_chunked_prefill: split prompts longer than the step's remaining token
             budget over several steps (on by default as in vLLM v1).
+        num_cpu_blocks: blocks in the CPU swap pool; None sizes it from swap_space.
+        swap_space: GiB of host memory for the swap pool when num_cpu_blocks is None
+            (vLLM's name; default 4).
+        preemption_mode: "auto" (swap or recompute, whichever the costs measured at
+            start say is cheaper for the request at hand), "swap" or "recompute".
     """
 
     model: str | os.PathLike | None = None
@@ -60,6 +65,9 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    num_cpu_blocks: int | None = None
+    swap_space: float = 4.0
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):
@@ -68,6 +76,13 @@ class EngineConfig:
                      "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        if self.num_cpu_blocks is not None and (not isinstance(self.num_cpu_blocks, int)
+                                                or isinstance(self.num_cpu_blocks, bool) or self.num_cpu_blocks < 0):
+            raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
+        if not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

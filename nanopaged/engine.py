@@ -56,11 +56,16 @@ class LLMEngine:
         model = load_model(self.model_path, config.torch_dtype, config.torch_device,
                            config.max_model_len)
         num_gpu_blocks = config.num_gpu_blocks or self._num_blocks_from_memory(model)
-        self.model_runner = ModelRunner(model, num_gpu_blocks, config.block_size, config.seed)
+        per_block = ModelRunner.kv_cache_bytes_per_block(self.model_config, config.block_size, config.torch_dtype)
+        num_cpu_blocks = (config.num_cpu_blocks if config.num_cpu_blocks is not None
+                          else int(config.swap_space * (1 << 30)) // per_block)
+        self.model_runner = ModelRunner(model, num_gpu_blocks, config.block_size, config.seed, num_cpu_blocks)
         self.block_manager = BlockManager(num_gpu_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, num_cpu_blocks)
+        costs = self.model_runner.measure_preemption_costs() if config.preemption_mode == "auto" else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.enable_chunked_prefill)
+                                   config.max_num_batched_tokens, config.enable_chunked_prefill,
+                                   config.preemption_mode, costs)
         self.eos_token_ids = frozenset(self.model_config.eos_token_id + _generation_eos(self.model_path)
                                        + ([self.tokenizer.eos_token_id]
                                           if self.tokenizer.eos_token_id is not None else []))
@@ -69,6 +74,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = 0     # prefill work actually done (cache hits excluded)
 
     def _num_blocks_from_memory(self, model) -> int:
         c = self.config
@@ -173,7 +179,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_seqs()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
+        return len(self.scheduler.waiting) + len(self.scheduler.running) + len(self.scheduler.swapped)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -194,6 +200,8 @@ class LLMEngine:
         for s in scheduler_output.scheduled:
             group = s.seq_group
             touched[group.request_id] = group
+            start = s.seq.num_computed_tokens
+            self.num_prompt_tokens_computed += max(0, min(start + s.num_new_tokens, len(s.seq.prompt_token_ids)) - start)
             s.seq.num_computed_tokens += s.num_new_tokens
             if s.forks and s.seq.seq_id in sampled:       # prefill done: the n - 1 others fork it
                 for fork in s.forks:
@@ -261,8 +269,14 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_preemptions_swap": self.scheduler.num_preemptions_swap,
+            "num_preemptions_recompute": self.scheduler.num_preemptions_recompute,
+            "num_total_cpu_blocks": self.block_manager.num_cpu_blocks,
+            "num_free_cpu_blocks": self.block_manager.get_num_free_cpu_blocks(),
+            "num_swapped": len(self.scheduler.swapped),
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
+            "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
             "prefix_cache_queries": self.block_manager.prefix_cache_queries,
             "prefix_cache_hits": self.block_manager.prefix_cache_hits,
             "num_copy_on_write": self.block_manager.num_copy_on_write,

@@ -26,7 +26,7 @@ import torch
 from .attention import AttentionMetadata
 from .llama import LlamaForCausalLM
 from .sampler import Sampler, SamplingMetadata
-from .scheduler import SchedulerOutput
+from .scheduler import PreemptionCosts, SchedulerOutput
 
 
 @dataclass
@@ -74,7 +74,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaForCausalLM, num_gpu_blocks: int, block_size: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, num_cpu_blocks: int = 0) -> None:
         c = model.config
         self.model = model
         self.block_size = block_size
@@ -83,6 +83,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros(c.num_hidden_layers, 2, num_gpu_blocks, block_size,
                                     c.num_key_value_heads, c.head_dim, dtype=self.dtype,
                                     device=self.device)
+        # The swap pool: host memory (pinned on CUDA for fast copies). Never read where
+        # it was not written, so it needs no zeroing.
+        self.cpu_kv_cache = torch.empty((c.num_hidden_layers, 2, num_cpu_blocks, block_size,
+                                         c.num_key_value_heads, c.head_dim), dtype=self.dtype,
+                                        pin_memory=self.device.type == "cuda")
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
@@ -141,6 +146,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Copy blocks, run the forward pass, sample. Returns the sampled tokens."""
+        if scheduler_output.blocks_to_swap_out:       # first: their device blocks may be reused now
+            self.swap_blocks(self.kv_cache, self.cpu_kv_cache, scheduler_output.blocks_to_swap_out)
+        if scheduler_output.blocks_to_swap_in:
+            self.swap_blocks(self.cpu_kv_cache, self.kv_cache, scheduler_output.blocks_to_swap_in)
         if scheduler_output.blocks_to_copy:
             self.copy_blocks(scheduler_output.blocks_to_copy)
         if scheduler_output.is_empty:
@@ -160,6 +169,43 @@ class ModelRunner:
                 kk = inp.beam_ks[i]
                 out.beam_candidates[inp.sampled_seq_ids[inp.beam_rows[i]]] = (lp[:kk], ids[:kk])
         return out
+
+    @staticmethod
+    def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src_cache[src] -> dst_cache[dst] (device <-> CPU pool)."""
+        src = torch.tensor([p[0] for p in pairs], device=src_cache.device)
+        dst = torch.tensor([p[1] for p in pairs], device=dst_cache.device)
+        dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)
+
+    def measure_preemption_costs(self) -> PreemptionCosts:
+        """Time a swap of a few blocks and a short prefill (once, at engine start)."""
+        import time
+
+        num_blocks = self.kv_cache.shape[2]
+        n = max(1, min(8, num_blocks, self.cpu_kv_cache.shape[2]))
+        pairs = [(i, i) for i in range(n)]
+        if self.cpu_kv_cache.shape[2]:
+            self.swap_blocks(self.kv_cache, self.cpu_kv_cache, pairs)           # warm-up
+            start = time.perf_counter()
+            self.swap_blocks(self.kv_cache, self.cpu_kv_cache, pairs)
+            self.swap_blocks(self.cpu_kv_cache, self.kv_cache, pairs)
+            per_block = (time.perf_counter() - start) / (2 * n)
+        else:
+            per_block = float("inf")
+        tokens = min(64, num_blocks * self.block_size, self.model.rope_cos.shape[0])   # <= max_model_len
+        ids = torch.arange(tokens, device=self.device)
+        blocks = ids[: -(-tokens // self.block_size)]
+        meta = AttentionMetadata(slot_mapping=ids, block_tables=blocks[None], seq_lens=ids[-1:] + 1,
+                                 query_start_loc=torch.tensor([0, tokens], device=self.device),
+                                 num_decodes=int(tokens == 1), seq_lens_list=[tokens],
+                                 query_start_loc_list=[0, tokens])
+        with torch.inference_mode():
+            for timed in (False, True):                                          # warm-up, then time
+                start = time.perf_counter()
+                self.model(ids % self.model.config.vocab_size, ids, self.kv_cache, meta)
+            per_token = (time.perf_counter() - start) / tokens
+            self.kv_cache[:, :, :max(n, len(blocks))].zero_()   # back to the zero state
+        return PreemptionCosts(per_block, per_token)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer, K and V (copy-on-write)."""

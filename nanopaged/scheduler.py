@@ -53,6 +53,26 @@ class ScheduledSequence:
 
 
 @dataclass
+class PreemptionCosts:
+    """What preempting costs on this machine, measured when the engine starts.
+
+    Attributes:
+        seconds_per_block_swap: copying one KV block (all layers, K and V) between the
+            device pool and the CPU pool, one way.
+        seconds_per_token_recompute: prefilling one token again.
+    A swap costs 2 * blocks * seconds_per_block_swap (out, later back in); a recompute
+    costs tokens * seconds_per_token_recompute (the paper's §4.5 trade-off: swapping
+    wins for long sequences on slow compute, recompute for short ones on slow PCIe).
+    """
+
+    seconds_per_block_swap: float
+    seconds_per_token_recompute: float
+
+    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        return 2 * num_blocks * self.seconds_per_block_swap < num_tokens * self.seconds_per_token_recompute
+
+
+@dataclass
 class SchedulerOutput:
     """What the model runner must do this step.
 
@@ -61,7 +81,10 @@ class SchedulerOutput:
         num_batched_tokens: sum of num_new_tokens (<= max_num_batched_tokens).
         preempted: requests preempted (by recompute) while making room this step.
         blocks_to_copy: (src, dst) physical block pairs the runner copies before the
-            forward pass (copy-on-write; empty until blocks are shared).
+            forward pass (copy-on-write).
+        blocks_to_swap_out / blocks_to_swap_in: block pairs the runner copies device ->
+            CPU pool / CPU pool -> device before the forward pass (swap preemption).
+        swapped_out / swapped_in: the requests those belong to.
         finished_without_running: requests the scheduler ended itself (a lone sequence
             that outgrew the whole pool); the engine reports them.
     """
@@ -70,6 +93,10 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted: list[SequenceGroup] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu, gpu)
+    swapped_out: list[SequenceGroup] = field(default_factory=list)
+    swapped_in: list[SequenceGroup] = field(default_factory=list)
     finished_without_running: list[SequenceGroup] = field(default_factory=list)
 
     @property
@@ -88,12 +115,20 @@ class Scheduler:
             budget over several steps (vLLM's chunked prefill), its num_computed_tokens
             advancing chunk by chunk; attention for a chunk reads the earlier chunks
             through the block table.
+        preemption_mode: "recompute", "swap" or "auto" (the cheaper one, by `costs`).
+        costs: measured PreemptionCosts, needed by "auto".
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True) -> None:
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
+                 preemption_mode: str = "recompute", costs: PreemptionCosts | None = None) -> None:
         self.block_manager = block_manager
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.preemption_mode = preemption_mode
+        self.costs = costs
+        self.swapped: deque[SequenceGroup] = deque()    # preempted by swap, arrival order
+        self.num_preemptions_swap = 0
+        self.num_preemptions_recompute = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[SequenceGroup] = deque()
@@ -104,7 +139,7 @@ class Scheduler:
         self.waiting.append(seq_group)
 
     def has_unfinished_seqs(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         """Build this step's batch. Mutates queues and block tables; see the module doc."""
@@ -141,10 +176,22 @@ class Scheduler:
             kept.append(group)
         self.running = kept
 
-        # 2. Then waiting requests, strictly in order (FCFS: never skip ahead of the head).
-        #    Not in a step that had to preempt: memory is tight, admitting more would
-        #    only cause more preemption (vLLM does the same).
-        while self.waiting and not out.preempted and len(self.running) < self.max_num_seqs:
+        # 2. Swapped-out requests come back first, oldest first, when their blocks fit
+        #    (they run from the next step; the copies happen before this step's forward).
+        while self.swapped and not out.preempted and self.block_manager.can_swap_in(
+                self.swapped[0], headroom=len(self.swapped[0].seqs) if self.running else 0):
+            group = self.swapped.popleft()
+            out.blocks_to_swap_in += self.block_manager.swap_in(group)
+            for seq in group.get_seqs(SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+            out.swapped_in.append(group)
+            self.running = deque(sorted([*self.running, group], key=lambda g: g.arrival_time))
+
+        # 3. Then waiting requests, strictly in order (FCFS: never skip ahead of the head),
+        #    and only once nobody is swapped out. Not in a step that had to preempt:
+        #    memory is tight, admitting more would only cause more preemption (vLLM too).
+        while (self.waiting and not out.preempted and not self.swapped
+               and len(self.running) < self.max_num_seqs):
             group = self.waiting[0]
             if self.block_manager.never_fits(group):
                 self.waiting.popleft()            # can never fit again; see _finish_too_long
@@ -179,14 +226,33 @@ class Scheduler:
         return min(num_tokens, max(budget, 0)) if self.enable_chunked_prefill else num_tokens
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """Recompute preemption: drop the request's KV and send it back to the queue head."""
+        """Free a running request's device blocks by swap or by recompute (see the
+        module doc); either way it goes to the head of its queue."""
+        self.num_preemptions += 1
+        out.preempted.append(group)
+        if self._should_swap(group):
+            out.blocks_to_swap_out += self.block_manager.swap_out(group)
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(group)
+            out.swapped_out.append(group)
+            self.num_preemptions_swap += 1
+            return
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             self.block_manager.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(group)
-        self.num_preemptions += 1
-        out.preempted.append(group)
+        self.num_preemptions_recompute += 1
+
+    def _should_swap(self, group: SequenceGroup) -> bool:
+        if self.preemption_mode == "recompute" or not self.block_manager.can_swap_out(group):
+            return False
+        if self.preemption_mode == "swap":
+            return True
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        num_blocks = len({b for s in seqs for b in s.block_table.block_ids})
+        return self.costs.prefer_swap(num_blocks, sum(s.num_computed_tokens for s in seqs))
 
     def _finish_too_long(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """A request that cannot get its blocks even with the pool to itself will never
@@ -213,7 +279,7 @@ class Scheduler:
 
     def abort_seq_group(self, request_id: str) -> SequenceGroup | None:
         """Remove a request wherever it is, free its blocks; returns it, or None if unknown."""
-        for queue in (self.waiting, self.running):
+        for queue in (self.waiting, self.running, self.swapped):
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)

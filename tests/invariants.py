@@ -10,13 +10,17 @@ from nanopaged.sequence import SequenceStatus
 def check_block_invariants(engine) -> None:
     """Raise AssertionError if the engine's KV pool bookkeeping is inconsistent."""
     bm, sched = engine.block_manager, engine.scheduler
-    held = Counter()
-    for group in list(sched.waiting) + list(sched.running):
+    held, held_cpu = Counter(), Counter()
+    for group in list(sched.waiting) + list(sched.running) + list(sched.swapped):
         for seq in group.seqs:
             table = seq.block_table
-            held.update(table.block_ids)
+            (held_cpu if table.on_cpu else held).update(table.block_ids)
+            assert table.on_cpu == (seq.status == SequenceStatus.SWAPPED) or not table.block_ids, seq
             if seq.status == SequenceStatus.RUNNING:
                 # L tokens with K/V in the pool hold exactly ceil(L / block_size) blocks
+                assert table.num_tokens == seq.num_computed_tokens, (seq, table)
+                assert len(table) == -(-seq.num_computed_tokens // bm.block_size), (seq, table)
+            elif seq.status == SequenceStatus.SWAPPED:
                 assert table.num_tokens == seq.num_computed_tokens, (seq, table)
                 assert len(table) == -(-seq.num_computed_tokens // bm.block_size), (seq, table)
             elif seq.status == SequenceStatus.WAITING:
@@ -42,6 +46,13 @@ def check_block_invariants(engine) -> None:
         assert bm.ref_count[block_id] == held[block_id], (block_id, bm.ref_count[block_id], held[block_id])
         assert (bm.ref_count[block_id] == 0) == (block_id in bm.free_block_ids), block_id
     assert len(bm.free_block_ids) + sum(1 for c in bm.ref_count if c > 0) == bm.num_gpu_blocks
+    # the CPU swap pool, the same way (it can have millions of tiny blocks: stay O(held))
+    for block_id, holders in held_cpu.items():
+        assert bm.cpu_ref_count[block_id] == holders, ("cpu", block_id)
+    assert len(bm.free_cpu_block_ids) + len(held_cpu) == bm.num_cpu_blocks
+    if bm.num_cpu_blocks <= 4096:
+        free = set(bm.free_cpu_block_ids)
+        assert len(free) == len(bm.free_cpu_block_ids) and not free & set(held_cpu)
 
 
 def run_checked(engine, max_steps: int = 10_000) -> dict[str, object]:
@@ -57,4 +68,5 @@ def run_checked(engine, max_steps: int = 10_000) -> dict[str, object]:
     else:
         raise AssertionError("engine did not finish within max_steps")
     assert engine.block_manager.get_num_free_gpu_blocks() == engine.block_manager.num_gpu_blocks
+    assert engine.block_manager.get_num_free_cpu_blocks() == engine.block_manager.num_cpu_blocks
     return final

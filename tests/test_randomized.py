@@ -1,7 +1,8 @@
 """A randomized workload (hypothesis) with the DESIGN.md invariants checked after every
 step: random prompts (some sharing a prefix), output lengths, arrival steps, aborts,
 parallel sampling (n > 1, seeded), beam search, block sizes 1-16, tiny pools, small token
-budgets (chunked prefill) and prefix caching on or off. Every request that was not aborted must produce exactly what it
+budgets (chunked prefill), preemption by swap or recompute (or auto), and prefix caching
+on or off. Every request that was not aborted must produce exactly what it
 produces alone, in a roomy engine with caching off."""
 from functools import lru_cache
 
@@ -35,7 +36,9 @@ def workloads(draw, tight=False):
     max_num_seqs = draw(st.integers(1, 4))
     # a small token budget makes chunked prefill cut prompts into several steps
     budget = draw(st.one_of(st.integers(max_num_seqs, 24), st.just(None)))
-    return block_size, num_blocks, (max_num_seqs, budget), draw(st.booleans()), reqs
+    # preemption by swap (into a CPU pool that may be too small) or by recompute
+    preemption = (draw(st.sampled_from(["swap", "recompute", "auto"])), draw(st.integers(0, 2 * need)))
+    return block_size, num_blocks, (max_num_seqs, budget, preemption), draw(st.booleans()), reqs
 
 
 def width(r):
@@ -55,12 +58,12 @@ _engines = {}
 
 def get_engine(folder, block_size, num_blocks, limits, caching):
     key = (block_size, num_blocks, limits, caching)
-    max_num_seqs, budget = limits
+    max_num_seqs, budget, (mode, num_cpu_blocks) = limits
     if key not in _engines:
         _engines[key] = LLMEngine(EngineConfig(model=str(folder), block_size=block_size,
                                                num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                                               max_num_batched_tokens=budget,
-                                               enable_prefix_caching=caching))
+                                               max_num_batched_tokens=budget, enable_prefix_caching=caching,
+                                               preemption_mode=mode, num_cpu_blocks=num_cpu_blocks))
     return _engines[key]
 
 
@@ -70,7 +73,7 @@ def completions(out):
 
 @lru_cache(maxsize=None)
 def solo_output(folder, prompt, kind, n, max_tokens, seed):
-    eng = get_engine(folder, 16, 256, (1, None), False)
+    eng = get_engine(folder, 16, 256, (1, None, ("recompute", 0)), False)
     r = dict(prompt=prompt, kind=kind, n=n, max_tokens=max_tokens, seed=seed)
     eng.add_request("solo", list(prompt), params_of(r))
     while eng.has_unfinished_requests():

@@ -172,3 +172,37 @@ def test_streamed_text_has_no_broken_characters(smol):
     for a, b in zip(texts, texts[1:]):
         assert b.startswith(a)                            # cumulative text only grows
     assert "\ufffd" not in texts[-1]
+
+
+def test_c06_a_request_that_can_never_fit(default_model_dir):
+    llm = LLM(str(default_model_dir), dtype="float32", block_size=4, num_gpu_blocks=4, max_model_len=64,
+              num_cpu_blocks=8)
+    eng = llm.engine
+    with pytest.raises(ValueError, match=r"20 tokens needs 5 KV blocks.*KV cache holds only 4 blocks"):
+        eng.add_request("big", list(range(200, 220)), SamplingParams(max_tokens=4))
+    small = llm.generate([list(range(300, 305))], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert small.finished
+    # (b) a 16-token prompt fills the pool; it cannot grow, and ends rather than looping
+    grow = llm.generate([list(range(400, 416))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert grow.outputs[0].finish_reason == "length" and len(grow.outputs[0].token_ids) == 1
+    stats = eng.get_stats()
+    assert stats["num_free_gpu_blocks"] == 4 and stats["num_free_cpu_blocks"] == 8
+
+
+def test_c23_abort_mid_stream(default_model_dir):
+    llm = LLM(str(default_model_dir), dtype="float32", kv_cache_memory_bytes=SMALL_KV)
+    eng = llm.engine
+    free = eng.get_stats()["num_free_gpu_blocks"]
+    eng.add_request("long", "Tell me a story.", SamplingParams(max_tokens=512, ignore_eos=True))
+    deltas = 0
+    while deltas < 2:
+        deltas += sum(1 for o in eng.step() if o.request_id == "long")
+    eng.abort_request("long")
+    stats = eng.get_stats()                     # gone from every queue at once
+    assert stats["num_running"] == stats["num_waiting"] == stats["num_swapped"] == 0
+    assert stats["num_free_gpu_blocks"] == free
+    alone = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0]
+    assert all(o.request_id != "long" for o in eng.step())   # no more deltas (nothing runs)
+    fresh = LLM(str(default_model_dir), dtype="float32", kv_cache_memory_bytes=SMALL_KV)
+    assert fresh.generate("The capital of France is",
+                          SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids == alone.outputs[0].token_ids
