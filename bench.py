@@ -9,6 +9,8 @@ prefix:     one 512-token system prompt shared by 32 short questions, prefix cac
 sharing:    the paper's §6.3 memory saving: peak KV blocks in use with block sharing vs
             the blocks the same sequences would hold without it, for parallel sampling
             (n=4) and beam search (width 4).
+pressure:   a KV pool far too small for the batch: throughput with preemption by swap,
+            by recompute, and auto (the cheaper by the costs measured at start).
 
 The workload (fixed seed): `--num-requests` requests with random token-id prompts of
 U[32, 256] tokens and outputs of U[32, 128] tokens, ignore_eos, greedy. nanopaged gets all
@@ -141,6 +143,26 @@ def bench_sharing_memory(model, dtype) -> None:
               f"({eng.get_stats()['num_copy_on_write']} copy-on-write copies)")
 
 
+def bench_memory_pressure(model, dtype) -> None:
+    """Throughput when the pool holds only a fraction of the batch, per preemption mode."""
+    from nanopaged import LLM, SamplingParams
+    prompts, out_lens = workload(32, 40000, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    results, outputs = {}, {}
+    for mode in ("swap", "recompute", "auto"):
+        llm = LLM(model, dtype=dtype, num_gpu_blocks=96, preemption_mode=mode, enable_prefix_caching=False)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[mode] = sum(out_lens) / (time.perf_counter() - t)
+        outputs[mode] = [o.outputs[0].token_ids for o in outs]
+        s = llm.engine.get_stats()
+        print(f"memory pressure, {mode:<9}: {results[mode]:6.1f} tok/s "
+              f"({s['num_preemptions_swap']} swaps, {s['num_preemptions_recompute']} recomputes)")
+    best = max(results["swap"], results["recompute"])
+    print(f"memory pressure: auto at {100 * results['auto'] / best:.1f}% of the better mode; "
+          f"outputs identical across modes: {outputs['swap'] == outputs['recompute'] == outputs['auto']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -148,13 +170,15 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--sections", default="throughput,prefix,sharing")
+    ap.add_argument("--sections", default="throughput,prefix,sharing,pressure")
     args = ap.parse_args()
     sections = args.sections.split(",")
     if "prefix" in sections:
         bench_prefix_caching(args.model, args.dtype)
     if "sharing" in sections:
         bench_sharing_memory(args.model, args.dtype)
+    if "pressure" in sections:
+        bench_memory_pressure(args.model, args.dtype)
     if "throughput" not in sections:
         return
 

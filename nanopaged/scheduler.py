@@ -178,8 +178,9 @@ class Scheduler:
 
         # 2. Swapped-out requests come back first, oldest first, when their blocks fit
         #    (they run from the next step; the copies happen before this step's forward).
-        while self.swapped and not out.preempted and self.block_manager.can_swap_in(
-                self.swapped[0], headroom=len(self.swapped[0].seqs) if self.running else 0):
+        while (self.swapped and not out.preempted and len(self.running) < self.max_num_seqs
+               and self.block_manager.can_swap_in(self.swapped[0],
+                                                  headroom=len(self.swapped[0].seqs) if self.running else 0)):
             group = self.swapped.popleft()
             out.blocks_to_swap_in += self.block_manager.swap_in(group)
             for seq in group.get_seqs(SequenceStatus.SWAPPED):
