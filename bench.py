@@ -11,6 +11,10 @@ sharing:    the paper's §6.3 memory saving: peak KV blocks in use with block sh
             (n=4) and beam search (width 4).
 pressure:   a KV pool far too small for the batch: throughput with preemption by swap,
             by recompute, and auto (the cheaper by the costs measured at start).
+memory:     the paper's Fig. 2 under one fixed KV budget: the share of reserved KV slots
+            that hold live tokens (averaged over steps) and the peak number of concurrent
+            requests, paged vs a contiguous baseline that reserves max_model_len slots
+            per request up front (the same engine, another BlockManager).
 
 The workload (fixed seed): `--num-requests` requests with random token-id prompts of
 U[32, 256] tokens and outputs of U[32, 128] tokens, ignore_eos, greedy. nanopaged gets all
@@ -151,6 +155,7 @@ def bench_memory_pressure(model, dtype) -> None:
     results, outputs = {}, {}
     for mode in ("swap", "recompute", "auto"):
         llm = LLM(model, dtype=dtype, num_gpu_blocks=96, preemption_mode=mode, enable_prefix_caching=False)
+        run_nanopaged(llm, prompts[:4], [4] * 4)                          # warm-up
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[mode] = sum(out_lens) / (time.perf_counter() - t)
@@ -163,6 +168,51 @@ def bench_memory_pressure(model, dtype) -> None:
           f"outputs identical across modes: {outputs['swap'] == outputs['recompute'] == outputs['auto']}")
 
 
+def bench_memory_utilization(model, dtype) -> None:
+    """Paged blocks vs reserving max_model_len slots per request, same KV budget."""
+    from nanopaged import LLM, SamplingParams
+    from nanopaged.block_manager import BlockManager
+
+    class ContiguousBlockManager(BlockManager):
+        """Pre-vLLM systems: a request reserves max_model_len slots when admitted."""
+        reserve_tokens = 0
+
+        def _blocks_to_take(self, seq_group, first_end):
+            return -(-self.reserve_tokens // self.block_size)
+
+        def append_slots(self, seq, end=None):
+            copies = super().append_slots(seq, end)
+            table = seq.block_table
+            while len(table) < table.num_blocks_for(self.reserve_tokens):
+                table.append_block(self._allocate_block())
+            return copies
+
+    prompts, out_lens = workload(32, 40000, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    for name in ("paged", "contiguous"):
+        llm = LLM(model, dtype=dtype, num_gpu_blocks=400, max_model_len=2048,
+                  enable_prefix_caching=False, preemption_mode="recompute")
+        eng = llm.engine
+        if name == "contiguous":
+            old = eng.block_manager
+            eng.block_manager = ContiguousBlockManager(old.num_gpu_blocks, old.block_size, False)
+            eng.block_manager.reserve_tokens = eng.config.max_model_len
+            eng.scheduler.block_manager = eng.block_manager
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            eng.add_request(str(i), p, sp)
+        fractions, peak = [], 0
+        while eng.has_unfinished_requests():
+            eng.step()
+            bm = eng.block_manager
+            reserved = (bm.num_gpu_blocks - bm.get_num_free_gpu_blocks()) * bm.block_size
+            live = sum(s.num_computed_tokens for g in eng.scheduler.running for s in g.seqs)
+            if reserved:
+                fractions.append(live / reserved)
+            peak = max(peak, len(eng.scheduler.running))
+        print(f"KV memory, {name:<10}: {100 * sum(fractions) / len(fractions):5.1f}% of reserved slots "
+              f"hold live tokens, peak {peak} concurrent requests ({eng.num_steps} steps)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
@@ -170,7 +220,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--sections", default="throughput,prefix,sharing,pressure")
+    ap.add_argument("--sections", default="throughput,prefix,sharing,pressure,memory")
     args = ap.parse_args()
     sections = args.sections.split(",")
     if "prefix" in sections:
@@ -179,6 +229,8 @@ def main() -> None:
         bench_sharing_memory(args.model, args.dtype)
     if "pressure" in sections:
         bench_memory_pressure(args.model, args.dtype)
+    if "memory" in sections:
+        bench_memory_utilization(args.model, args.dtype)
     if "throughput" not in sections:
         return
 

@@ -8,15 +8,18 @@ waits for a long one to finish, and the KV pool is refilled the moment blocks fr
 
 The limits of one step:
     max_num_seqs            requests in the batch
-    max_num_batched_tokens  tokens computed in the step (prefill tokens + 1 per decode)
+    max_num_batched_tokens  tokens computed in the step (prefill tokens + 1 per decode);
+                            a prompt that does not fit is chunked over several steps
     free blocks             every token computed needs a KV slot
 
 When a running request needs a new block and none is free, the scheduler preempts
 the request that arrived last (vLLM's policy: latest first, so the oldest requests
-always make progress and nobody starves), frees its blocks and puts it back at the head
-of the waiting queue. When it is admitted again it recomputes its prompt plus the tokens
-it had generated in one prefill ("recompute" preemption, paper §4.5). Its outputs do not
-change: the same tokens give the same K/V.
+always make progress and nobody starves). By *swap* its blocks are copied to a CPU pool
+and come back before any new request is admitted; by *recompute* they are freed, it goes
+back to the head of the waiting queue, and when readmitted it recomputes its prompt plus
+the tokens it had generated in one prefill (paper §4.5). "auto" picks the cheaper for
+each preemption with costs measured at start (PreemptionCosts). Outputs do not change
+either way: the same tokens give the same K/V.
 
 The decision goes to the model runner as a SchedulerOutput; the scheduler never touches
 tensors. vLLM: `vllm/core/scheduler.py` (v0), `vllm/v1/core/sched/scheduler.py` (v1).
@@ -105,7 +108,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS continuous-batching scheduler with recompute preemption.
+    """FCFS continuous-batching scheduler: token budget, chunked prefill, preemption by swap or recompute.
 
     Args:
         block_manager: the device pool's BlockManager.
@@ -186,7 +189,7 @@ class Scheduler:
             for seq in group.get_seqs(SequenceStatus.SWAPPED):
                 seq.status = SequenceStatus.RUNNING
             out.swapped_in.append(group)
-            self.running = deque(sorted([*self.running, group], key=lambda g: g.arrival_time))
+            self._add_running(group)
 
         # 3. Then waiting requests, strictly in order (FCFS: never skip ahead of the head),
         #    and only once nobody is swapped out. Not in a step that had to preempt:
@@ -218,8 +221,16 @@ class Scheduler:
                 out.scheduled.append(ScheduledSequence(seq, group, n, forks if seq is first else []))
                 out.num_batched_tokens += n
                 budget -= n
-            self.running.append(group)
+            self._add_running(group)
         return out
+
+    def _add_running(self, group: SequenceGroup) -> None:
+        """Keep the running queue in arrival order (preemption takes its tail): a request
+        coming back from swap or recompute may be older than ones already running."""
+        if self.running and group.arrival_time < self.running[-1].arrival_time:
+            self.running = deque(sorted([*self.running, group], key=lambda g: g.arrival_time))
+        else:
+            self.running.append(group)
 
     def _chunk(self, num_tokens: int, budget: int) -> int:
         """Tokens of a prefill computed this step: all of them, or with chunked prefill

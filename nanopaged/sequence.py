@@ -28,7 +28,7 @@ class SequenceStatus(enum.Enum):
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
-    SWAPPED = enum.auto()            # reserved for swap preemption (CPU block pool)
+    SWAPPED = enum.auto()            # preempted by swap: its blocks are in the CPU pool
     FINISHED_STOPPED = enum.auto()   # hit EOS or a stop token
     FINISHED_LENGTH = enum.auto()    # hit max_tokens or max_model_len (or the pool's size)
     FINISHED_ABORTED = enum.auto()   # abort_request()

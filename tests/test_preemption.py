@@ -29,7 +29,7 @@ def unconstrained(tiny_model_dir):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
 @pytest.mark.parametrize("budget", [None, 8])
-def test_outputs_never_depend_on_preemption(tiny_model_dir, unconstrained, mode, budget):
+def test_c08_like_outputs_never_depend_on_preemption(tiny_model_dir, unconstrained, mode, budget):
     eng = engine(tiny_model_dir, num_gpu_blocks=14, block_size=4, num_cpu_blocks=64,
                  preemption_mode=mode, max_num_batched_tokens=budget, max_num_seqs=4)
     assert run_all(eng) == unconstrained
