@@ -207,3 +207,14 @@ def test_chunked_prefill_splits_a_long_prompt_and_keeps_outputs(tiny_model_dir):
 def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt(tiny_model_dir):
     with pytest.raises(ValueError, match="max_num_batched_tokens=16 is smaller than max_model_len=256"):
         engine(tiny_model_dir, enable_chunked_prefill=False, max_num_batched_tokens=16, max_num_seqs=4)
+
+
+def test_c18_streaming_multibyte_text(tiny_model_dir):
+    from nanopaged.detokenizer import IncrementalDetokenizer
+    tok = LLM(str(tiny_model_dir), num_gpu_blocks=8).get_tokenizer()
+    text = "Café déjà vu. 東京と大阪. 👍🏽 done. "
+    ids = tok(text).input_ids
+    detok = IncrementalDetokenizer(tok, [])
+    deltas = [detok.step(i) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids) == text      # nothing lost, nothing twice
