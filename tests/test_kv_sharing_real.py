@@ -83,6 +83,7 @@ def test_c09_parallel_sampling_under_preemption(default_model_dir):
                 texts_seen[key] = (c.text, c.finish_reason)
         check_block_invariants(eng)          # ref counts equal live sharers after every step
     assert len(texts_seen) == 6 and all(reason is not None for _, reason in texts_seen.values())
+    assert eng.get_stats()["num_preemptions"] > 0          # the pool was too small for both at once
     assert eng.get_stats()["num_free_gpu_blocks"] == 12
 
 
