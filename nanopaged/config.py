@@ -37,7 +37,7 @@ class EngineConfig:
             memory on CUDA.
         max_num_seqs: most requests in one step's batch.
         max_num_batched_tokens: most tokens computed in one step (the token budget);
-            None = 2048 with chunked prefill, else max(2048, max_model_len). Without
+            None = 8192 with chunked prefill, else max(8192, max_model_len). Without
             chunked prefill it must be >= max_model_len (a prompt is prefilled whole).
         max_model_len: longest sequence (prompt + output) in tokens; None = the model's
             max_position_embeddings.
@@ -122,7 +122,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_position_embeddings}")
         if self.max_num_batched_tokens is None:
-            floor = 2048 if self.enable_chunked_prefill else max(2048, self.max_model_len)
+            # vLLM's default for offline LLM use is 8192 (2048 for a server, where latency
+            # matters more); without chunking a whole max_model_len prompt must fit
+            floor = 8192 if self.enable_chunked_prefill else max(8192, self.max_model_len)
             self.max_num_batched_tokens = max(floor, self.max_num_seqs)
         elif self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller "
