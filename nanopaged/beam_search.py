@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sequence import Sequence, SequenceGroup, SequenceStatus
+from .sequence import SequenceGroup, SequenceStatus
 
 
 @dataclass

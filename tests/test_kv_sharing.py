@@ -7,7 +7,7 @@ from nanopaged import LLM, BeamSearchParams, EngineConfig, LLMEngine, SamplingPa
 from nanopaged.block_manager import BlockManager
 from nanopaged.sequence import Sequence
 
-from invariants import check_block_invariants, run_checked
+from invariants import run_checked
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
