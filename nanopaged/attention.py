@@ -1,6 +1,7 @@
 """Paged attention in plain PyTorch: write K/V by slot_mapping, read them by block table.
 
-This is the reference backend (later the CUDA and C++ kernels are checked against it).
+This is the reference backend: the CUDA and C++ kernels of kernels/ are checked against
+it (kernels.py chooses between them).
 The KV cache of one layer is two tensors of shape
 
     [num_blocks, block_size, num_kv_heads, head_size]      (key_cache, value_cache)
@@ -94,12 +95,22 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if nd:
         out[:nd] = _decode(query[:nd], key_cache, value_cache,
                            meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+    prefill_attention(out, query, key_cache, value_cache, meta, scale)
+    return out
+
+
+def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
+    """Fill the prefill rows of `out` (sequences num_decodes and on), one sequence at a time.
+
+    Same arguments as paged_attention; `out` is [num_tokens, num_heads, head_size] and
+    its decode rows are left alone. The compiled backends use this too (kernels.py).
+    """
     qsl = meta.query_start_loc_list
-    for i in range(nd, meta.num_seqs):
+    for i in range(meta.num_decodes, meta.num_seqs):
         start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens_list[i]
         out[start:end] = _prefill(query[start:end], key_cache, value_cache,
                                   meta.block_tables[i], seq_len, scale)
-    return out
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import ATTENTION_BACKENDS
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -51,6 +53,9 @@ class EngineConfig:
             (vLLM's name; default 4).
         preemption_mode: "auto" (swap or recompute, whichever the costs measured at
             start say is cheaper for the request at hand), "swap" or "recompute".
+        attention_backend: "auto" (the compiled kernel of the device when it builds,
+            else the PyTorch reference with a warning), "torch" (the reference), "cpu"
+            or "cuda" (that kernel, or an error). See kernels.py.
     """
 
     model: str | os.PathLike | None = None
@@ -68,6 +73,7 @@ class EngineConfig:
     num_cpu_blocks: int | None = None
     swap_space: float = 4.0
     preemption_mode: str = "auto"
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):
@@ -83,6 +89,9 @@ class EngineConfig:
             raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -24,6 +24,7 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .kernels import get_attn_backend
 from .llama import LlamaConfig, load_model
 from .model_runner import ModelRunner, ModelRunnerOutput
 from .outputs import CompletionOutput, RequestOutput
@@ -59,7 +60,9 @@ class LLMEngine:
         per_block = ModelRunner.kv_cache_bytes_per_block(self.model_config, config.block_size, config.torch_dtype)
         num_cpu_blocks = (config.num_cpu_blocks if config.num_cpu_blocks is not None
                           else int(config.swap_space * (1 << 30)) // per_block)
-        self.model_runner = ModelRunner(model, num_gpu_blocks, config.block_size, config.seed, num_cpu_blocks)
+        self.attn_backend = get_attn_backend(config.attention_backend, config.torch_device)
+        self.model_runner = ModelRunner(model, num_gpu_blocks, config.block_size, config.seed,
+                                        num_cpu_blocks, self.attn_backend)
         self.block_manager = BlockManager(num_gpu_blocks, config.block_size,
                                           config.enable_prefix_caching, num_cpu_blocks)
         costs = self.model_runner.measure_preemption_costs() if config.preemption_mode == "auto" else None

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention, write_kv
+from .attention import AttentionMetadata
+from .kernels import TorchBackend
 
 
 @dataclass
@@ -148,6 +149,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
+        self.attn_backend = TorchBackend()     # the reference; see set_attention_backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -159,8 +161,8 @@ class LlamaAttention(nn.Module):
         q = q * cos + _rotate_half(q) * sin                   # RoPE; cos/sin: [num_tokens, 1, head_dim]
         k = k * cos + _rotate_half(k) * sin
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        o = paged_attention(q, key_cache, value_cache, meta, self.scale)
+        self.attn_backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        o = self.attn_backend.forward(q, key_cache, value_cache, meta, self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
@@ -226,6 +228,11 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
+
+    def set_attention_backend(self, backend: TorchBackend) -> None:
+        """Give every layer this attention backend (kernels.get_attn_backend picks one)."""
+        for layer in self.layers:
+            layer.self_attn.attn_backend = backend
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import AttentionMetadata
+from .kernels import TorchBackend
 from .llama import LlamaForCausalLM
 from .sampler import Sampler, SamplingMetadata
 from .scheduler import PreemptionCosts, SchedulerOutput
@@ -71,12 +72,16 @@ class ModelRunner:
         model: a loaded LlamaForCausalLM.
         num_gpu_blocks, block_size: the KV pool's shape (as the BlockManager's).
         seed: seed of the generator for requests without their own seed.
+        num_cpu_blocks: blocks in the CPU swap pool.
+        attn_backend: the attention backend (kernels.py); None = the PyTorch reference.
     """
 
     def __init__(self, model: LlamaForCausalLM, num_gpu_blocks: int, block_size: int,
-                 seed: int = 0, num_cpu_blocks: int = 0) -> None:
+                 seed: int = 0, num_cpu_blocks: int = 0, attn_backend: TorchBackend | None = None) -> None:
         c = model.config
         self.model = model
+        self.attn_backend = attn_backend or TorchBackend()
+        model.set_attention_backend(self.attn_backend)
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
@@ -170,12 +175,10 @@ class ModelRunner:
                 out.beam_candidates[inp.sampled_seq_ids[inp.beam_rows[i]]] = (lp[:kk], ids[:kk])
         return out
 
-    @staticmethod
-    def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor,
+                    pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src_cache[src] -> dst_cache[dst] (device <-> CPU pool)."""
-        src = torch.tensor([p[0] for p in pairs], device=src_cache.device)
-        dst = torch.tensor([p[1] for p in pairs], device=dst_cache.device)
-        dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)
+        self.attn_backend.swap_blocks(src_cache, dst_cache, pairs)
 
     def measure_preemption_costs(self) -> PreemptionCosts:
         """Time a swap of a few blocks and a short prefill (once, at engine start)."""
@@ -209,6 +212,4 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer, K and V (copy-on-write)."""
-        src = torch.tensor([p[0] for p in pairs], device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        self.attn_backend.copy_blocks(self.kv_cache, pairs)

@@ -1,0 +1,214 @@
+"""Attention backends: the PyTorch reference, or the compiled kernels of `kernels/`.
+
+An attention backend is the four KV-cache operations the engine needs:
+
+    write_kv(key, value, key_cache, value_cache, slot_mapping)    this step's K/V -> slots
+    forward(query, key_cache, value_cache, meta, scale)           paged attention
+    copy_blocks(kv_cache, pairs)                                  copy-on-write
+    swap_blocks(src_cache, dst_cache, pairs)                      swap out / swap in
+
+`TorchBackend` is plain PyTorch (attention.py); `KernelBackend` calls the hand-written
+kernels, `kernels/paged_attention.cu` on a GPU and its C++ twin
+`kernels/paged_attention_cpu.cpp` on the CPU, compiled on first use by ninja through
+`torch.utils.cpp_extension.load` and cached under the nanopaged cache folder. The
+kernels cover decode (one query per sequence, most of a serving step's attention);
+prefill rows, which bring many queries, stay on the reference path.
+
+`get_attn_backend("auto" | "torch" | "cpu" | "cuda", device)` picks one; "auto" takes the
+kernel of the device when it builds and otherwise warns and falls back to the reference.
+Each model layer holds its backend (`LlamaForCausalLM.set_attention_backend`), as vLLM's
+Attention layer holds its `impl`. vLLM: `vllm/attention/selector.py`,
+`vllm/attention/backends/abstract.py`, `csrc/attention/`, `csrc/cpu/attention.cpp`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import attention
+from .attention import AttentionMetadata
+
+KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
+
+
+class KernelBuildError(RuntimeError):
+    """The compiled kernels could not be built or loaded (no compiler, no ninja, ...)."""
+
+
+class TorchBackend:
+    """The plain-PyTorch reference (attention.py): every kernel is checked against it."""
+
+    name = "torch"
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        """See attention.write_kv."""
+        attention.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """See attention.paged_attention: [num_tokens, num_heads, head_size] out."""
+        return attention.paged_attention(query, key_cache, value_cache, meta, scale)
+
+    def copy_blocks(self, kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """kv_cache[:, :, dst] = kv_cache[:, :, src] for each (src, dst) pair (copy-on-write).
+
+        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size].
+        """
+        src, dst = _pair_tensors(pairs, kv_cache.device, kv_cache.device)
+        kv_cache[:, :, dst] = kv_cache[:, :, src]
+
+    def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor,
+                    pairs: list[tuple[int, int]]) -> None:
+        """dst_cache[:, :, dst] = src_cache[:, :, src] between the device pool and the CPU pool."""
+        src, dst = _pair_tensors(pairs, src_cache.device, dst_cache.device)
+        dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)
+
+
+class KernelBackend(TorchBackend):
+    """The compiled kernels: decode attention and the three cache ops; prefill on the reference.
+
+    Args:
+        ops: the loaded extension module (see load_kernels).
+        name: "cpu" or "cuda".
+    """
+
+    def __init__(self, ops, name: str) -> None:
+        self.ops, self.name = ops, name
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        """vLLM's reshape_and_cache: row t of key/value to slot slot_mapping[t]."""
+        self.ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def forward(self, query, key_cache, value_cache, meta, scale):
+        """Decode rows through the kernel (K/V read in place), prefill rows on the reference."""
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd:
+            self.ops.paged_attention_decode(out[:nd], query[:nd].contiguous(), key_cache, value_cache,
+                                            meta.block_tables[:nd].contiguous(), meta.seq_lens[:nd], scale)
+        attention.prefill_attention(out, query, key_cache, value_cache, meta, scale)
+        return out
+
+    def copy_blocks(self, kv_cache, pairs) -> None:
+        """Copy-on-write copies, every layer, K and V, in one call."""
+        src, dst = _pair_tensors(pairs, kv_cache.device, kv_cache.device)
+        self.ops.copy_blocks(kv_cache, src, dst)
+
+    def swap_blocks(self, src_cache, dst_cache, pairs) -> None:
+        """Whole-block copies between pools (one memcpy per layer, K/V and block)."""
+        cpu = torch.device("cpu")
+        src, dst = _pair_tensors(pairs, cpu, cpu)
+        self.ops.swap_blocks(src_cache, dst_cache, src, dst)
+
+
+def _pair_tensors(pairs, src_device, dst_device) -> tuple[torch.Tensor, torch.Tensor]:
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=src_device)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=dst_device)
+    return src, dst
+
+
+def get_attn_backend(name: str, device: torch.device | str) -> TorchBackend:
+    """The attention backend called `name` for a model on `device`.
+
+    "torch": the reference. "cpu" / "cuda": that compiled kernel (it must match the
+    device). "auto": the device's kernel if it builds, else the reference with a warning
+    (and the reference on devices without a kernel, e.g. "mps").
+
+    Raises:
+        ValueError: unknown name, or a kernel for another device than `device`.
+        KernelBuildError: "cpu" or "cuda" asked for explicitly and it cannot be built.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={name!r}: expected one of {ATTENTION_BACKENDS}")
+    device = torch.device(device)
+    if name == "torch":
+        return TorchBackend()
+    kind = device.type if name == "auto" else name
+    if kind != device.type:
+        raise ValueError(f"attention_backend={name!r} cannot run a model on device {str(device)!r}")
+    if kind not in ("cpu", "cuda"):
+        return TorchBackend()
+    try:
+        return KernelBackend(load_kernels(kind), kind)
+    except KernelBuildError as e:
+        if name != "auto":
+            raise
+        warnings.warn(f"nanopaged: the {kind} paged-attention kernel is not available ({e}); "
+                      "using the PyTorch reference attention instead (same results, slower).",
+                      stacklevel=2)
+        return TorchBackend()
+
+
+def _cpu_flags() -> list[str]:
+    """Vector flags for the CPU kernel: the instruction set torch itself dispatches to."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap.startswith("AVX512"):
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+    if cap == "AVX2":
+        return ["-mavx2", "-mfma", "-mf16c"]
+    return []
+
+
+@functools.cache
+def load_kernels(kind: str):
+    """Build (first call: ~1 min, ninja) or load (cached) the kernel extension for `kind`.
+
+    kind: "cpu" (kernels/paged_attention_cpu.cpp) or "cuda" (kernels/paged_attention.cu).
+    Returns the extension module: paged_attention_decode, reshape_and_cache, copy_blocks,
+    swap_blocks.
+
+    Raises:
+        KernelBuildError: sources missing, no ninja, no C++ compiler / nvcc, or the build failed.
+    """
+    if kind == "cpu":
+        return build_extension("nanopaged_cpu", KERNELS_DIR / "paged_attention_cpu.cpp", "cpu")
+    if kind == "cuda":
+        return build_extension("nanopaged_cuda", KERNELS_DIR / "paged_attention.cu", "cuda")
+    raise ValueError(f"kind={kind!r}: expected 'cpu' or 'cuda'")
+
+
+def build_extension(name: str, source: Path, kind: str):
+    """Compile one kernel source with ninja (torch.utils.cpp_extension.load) and import it.
+
+    The build folder is <nanopaged cache>/kernels/<name>; ninja rebuilds only when the
+    source changes. CPU builds are named after the instruction set they target (e.g.
+    nanopaged_cpu_avx2) and use OpenMP, torch's own thread pool.
+
+    Raises:
+        KernelBuildError: source missing, no ninja, no compiler, or the build failed.
+    """
+    from torch.utils import cpp_extension
+
+    from .model_loader import cache_dir
+
+    if kind == "cpu":
+        name += "_" + torch.backends.cpu.get_cpu_capability().lower()
+        flags = dict(extra_cflags=["-O3", "-fopenmp", *_cpu_flags()], extra_ldflags=["-fopenmp"])
+    else:
+        flags = dict(extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math"])
+        if cpp_extension.CUDA_HOME is None:
+            raise KernelBuildError("nvcc not found (set CUDA_HOME)")
+    if not source.is_file():
+        raise KernelBuildError(f"kernel source {source} not found (nanopaged installed without its "
+                               "kernels/ folder?)")
+    if not cpp_extension.is_ninja_available():
+        raise KernelBuildError("ninja not found (pip install ninja)")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise KernelBuildError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)")
+    build_dir = cache_dir() / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):
+        print(f"nanopaged: building {source.name} (once, about a minute; cached in {build_dir})",
+              file=sys.stderr)
+    try:
+        return cpp_extension.load(name=name, sources=[str(source)], build_directory=str(build_dir),
+                                  verbose=False, **flags)
+    except Exception as e:       # compiler errors arrive as RuntimeError, CalledProcessError, ...
+        raise KernelBuildError(f"building {source.name} failed: {str(e)[-2000:]}") from e

@@ -1,0 +1,173 @@
+"""The C++ CPU kernels (kernels/paged_attention_cpu.cpp) against the PyTorch reference,
+and how the engine picks an attention backend.
+
+Tolerances, per dtype (outputs are O(1): a softmax-weighted mean of N(0, 1) values):
+- fp32: 2e-5 absolute. Both sides compute in fp32; they differ only in summation order.
+- fp16: 2e-3. The kernel accumulates in fp32 and rounds the result once to fp16
+  (a relative step of 2^-11 ~ 5e-4); the reference is computed in fp32 from the same
+  fp16 inputs.
+- bf16: 1.6e-2, for the same reason with bf16's 8-bit mantissa (2^-8 ~ 3.9e-3 relative,
+  outputs up to ~3).
+The CUDA kernel's tests are in test_kernels_cuda.py.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from nanopaged import LLM, SamplingParams
+from nanopaged import attention, kernels
+from nanopaged.kernels import KernelBackend, KernelBuildError, TorchBackend, get_attn_backend
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return kernels.load_kernels("cpu")
+
+
+def random_paged_kv(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=0):
+    """Caches with every sequence's blocks at random places in a pool with spare blocks."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    key_cache = torch.randn(shape, generator=g).to(dtype)
+    value_cache = torch.randn(shape, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(blocks_per_seq) + 1                      # padding the kernel must not read
+    tables, used = [], 0
+    for nb in blocks_per_seq:
+        row = perm[used:used + nb]
+        used += nb
+        tables.append(row + [perm[-1]] * (max_blocks - nb))
+    return key_cache, value_cache, torch.tensor(tables)
+
+
+GRID = [  # (block_size, head_size, num_heads, num_kv_heads)
+    (1, 64, 4, 4), (4, 64, 9, 3), (8, 128, 8, 2), (16, 64, 9, 3), (16, 128, 32, 8),
+    (32, 64, 4, 1), (32, 128, 12, 4), (16, 40, 6, 6),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size,head_size,num_heads,num_kv_heads", GRID)
+def test_cpu_decode_matches_reference(ops, dtype, block_size, head_size, num_heads, num_kv_heads):
+    seq_lens = [1, block_size, 2 * block_size, 3 * block_size + 1, 37, max(block_size - 1, 1)]
+    kc, vc, tables = random_paged_kv(seq_lens, num_kv_heads, head_size, block_size, dtype)
+    query = torch.randn(len(seq_lens), num_heads, head_size).to(dtype)
+    lens, scale = torch.tensor(seq_lens), head_size ** -0.5
+    out = torch.full_like(query, float("nan"))
+    ops.paged_attention_decode(out, query, kc, vc, tables, lens, scale)
+    ref = attention._decode(query.float(), kc.float(), vc.float(), tables, lens, scale)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=0)
+
+
+def test_cpu_decode_reads_only_the_first_seq_len_tokens(ops):
+    """Slots past seq_len (the rest of the last block, padded table entries) hold garbage."""
+    kc, vc, tables = random_paged_kv([5, 9], 2, 64, 4, torch.float32)
+    query, lens = torch.randn(2, 4, 64), torch.tensor([5, 9])
+    clean = torch.empty_like(query)
+    ops.paged_attention_decode(clean, query, kc, vc, tables, lens, 0.125)
+    poisoned_k, poisoned_v = kc.clone(), vc.clone()
+    for s, n in enumerate([5, 9]):
+        last = tables[s, (n - 1) // 4]
+        poisoned_k[last, (n - 1) % 4 + 1:] = float("nan")
+        poisoned_v[last, (n - 1) % 4 + 1:] = float("nan")
+    out = torch.empty_like(query)
+    ops.paged_attention_decode(out, query, poisoned_k, poisoned_v, tables, lens, 0.125)
+    torch.testing.assert_close(out, clean, atol=0, rtol=0)
+
+
+def test_cpu_reshape_and_cache_matches_write_kv_with_strided_rows(ops):
+    qkv = torch.randn(7, 3, 2, 16)                   # a fused projection: k, v are strided views
+    k, v = qkv[:, 1], qkv[:, 2]
+    slots = torch.tensor([3, 0, 17, 8, 9, 31, 12])
+    caches = [torch.zeros(8, 4, 2, 16) for _ in range(4)]
+    ops.reshape_and_cache(k, v, caches[0], caches[1], slots)
+    attention.write_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    ops.reshape_and_cache(k, v, caches[0], caches[1], torch.tensor([-1] * 7))   # padding: skipped
+    assert torch.equal(caches[0], caches[2])
+
+
+def test_cpu_copy_and_swap_blocks_match_the_reference(ops):
+    kv = torch.randn(3, 2, 10, 4, 2, 8)
+    cpu_pool = torch.zeros(3, 2, 6, 4, 2, 8)
+    backend, ref = KernelBackend(ops, "cpu"), TorchBackend()
+    kv_ref, pool_ref = kv.clone(), cpu_pool.clone()
+    for b, c, p in ((backend, kv, cpu_pool), (ref, kv_ref, pool_ref)):
+        b.copy_blocks(c, [(1, 7), (2, 8)])
+        b.swap_blocks(c, p, [(7, 0), (3, 5)])
+        b.swap_blocks(p, c, [(5, 9)])
+    assert torch.equal(kv, kv_ref) and torch.equal(cpu_pool, pool_ref)
+    assert torch.equal(kv[:, :, 9], kv[:, :, 3]) and torch.equal(cpu_pool[:, :, 0], kv[:, :, 1])
+
+
+def test_cpu_kernel_errors_name_the_argument(ops):
+    kc, vc, tables = random_paged_kv([4], 2, 64, 4, torch.float32)
+    query = torch.randn(1, 4, 64)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 9"):
+        ops.paged_attention_decode(torch.empty_like(query), query, kc, vc, tables, torch.tensor([9]), 1.0)
+    with pytest.raises(RuntimeError, match="num_heads 3 is not a multiple of num_kv_heads 2"):
+        q3 = torch.randn(1, 3, 64)
+        ops.paged_attention_decode(torch.empty_like(q3), q3, kc, vc, tables, torch.tensor([4]), 1.0)
+    with pytest.raises(RuntimeError, match="block_tables must be contiguous int64"):
+        ops.paged_attention_decode(torch.empty_like(query), query, kc, vc, tables.int(), torch.tensor([4]), 1.0)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[0\] = 99"):
+        ops.reshape_and_cache(torch.randn(1, 2, 64), torch.randn(1, 2, 64), kc, vc, torch.tensor([99]))
+
+
+# -- choosing a backend -------------------------------------------------------------------
+
+def test_backend_names_are_checked():
+    with pytest.raises(ValueError, match="attention_backend='triton'"):
+        get_attn_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="attention_backend='cuda' cannot run a model on device 'cpu'"):
+        get_attn_backend("cuda", "cpu")
+    assert isinstance(get_attn_backend("torch", "cpu"), TorchBackend)
+    assert get_attn_backend("cpu", "cpu").name == "cpu"
+
+
+def test_auto_falls_back_to_the_reference_with_a_warning(monkeypatch):
+    def broken(kind):
+        raise KernelBuildError("no C++ compiler ('nope' is not on PATH)")
+    monkeypatch.setattr(kernels, "load_kernels", broken)
+    with pytest.warns(UserWarning, match="not available .*no C\\+\\+ compiler.*PyTorch reference"):
+        backend = get_attn_backend("auto", "cpu")
+    assert backend.name == "torch"
+    with pytest.raises(KernelBuildError, match="no C\\+\\+ compiler"):
+        get_attn_backend("cpu", "cpu")
+
+
+def test_a_missing_compiler_is_a_clear_build_error(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(KernelBuildError, match="'no-such-compiler' is not on PATH"):
+        kernels.load_kernels.__wrapped__("cpu")
+
+
+def test_greedy_output_is_identical_whichever_backend_runs(tiny_model_dir):
+    """Prefill, chunked prefill, prefix hits and decode, with a small block size."""
+    prompts = ["The capital of France is", "Hello, my name is", "Paged attention splits the KV",
+               "The capital of France is Paris. Hello"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for name in ("torch", "cpu"):
+        llm = LLM(str(tiny_model_dir), attention_backend=name, num_gpu_blocks=96, block_size=4,
+                  max_num_batched_tokens=16, max_num_seqs=4)
+        assert llm.engine.attn_backend.name == name
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["torch"] == outs["cpu"]
+
+
+def test_auto_engine_serves_with_the_reference_when_the_build_fails(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(kernels, "load_kernels", lambda kind: (_ for _ in ()).throw(KernelBuildError("x")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = LLM(str(tiny_model_dir), num_gpu_blocks=32, block_size=4)
+    assert llm.engine.attn_backend.name == "torch" and any("PyTorch reference" in str(w.message) for w in caught)
+    assert llm.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].finished
