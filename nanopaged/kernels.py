@@ -177,9 +177,9 @@ def load_kernels(kind: str):
 def build_extension(name: str, source: Path, kind: str):
     """Compile one kernel source with ninja (torch.utils.cpp_extension.load) and import it.
 
-    The build folder is <nanopaged cache>/kernels/<name>; ninja rebuilds only when the
-    source changes. CPU builds are named after the instruction set they target (e.g.
-    nanopaged_cpu_avx2) and use OpenMP, torch's own thread pool.
+    The build folder is <nanopaged cache>/kernels/<name>-<python>-<torch version>; ninja
+    rebuilds only when the source changes. CPU builds are named after the instruction set
+    they target (e.g. nanopaged_cpu_avx2) and use OpenMP, torch's own thread pool.
 
     Raises:
         KernelBuildError: source missing, no ninja, no compiler, or the build failed.
@@ -202,7 +202,9 @@ def build_extension(name: str, source: Path, kind: str):
         raise KernelBuildError("ninja not found (pip install ninja)")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise KernelBuildError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)")
-    build_dir = cache_dir() / "kernels" / name
+    # One folder per python and torch version: an extension only loads into the torch it was built for.
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    build_dir = cache_dir() / "kernels" / f"{name}-{py}-torch{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         print(f"nanopaged: building {source.name} (once, about a minute; cached in {build_dir})",
