@@ -136,9 +136,13 @@ __global__ void __launch_bounds__(MAX_HEADS_PER_BLOCK * NUM_THREADS) paged_atten
   assert(seq_len >= 1 && seq_len <= max_context);
   const int64_t* table = block_tables + static_cast<int64_t>(seq) * max_blocks;
 
-  // Element 0 of this lane's first piece of token t's row. Only ever called with
-  // t < seq_len: padded block-table entries are never read.
+  // Element 0 of this lane's first piece of token t's row. Tokens past the end (in a
+  // warp's last chunk) read token seq_len - 1 instead: padded block-table entries are
+  // never touched, and the loads need no branch, so all UNROLL of them (and the block-table
+  // reads they depend on) issue back to back. Their results are ignored (K) or weighted
+  // by 0 (V: a real token's values, finite, so 0 * v = 0).
   auto row = [&](const T* cache, int t) {
+    t = t < seq_len ? t : seq_len - 1;
     const int64_t slot = table[t / block_size] * block_size + t % block_size;
     return cache + (slot * num_kv_heads + kv_head) * HEAD_SIZE + piece * VEC;
   };
@@ -158,7 +162,7 @@ __global__ void __launch_bounds__(MAX_HEADS_PER_BLOCK * NUM_THREADS) paged_atten
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int t = base + u * Map::TOKENS_PER_LOAD + token_in_load;
-      for (int i = 0; i < PPL; ++i) k[u][i] = t < seq_len ? load16(row(key_cache, t) + i * LANES * VEC) : uint4{};
+      for (int i = 0; i < PPL; ++i) k[u][i] = load16(row(key_cache, t) + i * LANES * VEC);
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -192,8 +196,8 @@ __global__ void __launch_bounds__(MAX_HEADS_PER_BLOCK * NUM_THREADS) paged_atten
   sum = block_reduce(sum, red[slice], [](float a, float b) { return a + b; });   // >= 1: exp(0) is in it
 
   // 3. out = sum_t p_t * v_t, same walk and lane map as for K: this lane accumulates its
-  // pieces of the output over the tokens it reads. Tokens past seq_len load nothing
-  // (their slots may hold anything, even NaN, and 0 * NaN is NaN).
+  // pieces of the output over the tokens it reads. (Slots past seq_len may hold anything,
+  // even NaN, and 0 * NaN is NaN: row() never reads them.)
   float acc[PPL][VEC] = {};
   for (int base = warp * Map::CHUNK; base < seq_len; base += NUM_WARPS * Map::CHUNK) {
     uint4 v[UNROLL][PPL];
@@ -202,7 +206,7 @@ __global__ void __launch_bounds__(MAX_HEADS_PER_BLOCK * NUM_THREADS) paged_atten
     for (int u = 0; u < UNROLL; ++u) {
       const int t = base + u * Map::TOKENS_PER_LOAD + token_in_load;
       p[u] = t < seq_len ? logits[t] : 0.f;
-      for (int i = 0; i < PPL; ++i) v[u][i] = t < seq_len ? load16(row(value_cache, t) + i * LANES * VEC) : uint4{};
+      for (int i = 0; i < PPL; ++i) v[u][i] = load16(row(value_cache, t) + i * LANES * VEC);
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
@@ -335,6 +339,10 @@ void launch_decode(torch::Tensor& out, const torch::Tensor& query, const torch::
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// out = softmax(scale * q K^T) V per (sequence, head) over the first seq_lens[i] tokens
+// of sequence i's blocks. Preconditions the host cannot see (the kernel asserts the
+// first): 1 <= seq_lens[i] <= block_tables.size(1) * block_size, and the first
+// ceil(seq_lens[i] / block_size) entries of each block-table row are valid block ids.
 void paged_attention_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
                             double scale) {
@@ -358,6 +366,8 @@ void paged_attention_decode(torch::Tensor out, torch::Tensor query, torch::Tenso
                 " but query is ", query.scalar_type());
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(0) > 0 && key_cache.size(1) > 0 && num_kv_heads > 0, fn,
+              ": key_cache must have blocks, block_size and num_kv_heads > 0, got ", key_cache.sizes());
   TORCH_CHECK(key_cache.size(3) == head_size, fn, ": key_cache head_size ", key_cache.size(3),
               " != query head_size ", head_size);
   TORCH_CHECK(num_heads % num_kv_heads == 0, fn, ": num_heads ", num_heads,

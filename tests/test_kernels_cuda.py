@@ -239,6 +239,11 @@ def test_decode_other_head_sizes(ops, dtype, head_size):
     assert_close(run_decode(ops, inputs), expected, dtype)
 
 
+def test_decode_block_size_need_not_be_a_power_of_two(ops):
+    inputs, expected = make_decode_case(ragged(3), 3, 6, 2, 64, torch.float32)
+    assert_close(run_decode(ops, inputs), expected, torch.float32)
+
+
 def test_decode_default_model_shape(ops):
     """SmolLM2-135M: 9 query heads over 3 kv heads, head_size 64, block_size 16, bf16."""
     inputs, expected = make_decode_case([1, 15, 16, 17, 200], 16, 9, 3, 64, torch.bfloat16)
