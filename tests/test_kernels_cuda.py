@@ -1,0 +1,365 @@
+"""The CUDA kernels (kernels/paged_attention.cu) agree with the PyTorch reference.
+
+Three layers, so that the kernels are checked on every machine, GPU or not:
+
+1. nvcc compiles the extension (with the flags torch uses for extensions) and the dev
+   file kernels/dev/paged_attention_dev.cu for sm_90. Skipped without nvcc.
+2. The kernels' own source, compiled for the CPU against tests/simt/simt.h (a tiny SIMT
+   emulator), runs the attention and cache-op cases below. Skipped without g++ and
+   CUDA's headers.
+3. The built extension runs the same cases and more on a GPU. Skipped without one.
+
+Tolerances: the kernel reads the dtype's values exactly and does all its math in fp32, so
+its error is fp32 rounding plus one rounding of the output to the dtype. We compare with
+the reference in float64: fp32 1e-5 (summing a few hundred terms costs ~1e-6), fp16 1e-3
+(half an ulp is 2^-11 = 4.9e-4 relative), bf16 1e-2 (2^-8 = 3.9e-3), each as atol + rtol.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanopaged.attention import _decode, write_kv
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL = ROOT / "kernels" / "paged_attention.cu"
+DEV = ROOT / "kernels" / "dev" / "paged_attention_dev.cu"
+SIMT = ROOT / "tests" / "simt"
+EXTENSION_FLAGS = ["-O3"]          # what kernels/paged_attention.cu needs from the loader
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+HAS_GPU = torch.cuda.is_available()
+
+
+def load_cuda_extension():
+    """Build (first time, ~1-3 minutes) and import the extension, as the loader does."""
+    from torch.utils.cpp_extension import load
+    return load(name="nanopaged_cuda", sources=[str(KERNEL)], extra_cuda_cflags=EXTENSION_FLAGS)
+
+
+# ---------------------------------------------------------------- 1. nvcc compile check
+
+def cuda_include_dir() -> Path | None:
+    """CUDA's include folder (cuda_fp16.h), or None. /usr/local/bin/nvcc may be a wrapper
+    script, so its location alone does not say where the toolkit is."""
+    nvcc = shutil.which("nvcc")
+    candidates = [os.environ.get("CUDA_HOME"), "/usr/local/cuda", nvcc and Path(nvcc).resolve().parents[1]]
+    for home in filter(None, candidates):
+        if (Path(home) / "include" / "cuda_fp16.h").exists():
+            return Path(home) / "include"
+    return None
+
+
+def nvcc_compile(source: Path, out: Path, flags: list[str]) -> None:
+    """nvcc -c `source` for sm_90; fails the test with nvcc's output."""
+    cmd = ["nvcc", "-c", str(source), "-o", str(out), "-std=c++17", "-O3",
+           "-gencode", "arch=compute_90,code=sm_90", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+
+@pytest.mark.slow          # ~2-3 minutes on 2 cores: torch's headers, not our code
+@needs_nvcc
+def test_extension_compiles_with_nvcc(tmp_path):
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+    includes = [*include_paths(), sysconfig.get_paths()["include"]]
+    flags = ["-DTORCH_EXTENSION_NAME=nanopaged_cuda", "-DTORCH_API_INCLUDE_EXTENSION_H",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             # A CPU-only torch wheel ships c10/cuda's headers but not the one file CMake
+             # generates for them (c10/cuda/impl/cuda_cmake_macros.h, which only defines
+             # C10_CUDA_BUILD_SHARED_LIBS for Windows DLL exports); this macro is c10's
+             # own switch to skip it. A CUDA wheel has the file; the flag is then a no-op.
+             "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",
+             *COMMON_NVCC_FLAGS, "--compiler-options", "-fPIC", *EXTENSION_FLAGS,
+             *(arg for p in includes for arg in ("-isystem", p))]
+    nvcc_compile(KERNEL, tmp_path / "paged_attention.o", flags)
+
+
+@needs_nvcc
+def test_dev_kernels_compile_with_nvcc(tmp_path):
+    nvcc_compile(DEV, tmp_path / "paged_attention_dev.o", [])
+
+
+# ---------------------------------------------------------------- backends
+
+class SimtOps:
+    """The kernels run by the SIMT emulator on CPU tensors, same calls as the extension."""
+
+    device = "cpu"
+    DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    @staticmethod
+    def _ptrs(*tensors):
+        return [ctypes.c_void_p(t.data_ptr()) for t in tensors]
+
+    def paged_attention_decode(self, out, query, key_cache, value_cache, block_tables, seq_lens, scale):
+        assert out.is_contiguous() and query.stride(2) == 1 and key_cache.is_contiguous()
+        _, block_size, num_kv_heads, head_size = key_cache.shape
+        rc = self.lib.simt_paged_attention(
+            self.DTYPE_CODE[query.dtype], head_size, *self._ptrs(out, query, key_cache, value_cache,
+                                                                 block_tables, seq_lens),
+            ctypes.c_int64(query.stride(0)), ctypes.c_int64(query.stride(1)), query.shape[0], query.shape[1],
+            num_kv_heads, block_size, block_tables.shape[1], ctypes.c_float(scale))
+        assert rc == 0
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
+        rc = self.lib.simt_reshape_and_cache(
+            key.element_size(), *self._ptrs(key, value, key_cache, value_cache, slot_mapping),
+            *(ctypes.c_int64(s) for s in (key.stride(0), key.stride(1), value.stride(0), value.stride(1))),
+            key.shape[0], key.shape[1], key.shape[2])
+        assert rc == 0
+
+    def copy_blocks(self, kv_cache, src, dst):
+        chunk_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
+        rc = self.lib.simt_copy_blocks(*self._ptrs(kv_cache, src, dst), len(src), kv_cache.shape[0] * 2,
+                                       ctypes.c_int64(kv_cache.shape[2]), ctypes.c_int64(chunk_bytes))
+        assert rc == 0
+
+
+class CudaOps:
+    """The built extension on the GPU."""
+
+    device = "cuda"
+
+    def __init__(self, module):
+        self.module = module
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+@pytest.fixture(scope="session")
+def simt_ops(tmp_path_factory):
+    include = cuda_include_dir()
+    if shutil.which("g++") is None or include is None:
+        pytest.skip("the SIMT emulator needs g++ and CUDA's headers (cuda_fp16.h)")
+    folder = tmp_path_factory.mktemp("simt")
+    # The one rewrite: dynamic shared memory becomes the emulator's per-block buffer.
+    source, n = re.subn(r"extern __shared__ (\w+) (\w+)\[\];",
+                        r"\1* \2 = reinterpret_cast<\1*>(::simt::dynamic_smem.data());", KERNEL.read_text())
+    assert n == 1, "expected one `extern __shared__` declaration in paged_attention.cu"
+    (folder / "kernel.inc").write_text(source)
+    lib = folder / "libsimt.so"
+    cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", f"-I{include}", f"-I{SIMT}",
+           f'-DKERNEL_SOURCE="{folder / "kernel.inc"}"', str(SIMT / "harness.cpp"), "-o", str(lib)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr}"
+    return SimtOps(ctypes.CDLL(str(lib)))
+
+
+@pytest.fixture(scope="session")
+def cuda_ops():
+    if not HAS_GPU:
+        pytest.skip("no CUDA GPU")
+    return CudaOps(load_cuda_extension())
+
+
+@pytest.fixture(params=["simt", "cuda"])
+def ops(request):
+    return request.getfixturevalue(f"{request.param}_ops")
+
+
+# ---------------------------------------------------------------- attention
+
+def make_decode_case(seq_lens, block_size, num_heads, num_kv_heads, head_size, dtype, seed=0):
+    """Random q and caches, blocks scattered over the pool. Returns (kernel inputs, reference).
+
+    The kernel's inputs are poisoned where it must not look: block-table padding points
+    far outside the pool, and the unused slots of each last block hold NaN. The reference
+    gets the same values with padding -> block 0 and NaN -> 0, in float64.
+    """
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in seq_lens) + 1          # + 1: a padded column
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    key_cache = torch.randn(shape, generator=g).to(dtype)
+    value_cache = torch.randn(shape, generator=g).to(dtype)
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=g).to(dtype)
+    block_tables = torch.full((len(seq_lens), max_blocks), 1 << 40, dtype=torch.int64)
+    perm, used = torch.randperm(num_blocks, generator=g), 0
+    for i, n in enumerate(seq_lens):
+        blocks = perm[used: used + -(-n // block_size)]
+        used += len(blocks)
+        block_tables[i, :len(blocks)] = blocks
+        if n % block_size:
+            for cache in (key_cache, value_cache):
+                cache[blocks[-1], n % block_size:] = float("nan")
+    seq_lens = torch.tensor(seq_lens)
+    scale = head_size ** -0.5
+    expected = _decode(query.double(), key_cache.double().nan_to_num(), value_cache.double().nan_to_num(),
+                       torch.where(block_tables < num_blocks, block_tables, 0), seq_lens, scale)
+    return (query, key_cache, value_cache, block_tables, seq_lens, scale), expected
+
+
+def run_decode(ops, inputs):
+    query, key_cache, value_cache, block_tables, seq_lens, scale = (
+        x.to(ops.device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    out = torch.empty_like(query)
+    ops.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale)
+    return out.cpu()
+
+
+def assert_close(out, expected, dtype):
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+def ragged(block_size):
+    """Context lengths around block boundaries: 1, one block, several, one past, one short,
+    and two unaligned ones long enough that every warp takes several steps."""
+    return sorted({1, block_size, 2 * block_size, 3 * block_size + 1, max(block_size - 1, 1), 37, 130})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 4, 8, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)], ids=["mha", "gqa3", "gqa4"])
+def test_decode_matches_reference(ops, dtype, head_size, block_size, num_heads, num_kv_heads):
+    inputs, expected = make_decode_case(ragged(block_size), block_size, num_heads, num_kv_heads, head_size, dtype)
+    assert_close(run_decode(ops, inputs), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_size", [16, 32, 256])
+def test_decode_other_head_sizes(ops, dtype, head_size):
+    inputs, expected = make_decode_case(ragged(16), 16, 4, 2, head_size, dtype)
+    assert_close(run_decode(ops, inputs), expected, dtype)
+
+
+def test_decode_block_size_need_not_be_a_power_of_two(ops):
+    inputs, expected = make_decode_case(ragged(3), 3, 6, 2, 64, torch.float32)
+    assert_close(run_decode(ops, inputs), expected, torch.float32)
+
+
+def test_decode_default_model_shape(ops):
+    """SmolLM2-135M: 9 query heads over 3 kv heads, head_size 64, block_size 16, bf16."""
+    inputs, expected = make_decode_case([1, 15, 16, 17, 200], 16, 9, 3, 64, torch.bfloat16)
+    assert_close(run_decode(ops, inputs), expected, torch.bfloat16)
+
+
+def test_decode_reads_query_through_its_strides(ops):
+    """q may be a view of a fused qkv projection: [num_seqs, num_heads, head_size] with a
+    token stride larger than num_heads * head_size."""
+    (query, *caches, scale), expected = make_decode_case([5, 40], 16, 4, 2, 64, torch.float32)
+    fused = torch.cat([query.reshape(2, -1), torch.full((2, 96), float("nan"))], dim=1).to(ops.device)
+    view = fused[:, :4 * 64].view(2, 4, 64)
+    assert not view.is_contiguous()
+    out = torch.empty(view.shape, device=ops.device)
+    ops.paged_attention_decode(out, view, *(c.to(ops.device) for c in caches), scale)
+    assert_close(out.cpu(), expected, torch.float32)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")
+@pytest.mark.parametrize("context", [2048, 5000, 20000], ids=lambda n: f"ctx{n}")
+def test_decode_long_contexts(cuda_ops, context):
+    """20000 tokens need 80 KB of logits: past the default 48 KB of shared memory."""
+    inputs, expected = make_decode_case([context, context // 3, 1], 16, 8, 2, 128, torch.bfloat16)
+    assert_close(run_decode(cuda_ops, inputs), expected, torch.bfloat16)
+
+
+def _trim_head_size(a):
+    return {**a, **{k: a[k][..., :48].contiguous() for k in ("out", "query", "key_cache", "value_cache")}}
+
+
+BAD_DECODE_INPUTS = {
+    "head_size": (_trim_head_size, "head_size 48 is not supported"),
+    "gqa": (lambda a: {**a, "query": a["query"][:, :3].contiguous(), "out": a["out"][:, :3].contiguous()},
+            "num_heads 3 is not a multiple of num_kv_heads 2"),
+    "dtype_mismatch": (lambda a: {**a, "key_cache": a["key_cache"].half()}, "key_cache is Half but query is Float"),
+    "int32_table": (lambda a: {**a, "block_tables": a["block_tables"].int()}, "block_tables must be int64"),
+    "device": (lambda a: {**a, "seq_lens": a["seq_lens"].cpu()}, "seq_lens must be on cuda"),
+    "float64": (lambda a: {k: v.double() if v.is_floating_point() else v for k, v in a.items()},
+                "dtype Double is not supported"),
+    "too_long": (lambda a: {**a, "block_tables": a["block_tables"].new_zeros(1, 20000)},
+                 "block_tables of 20000 blocks x block_size 4 need 321024 bytes of shared memory per head"),
+}
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")
+@pytest.mark.parametrize("case", BAD_DECODE_INPUTS)
+def test_decode_rejects_bad_inputs_by_name(cuda_ops, case):
+    change, message = BAD_DECODE_INPUTS[case]
+    (query, key_cache, value_cache, block_tables, seq_lens, scale), _ = make_decode_case(
+        [5], 4, 4, 2, 64, torch.float32)
+    args = {"out": torch.empty_like(query), "query": query, "key_cache": key_cache, "value_cache": value_cache,
+            "block_tables": block_tables, "seq_lens": seq_lens}
+    args = change({k: v.cuda() for k, v in args.items()})
+    with pytest.raises(RuntimeError, match=message):
+        cuda_ops.paged_attention_decode(**args, scale=scale)
+
+
+# ---------------------------------------------------------------- cache ops
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_reshape_and_cache_writes_slots_and_skips_padding(ops, dtype):
+    """K/V arrive as strided views of a fused qkv tensor; slot -1 is padding."""
+    g = torch.Generator().manual_seed(1)
+    num_tokens, num_heads, num_kv_heads, head_size, num_blocks, block_size = 7, 4, 2, 64, 5, 4
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, generator=g).to(dtype)
+    slots = torch.tensor([3, 17, -1, 0, 19, -1, 8])
+    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=g).to(dtype) for _ in "kv"]
+
+    def split(qkv):        # -> key, value: [num_tokens, num_kv_heads, head_size] views
+        _, k, v = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=1)
+        return k.view(num_tokens, num_kv_heads, head_size), v.view(num_tokens, num_kv_heads, head_size)
+
+    expected = [c.clone() for c in caches]
+    keep = slots >= 0
+    key, value = split(qkv)
+    write_kv(key[keep], value[keep], *expected, slots[keep])
+
+    key, value = split(qkv.to(ops.device))
+    assert not key.is_contiguous()
+    key_cache, value_cache = (c.to(ops.device) for c in caches)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slots.to(ops.device))
+    assert torch.equal(key_cache.cpu(), expected[0]) and torch.equal(value_cache.cpu(), expected[1])
+
+
+def test_copy_blocks_copies_every_layer_k_and_v(ops):
+    """model_runner.copy_blocks: kv_cache[:, :, dst] = kv_cache[:, :, src]."""
+    g = torch.Generator().manual_seed(2)
+    kv_cache = torch.randn(3, 2, 10, 4, 2, 64, generator=g).to(torch.bfloat16)
+    src, dst = torch.tensor([0, 3, 5, 5]), torch.tensor([7, 8, 9, 1])
+    expected = kv_cache.clone()
+    expected[:, :, dst] = expected[:, :, src]
+    cache = kv_cache.to(ops.device)
+    ops.copy_blocks(cache, src.to(ops.device), dst.to(ops.device))
+    assert torch.equal(cache.cpu(), expected)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")
+@pytest.mark.parametrize("direction", ["gpu_to_cpu", "cpu_to_gpu", "gpu_to_gpu"])
+def test_swap_blocks_between_pools(cuda_ops, direction):
+    """model_runner.swap_blocks: dst_cache[:, :, dst] = src_cache[:, :, src]; the pools
+    differ in num_blocks, the CPU one is pinned."""
+    g = torch.Generator().manual_seed(3)
+    gpu = torch.randn(2, 2, 10, 16, 3, 64, generator=g).to(torch.float16).cuda()
+    other = torch.randn(2, 2, 6, 16, 3, 64, generator=g).to(torch.float16)
+    other = other.cuda() if direction == "gpu_to_gpu" else other.pin_memory()
+    src_cache, dst_cache = (other, gpu) if direction == "cpu_to_gpu" else (gpu, other)
+    src, dst = torch.tensor([1, 4, 5]), torch.tensor([2, 0, 5])
+    expected = dst_cache.cpu().clone()
+    expected[:, :, dst] = src_cache.cpu()[:, :, src]
+    cuda_ops.swap_blocks(src_cache, dst_cache, src, dst)
+    torch.cuda.synchronize()
+    assert torch.equal(dst_cache.cpu(), expected)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")
+def test_swap_blocks_rejects_out_of_range_ids(cuda_ops):
+    gpu, cpu = torch.zeros(1, 2, 4, 2, 1, 16).cuda(), torch.zeros(1, 2, 3, 2, 1, 16)
+    with pytest.raises(RuntimeError, match=r"pair 0 \(1 -> 3\) is out of range for 4 -> 3 blocks"):
+        cuda_ops.swap_blocks(gpu, cpu, torch.tensor([1]), torch.tensor([3]))
