@@ -192,7 +192,9 @@ def build_extension(name: str, source: Path, kind: str):
         name += "_" + torch.backends.cpu.get_cpu_capability().lower()
         flags = dict(extra_cflags=["-O3", "-fopenmp", *_cpu_flags()], extra_ldflags=["-fopenmp"])
     else:
-        flags = dict(extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "--use_fast_math"])
+        flags = dict(extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])   # __expf is explicit: no fast-math
+        if torch.version.cuda is None:
+            raise KernelBuildError(f"torch {torch.__version__} is a CPU build: no CUDA kernels")
         if cpp_extension.CUDA_HOME is None:
             raise KernelBuildError("nvcc not found (set CUDA_HOME)")
     if not source.is_file():

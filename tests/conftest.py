@@ -16,7 +16,7 @@ TINY_VOCAB = 320
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: needs the real default model (download/convert once, "
-                                       "then tens of seconds)")
+                                       "then tens of seconds) or a long compile (nvcc)")
 
 
 def make_tiny_tokenizer(folder):

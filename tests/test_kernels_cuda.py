@@ -39,9 +39,9 @@ HAS_GPU = torch.cuda.is_available()
 
 
 def load_cuda_extension():
-    """Build (first time, ~1-3 minutes) and import the extension, as the loader does."""
-    from torch.utils.cpp_extension import load
-    return load(name="nanopaged_cuda", sources=[str(KERNEL)], extra_cuda_cflags=EXTENSION_FLAGS)
+    """Build (first time, ~1-3 minutes) and import the extension through the engine's loader."""
+    from nanopaged.kernels import load_kernels
+    return load_kernels("cuda")
 
 
 # ---------------------------------------------------------------- 1. nvcc compile check
