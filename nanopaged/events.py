@@ -110,9 +110,10 @@ class SequenceScheduled:
     forks: tuple[int, ...] = ()
 
     def __str__(self) -> str:
-        forks = f", shared with seqs {list(self.forks)}" if self.forks else ""
-        return (f"seq {self.seq_id} ({self.request_id}) {self.kind}: positions "
-                f"{self.start}..{self.start + self.num_tokens - 1}{forks}")
+        where = (f"position {self.start}" if self.num_tokens == 1 else
+                 f"{self.num_tokens} tokens, positions {self.start}..{self.start + self.num_tokens - 1}")
+        forks = f", sampled by seqs {list(self.forks)} too" if self.forks else ""
+        return f"seq {self.seq_id} ({self.request_id}) {self.kind}: {where}{forks}"
 
 
 @dataclass(frozen=True)

@@ -157,8 +157,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         "fig7", "Figure 7: two requests in one physical pool",
         "Two requests grow one block at a time, each when its last block is full, so their "
         "logical blocks end up interleaved in the pool: neither needs contiguous memory.",
-        (TraceRequest("A", "Four score and seven years ago our", _greedy(10)),
-         TraceRequest("B", "It was the best of times", _greedy(10))),
+        (TraceRequest("A", "Four score and seven years ago our", _greedy(6)),
+         TraceRequest("B", "It was the best of times", _greedy(6))),
         num_gpu_blocks=12, transition="the two requests' blocks interleave in the pool",
         find=_interleaved),
     Scenario(

@@ -190,7 +190,8 @@ class TraceView:
             elif isinstance(e, ev.BlockEvicted):
                 lines.append(Text(f"block{s} {ids} evicted from the prefix cache for reuse", style="dim"))
             elif isinstance(e, ev.BlocksShared):
-                lines.append(Text.assemble(self.seq(e.seq_id), f" shares blocks {', '.join(map(str, e.block_ids))} "
+                lines.append(Text.assemble(self.seq(e.seq_id), f" shares block{'s' if len(e.block_ids) > 1 else ''} "
+                                           f"{', '.join(map(str, e.block_ids))} "
                                            "with ", self.seq(e.parent_seq_id), " (ref_count + 1)"))
             elif isinstance(e, ev.PrefixCacheHit):
                 hit = (f" prefix-cache hit: reuses blocks {', '.join(map(str, e.block_ids))}, "

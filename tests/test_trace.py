@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 
 from nanopaged import SamplingParams
@@ -268,3 +269,26 @@ def test_the_command_exports_fig6_as_svg(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "Shown at step 3" in proc.stdout
     assert ET.parse(out).getroot().tag.endswith("svg")
+
+
+def svg_lines(path) -> list[str]:
+    """The non-blank text lines of a rich SVG export, whitespace removed (rich writes
+    each styled run as a <text> whose clip-path names its line)."""
+    lines: dict[int, str] = {}
+    for t in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}text"):
+        m = re.search(r"line-(\d+)\)", t.get("clip-path", ""))
+        if m:
+            lines[int(m.group(1))] = lines.get(int(m.group(1)), "") + "".join((t.text or "").split())
+    return [line for _, line in sorted(lines.items()) if line]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_the_chapter_figures_are_what_the_tracer_draws_today(real_runs, name):
+    if torch.cuda.is_available():
+        pytest.skip("the figures were drawn on the CPU in float32; a GPU in bfloat16 may sample other tokens")
+    _, text, _ = real_runs[name]
+    fresh = [line for line in ("".join(t.split()) for t in text.splitlines()) if line]
+    assert svg_lines(ROOT / "chapters" / "figures" / f"trace-{name}.svg") == fresh, (
+        "the figure is stale: regenerate it with "
+        f"python -m nanopaged.trace --scenario {name} --export chapters/figures/trace-{name}.svg")
