@@ -121,12 +121,14 @@ def _interleaved(history: History) -> int | None:
 
 
 def _copy_on_write_after_sharing(history: History) -> int | None:
+    """cow: a copy-on-write, once blocks have been shared."""
     def found(step, seen):
         return bool(_of(ev.CopyOnWrite, step)) and bool(_of(ev.BlocksShared, seen))
     return _first_step(history, found)
 
 
 def _later_request_hits(history: History) -> int | None:
+    """prefix: a prefix-cache hit by a request other than the first one."""
     def found(step, seen):
         first = _of(ev.RequestAdded, seen)[0].request_id
         return any(e.request_id != first and e.num_tokens > 0 for e in _of(ev.PrefixCacheHit, step))
@@ -134,10 +136,12 @@ def _later_request_hits(history: History) -> int | None:
 
 
 def _swapped_back_and_recomputed(history: History) -> int | None:
+    """preempt: a request swapped out and back in, and another one preempted by recompute."""
     def found(_, seen):
         swapped = {e.request_id for e in _of(ev.Preempted, seen) if e.mode == "swap"}
         back = swapped & {e.request_id for e in _of(ev.SwapIn, seen)}
-        return bool(back) and any(e.mode == "recompute" for e in _of(ev.Preempted, seen))
+        recomputed = {e.request_id for e in _of(ev.Preempted, seen) if e.mode == "recompute"}
+        return any(r != b for r in recomputed for b in back)
     return _first_step(history, found)
 
 

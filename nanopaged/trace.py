@@ -1,8 +1,8 @@
 """Tracer: `python -m nanopaged.trace`, watch the engine think, one step at a time.
 
     python -m nanopaged.trace [--model PATH] [--scenario NAME | --prompt TEXT ...]
-        [--block-size 4] [--num-gpu-blocks N] [--steps N] [--no-pause]
-        [--export FILE.svg|FILE.html]
+        [--max-tokens N] [--block-size 4] [--num-gpu-blocks N] [--steps N] [--no-pause]
+        [--export FILE.svg|FILE.html] [--width N]
 
 It runs the real engine on the real model (a small pool and block size 4 by default, so
 paging is visible) and after every step draws what happened (the events of events.py)
@@ -99,6 +99,7 @@ def _next_step_wanted() -> bool:
 
 
 def _positive(name: str):
+    """An argparse type: an integer >= 1, or an error naming the flag and the value."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -114,21 +115,24 @@ def main(argv: list[str] | None = None) -> int:
     """The command line (see the module doc). Returns the exit status: 0, 1 for an error
     while loading or running (printed), 2 for bad arguments (argparse's usage error)."""
     ap = argparse.ArgumentParser(prog="python -m nanopaged.trace", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="local HF Llama folder or hub id (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, metavar="PATH",
+                    help="local HF Llama folder or hub id (default: SmolLM2-135M-Instruct)")
     what = ap.add_mutually_exclusive_group()
     what.add_argument("--scenario", default=None, metavar="NAME",
                       help="; ".join([f"{s.name}: {s.title}" for s in SCENARIOS.values()]) + " (default fig6)")
     what.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT",
                       help="trace your own prompts instead (greedy, all at the start)")
-    ap.add_argument("--max-tokens", type=_positive("--max-tokens"), default=8, help="per --prompt (default 8)")
-    ap.add_argument("--block-size", type=_positive("--block-size"), default=None, help="tokens per block (default 4)")
-    ap.add_argument("--num-gpu-blocks", type=_positive("--num-gpu-blocks"), default=None,
+    ap.add_argument("--max-tokens", type=_positive("--max-tokens"), default=8, metavar="N",
+                    help="per --prompt (default 8)")
+    ap.add_argument("--block-size", type=_positive("--block-size"), default=None, metavar="N",
+                    help="tokens per block (default 4)")
+    ap.add_argument("--num-gpu-blocks", type=_positive("--num-gpu-blocks"), default=None, metavar="N",
                     help="blocks in the device pool (default: the scenario's small pool; 16 with --prompt)")
-    ap.add_argument("--steps", type=_positive("--steps"), default=None, help="stop after N steps")
+    ap.add_argument("--steps", type=_positive("--steps"), default=None, metavar="N", help="stop after N steps")
     ap.add_argument("--no-pause", action="store_true", help="print every step without waiting for a key")
     ap.add_argument("--export", default=None, metavar="FILE.svg|FILE.html",
                     help="also write the whole trace to an SVG or HTML file")
-    ap.add_argument("--width", type=_positive("--width"), default=None,
+    ap.add_argument("--width", type=_positive("--width"), default=None, metavar="N",
                     help="characters per line (default: the terminal's; 110 when not a terminal)")
     args = ap.parse_args(argv)
     if args.scenario is not None and args.scenario not in SCENARIOS:

@@ -10,6 +10,7 @@ trace.py drives the engine; after every step it hands this view the step's event
     A/seq 0 · running                                       each sequence's block table
     logical  physical  filled  tokens
           0         0     4/4  Four│ score│ and│ seven
+          1         1     4/4   years│ ago│ our│ relationship
           2         2     1/4   was│·│·│·
     next ' a' → block 2, slot 1                             the token sampled this step
     device pool: 8 blocks, 5 free       prefix cache: ...   the pool, coloured by owner
@@ -59,12 +60,15 @@ class TraceView:
         self._token_text: dict[int, str] = {}
 
     def colour(self, request_id: str) -> str:
+        """The request's colour: the next of PALETTE the first time it is seen."""
         return self.colours.setdefault(request_id, PALETTE[len(self.colours) % len(PALETTE)])
 
     def request(self, request_id: str) -> Text:
+        """The request id in its colour."""
         return Text(request_id, style=self.colour(request_id))
 
     def seq(self, seq_id: int) -> Text:
+        """"A/seq 0": a sequence named with its request, in the request's colour."""
         rid = self.seq_request.get(seq_id, "?")
         return Text(f"{rid}/seq {seq_id}", style=self.colour(rid))
 
@@ -83,6 +87,7 @@ class TraceView:
     # -- the trace ------------------------------------------------------------------------------
 
     def header(self, scenario: Scenario) -> None:
+        """The scenario, the engine's settings and the requests, in a panel."""
         e, bm = self.engine, self.engine.block_manager
         body = Text.assemble((scenario.title, "bold"), "\n", scenario.watch, "\n\n",
                              f"model {e.model_path.name} · block size {bm.block_size} · {bm.num_gpu_blocks} "
@@ -98,6 +103,7 @@ class TraceView:
         self.console.print(Panel(body, title=f"nanopaged trace · {scenario.name}", title_align="left"))
 
     def step(self, number: int, events: list[ev.Event]) -> None:
+        """Draw step `number`: its events, then the engine's state after it."""
         for e in events:
             if isinstance(e, ev.RequestAdded):
                 self.seq_request.update(dict.fromkeys(e.seq_ids, e.request_id))
@@ -111,6 +117,7 @@ class TraceView:
         self.console.print(below)
 
     def summary(self, scenario: Scenario, history: History, finished: bool) -> None:
+        """How many steps ran, and the step where the scenario made its point (if it did)."""
         self.console.rule(f"{len(history)} steps, {'all requests finished' if finished else 'stopped early'}",
                           style="bold")
         if scenario.find is None:
