@@ -23,6 +23,7 @@ Blocks are shared, which is why they are reference counted:
   A block whose ref_count drops to 0 keeps its hash and stays in the free queue; it is
   evicted only when a fresh block is needed and it is the least recently freed.
 
+Every change to a block is published as an event (events.py) when someone listens.
 "GPU" is vLLM's name for the device pool; on a CPU-only run it lives in host memory.
 vLLM: `vllm/core/block_manager.py` (v0), `vllm/v1/core/block_pool.py`,
 `vllm/v1/core/kv_cache_manager.py` and `kv_cache_utils.py` (v1).
@@ -33,6 +34,8 @@ import hashlib
 from array import array
 from collections import Counter, OrderedDict
 
+from .events import (BlockAllocated, BlockCached, BlockEvicted, BlockFreed, BlocksShared, CopyOnWrite,
+                     Observers, PrefixCacheHit, SwapIn, SwapOut)
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -51,10 +54,12 @@ class BlockManager:
         block_size: token slots per block (>= 1).
         enable_prefix_caching: reuse full blocks across requests by content hash.
         num_cpu_blocks: blocks in the CPU swap pool (0: no swapping).
+        observers: where to publish block events (events.py); the engine passes its own.
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, observers: Observers | None = None) -> None:
+        self.observers = Observers() if observers is None else observers
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
@@ -128,12 +133,16 @@ class BlockManager:
             self.cached_blocks[h] = block_id
             self.block_hash[block_id] = h
             self.block_token_ids[block_id] = tuple(seq.token_ids_slice(i * bs, (i + 1) * bs))
+            if self.observers:
+                self.observers.publish(BlockCached(block_id, seq.seq_id, self.block_token_ids[block_id]))
 
     def _evict(self, block_id: int) -> None:
         h = self.block_hash[block_id]
         if h is not None:
             del self.cached_blocks[h]
             self.block_hash[block_id] = self.block_token_ids[block_id] = None
+            if self.observers:
+                self.observers.publish(BlockEvicted(block_id))
 
     # -- questions the scheduler asks before it commits to anything ----------------------
 
@@ -205,6 +214,9 @@ class BlockManager:
                 del self.free_block_ids[block_id]
             self.ref_count[block_id] += 1
             first.block_table.append_block(block_id)
+        if hits and self.observers:
+            self.observers.publish(PrefixCacheHit(seq_group.request_id, first.seq_id, tuple(hits),
+                                                  len(hits) * self.block_size))
         first.num_computed_tokens = len(hits) * self.block_size
         self.append_slots(first, first_end)
         shared = first.block_table.block_ids[:len(first.prompt_token_ids) // self.block_size]
@@ -212,6 +224,8 @@ class BlockManager:
             for block_id in shared:
                 self.ref_count[block_id] += 1
                 seq.block_table.append_block(block_id)
+            if self.observers:
+                self.observers.publish(BlocksShared(seq.seq_id, first.seq_id, tuple(shared)))
             seq.num_computed_tokens = seq.block_table.num_tokens = len(shared) * self.block_size
             self.append_slots(seq, seq.num_tokens)
 
@@ -237,8 +251,12 @@ class BlockManager:
             table.block_ids[-1] = dst
             copies.append((src, dst))
             self.num_copy_on_write += 1
+            if self.observers:
+                self.observers.publish(CopyOnWrite(seq.seq_id, len(table) - 1, src, dst))
         for _ in range(table.num_new_blocks_for(end)):
             table.append_block(self._allocate_block())
+            if self.observers:
+                self.observers.publish(BlockAllocated(seq.seq_id, table.block_ids[-1], len(table) - 1))
         table.num_tokens = end
         self._cache_full_blocks(seq, already_full, end)
         return copies
@@ -253,6 +271,8 @@ class BlockManager:
         child.block_table.num_tokens = parent.block_table.num_tokens
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
+        if self.observers:
+            self.observers.publish(BlocksShared(child.seq_id, parent.seq_id, tuple(parent.block_table.block_ids)))
 
     # -- swapping (preemption by swap, paper §4.5) -------------------------------------------
 
@@ -287,6 +307,9 @@ class BlockManager:
             table.block_ids, table.num_tokens, table.on_cpu = [mapping[g] for g in gpu_ids], num_tokens, True
             for cpu in table.block_ids:
                 self.cpu_ref_count[cpu] += 1
+        if self.observers:
+            self.observers.publish(SwapOut(seq_group.request_id, tuple(mapping.items()),
+                                           {s.seq_id: tuple(s.block_table.block_ids) for s in seqs}))
         return list(mapping.items())
 
     def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
@@ -302,6 +325,9 @@ class BlockManager:
             table.block_ids, table.num_tokens = [mapping[c] for c in cpu_ids], num_tokens
             for gpu in table.block_ids:
                 self.ref_count[gpu] += 1
+        if self.observers:
+            self.observers.publish(SwapIn(seq_group.request_id, tuple(mapping.items()),
+                                          {s.seq_id: tuple(s.block_table.block_ids) for s in seqs}))
         return list(mapping.items())
 
     def free(self, seq: Sequence) -> None:
@@ -321,6 +347,8 @@ class BlockManager:
             self.ref_count[block_id] -= 1
             if self.ref_count[block_id] == 0:
                 self.free_block_ids[block_id] = None
+            if self.observers:
+                self.observers.publish(BlockFreed(seq.seq_id, block_id, self.ref_count[block_id]))
 
     def _allocate_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)   # least recently freed

@@ -9,7 +9,8 @@ step of vLLM's `LLMEngine`):
 
 Requests come in with `add_request`, which checks them completely before the engine
 does any work for them (a bad request raises and leaves no trace), and leave when they
-finish or are aborted, at which point all their blocks go back to the pool.
+finish or are aborted, at which point all their blocks go back to the pool. Observers
+added with `add_observer` hear what each step does, as events (events.py).
 vLLM: `vllm/engine/llm_engine.py` (v0), `vllm/v1/engine/core.py` (v1).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .events import Observer, Observers, RequestAdded, RequestFinished
 from .kernels import get_attn_backend
 from .llama import LlamaConfig, load_model
 from .model_runner import ModelRunner, ModelRunnerOutput
@@ -63,8 +65,9 @@ class LLMEngine:
         self.attn_backend = get_attn_backend(config.attention_backend, config.torch_device)
         self.model_runner = ModelRunner(model, num_gpu_blocks, config.block_size, config.seed,
                                         num_cpu_blocks, self.attn_backend)
+        self.observers = Observers()       # shared with the block manager and the scheduler
         self.block_manager = BlockManager(num_gpu_blocks, config.block_size,
-                                          config.enable_prefix_caching, num_cpu_blocks)
+                                          config.enable_prefix_caching, num_cpu_blocks, self.observers)
         costs = self.model_runner.measure_preemption_costs() if config.preemption_mode == "auto" else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill,
@@ -135,6 +138,8 @@ class LLMEngine:
             self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids)
         self.requests[request_id] = group
         self.scheduler.add_seq_group(group)
+        if self.observers:
+            self.observers.publish(RequestAdded(request_id, tuple(s.seq_id for s in seqs), len(prompt_ids)))
 
     def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
         """A seeded request's i-th sequence draws from its own stream: the first from
@@ -261,8 +266,25 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED_LENGTH
 
     def _forget(self, group: SequenceGroup) -> None:
+        """A request has left (finished or aborted, its blocks freed)."""
         for seq in group.seqs:
             self._detokenizers.pop(seq.seq_id, None)
+        if self.observers:
+            self.observers.publish(RequestFinished(group.request_id,
+                                                   tuple(s.status.finish_reason for s in group.seqs)))
+
+    def add_observer(self, observer: Observer) -> None:
+        """Call observer(event) for every event from now on (events.py lists them). Events
+        are published synchronously, in the order things happen, from inside add_request,
+        step and abort_request; an observer must not change the engine.
+        Raises TypeError if observer is not callable."""
+        if not callable(observer):
+            raise TypeError(f"observer must be callable (it is called with each event), got {observer!r}")
+        self.observers.append(observer)
+
+    def remove_observer(self, observer: Observer) -> None:
+        """Stop calling observer. Raises ValueError if it was not added."""
+        self.observers.remove(observer)
 
     def get_stats(self) -> dict[str, int]:
         """Counters for monitoring and tests: pool occupancy, queue sizes, work done."""

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .events import Preempted, scheduled_events
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class Scheduler:
                  max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
                  preemption_mode: str = "recompute", costs: PreemptionCosts | None = None) -> None:
         self.block_manager = block_manager
+        self.observers = block_manager.observers         # one event stream (events.py)
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
         self.costs = costs
@@ -222,6 +224,8 @@ class Scheduler:
                 out.num_batched_tokens += n
                 budget -= n
             self._add_running(group)
+        if self.observers:               # the block manager's observers: see events.py
+            self.observers.publish(*scheduled_events(out))
         return out
 
     def _add_running(self, group: SequenceGroup) -> None:
@@ -242,7 +246,10 @@ class Scheduler:
         module doc); either way it goes to the head of its queue."""
         self.num_preemptions += 1
         out.preempted.append(group)
-        if self._should_swap(group):
+        swap = self._should_swap(group)
+        if self.observers:
+            self.observers.publish(Preempted(group.request_id, "swap" if swap else "recompute"))
+        if swap:
             out.blocks_to_swap_out += self.block_manager.swap_out(group)
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from nanopaged import events as ev
 from nanopaged.block_manager import hash_block_tokens
 from nanopaged.sequence import SequenceStatus
 
@@ -70,3 +71,88 @@ def run_checked(engine, max_steps: int = 10_000) -> dict[str, object]:
     assert engine.block_manager.get_num_free_gpu_blocks() == engine.block_manager.num_gpu_blocks
     assert engine.block_manager.get_num_free_cpu_blocks() == engine.block_manager.num_cpu_blocks
     return final
+
+
+class EventReplay:
+    """Rebuilds the block manager's books from its events alone (events.py), to check that
+    the event stream tells the whole story: attach it, step the engine, call check().
+
+    It starts from a snapshot of the pools (an engine may have served requests before),
+    then applies each event: who holds which device block (hence every ref_count and the
+    free set), which blocks are named in the prefix cache, which CPU blocks each swapped
+    sequence holds, and which requests are in the engine.
+    """
+
+    def __init__(self, engine) -> None:
+        bm, sched = engine.block_manager, engine.scheduler
+        self.engine = engine
+        self.tables = {s.seq_id: list(s.block_table.block_ids) for g in _groups(sched)
+                       for s in g.seqs if not s.block_table.on_cpu}
+        self.cpu_tables = {s.seq_id: list(s.block_table.block_ids) for g in _groups(sched)
+                           for s in g.seqs if s.block_table.on_cpu}
+        self.cached = set(bm.cached_blocks.values())
+        self.requests = {rid: tuple(s.seq_id for s in g.seqs) for rid, g in engine.requests.items()}
+        engine.add_observer(self.apply)
+
+    def apply(self, e) -> None:
+        match e:
+            case ev.BlockAllocated():
+                table = self.tables.setdefault(e.seq_id, [])
+                assert e.block_id not in self._held() and e.logical_index == len(table), e
+                table.append(e.block_id)
+            case ev.BlockFreed():
+                self.tables[e.seq_id].remove(e.block_id)
+                assert self._held()[e.block_id] == e.ref_count, e
+            case ev.BlocksShared():
+                assert all(self._held()[b] for b in e.block_ids), e     # the parent holds them
+                self.tables.setdefault(e.seq_id, []).extend(e.block_ids)
+            case ev.PrefixCacheHit():
+                assert set(e.block_ids) <= self.cached, e
+                self.tables.setdefault(e.seq_id, []).extend(e.block_ids)
+            case ev.CopyOnWrite():
+                table, held = self.tables[e.seq_id], self._held()
+                assert table[e.logical_index] == e.src and held[e.src] > 1 and not held[e.dst], e
+                table[e.logical_index] = e.dst
+            case ev.BlockCached():
+                assert e.block_id not in self.cached and e.block_id in self.tables[e.seq_id], e
+                self.cached.add(e.block_id)
+            case ev.BlockEvicted():
+                assert not self._held()[e.block_id], e
+                self.cached.remove(e.block_id)
+            case ev.SwapOut():
+                assert all(not self.tables.get(s) for s in e.block_tables), e     # released first
+                self.cpu_tables.update({s: list(t) for s, t in e.block_tables.items()})
+            case ev.SwapIn():
+                for seq_id, table in e.block_tables.items():
+                    assert not self.tables.get(seq_id) and set(table) <= {g for _, g in e.block_pairs}, e
+                    self.tables[seq_id] = list(table)
+                    del self.cpu_tables[seq_id]
+            case ev.RequestAdded():
+                assert e.request_id not in self.requests, e
+                self.requests[e.request_id] = e.seq_ids
+            case ev.RequestFinished():              # its blocks are free, in both pools
+                for seq_id in self.requests.pop(e.request_id):
+                    assert not self.tables.pop(seq_id, None), e
+                    self.cpu_tables.pop(seq_id, None)
+
+    def _held(self) -> Counter:
+        return Counter(b for table in self.tables.values() for b in table)
+
+    def check(self) -> None:
+        """Raise AssertionError unless the replayed books equal the block manager's."""
+        bm, sched = self.engine.block_manager, self.engine.scheduler
+        held = self._held()
+        assert [held[b] for b in range(bm.num_gpu_blocks)] == bm.ref_count
+        assert {b for b in range(bm.num_gpu_blocks) if not held[b]} == set(bm.free_block_ids)
+        assert self.cached == set(bm.cached_blocks.values())
+        actual = {s.seq_id: s.block_table.block_ids for g in _groups(sched) for s in g.seqs
+                  if s.block_table.block_ids and not s.block_table.on_cpu}
+        assert {k: v for k, v in self.tables.items() if v} == actual
+        cpu_held = Counter(b for table in self.cpu_tables.values() for b in table)
+        assert all(bm.cpu_ref_count[b] == n for b, n in cpu_held.items())
+        assert len(cpu_held) + bm.get_num_free_cpu_blocks() == bm.num_cpu_blocks
+        assert set(self.requests) == set(self.engine.requests)
+
+
+def _groups(sched):
+    return list(sched.waiting) + list(sched.running) + list(sched.swapped)

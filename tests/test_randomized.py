@@ -82,9 +82,9 @@ def solo_output(folder, prompt, kind, n, max_tokens, seed):
                 return completions(out)
 
 
-def run_workload(eng, reqs, max_steps=1000):
-    """Feed the requests at their arrival steps, abort on cue, check invariants after
-    every step; returns (finished outputs by id, aborted ids)."""
+def run_workload(eng, reqs, max_steps=1000, check=check_block_invariants):
+    """Feed the requests at their arrival steps, abort on cue, check(eng) after every
+    step (default: the invariants); returns (finished outputs by id, aborted ids)."""
     finished, aborted = {}, set()
     for step in range(max_steps):
         for i, r in enumerate(reqs):
@@ -93,13 +93,13 @@ def run_workload(eng, reqs, max_steps=1000):
             if r["abort_at"] == step and r["arrival"] <= step and f"r{i}" not in finished:
                 eng.abort_request(f"r{i}")
                 aborted.add(f"r{i}")
-        check_block_invariants(eng)
+        check(eng)
         if step > max(r["arrival"] for r in reqs) and not eng.has_unfinished_requests():
             break
         for out in eng.step():
             if out.finished:
                 finished[out.request_id] = out
-        check_block_invariants(eng)
+        check(eng)
     else:
         raise AssertionError(f"workload did not finish in {max_steps} steps")
     assert eng.block_manager.get_num_free_gpu_blocks() == eng.block_manager.num_gpu_blocks

@@ -1,0 +1,294 @@
+"""The tracer, `python -m nanopaged.trace` (trace.py, trace_view.py, scenarios.py).
+
+Fast tests use the tiny random Llama: the scenarios' mechanics with token-id prompts as
+long as the real ones, the command line (bad arguments, --no-pause, --steps, --export,
+Enter and q in a terminal). The tests marked slow run the real scenarios on the default
+model and check that each shows the transition it exists to show. After every traced
+step the event stream is replayed against the block manager (tests/invariants.py)."""
+import io
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from nanopaged import SamplingParams
+from nanopaged import events as ev
+from nanopaged.scenarios import SCENARIOS, TraceRequest
+from nanopaged.trace import main, run_trace
+
+from invariants import EventReplay, check_block_invariants
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def of(kind, events):
+    return [e for e in events if isinstance(e, kind)]
+
+
+def traced(engine, scenario, **kw):
+    """run_trace on a string console, the event replay checked after every step."""
+    replay = EventReplay(engine)
+    step = engine.step
+
+    def checked_step():
+        outputs = step()
+        check_block_invariants(engine)
+        replay.check()
+        return outputs
+
+    engine.step = checked_step
+    console = Console(file=io.StringIO(), width=110, highlight=False)
+    try:
+        history = run_trace(engine, scenario, console, **kw)
+    finally:
+        del engine.step
+        engine.remove_observer(replay.apply)
+    return history, console.file.getvalue()
+
+
+# -- the scenarios ----------------------------------------------------------------------------
+
+PREFIX = list(range(40, 52))                       # three full blocks of 4
+
+
+def tiny_variant(name):
+    """The scenario with token-id prompts as long as the real ones (the tiny tokenizer
+    cuts text into many more tokens), so its engine settings make the same point."""
+    s = SCENARIOS[name]
+    if name == "prefix":
+        prompts = [PREFIX + [1, 2, 3], PREFIX + [4, 5, 6]]
+    else:
+        lengths = {"fig6": [7], "fig7": [7, 6], "cow": [7], "preempt": [6, 4, 5]}[name]
+        prompts = [list(range(20 * i + 1, 20 * i + 1 + n)) for i, n in enumerate(lengths)]
+    return replace(s, requests=tuple(replace(r, prompt=p) for r, p in zip(s.requests, prompts)))
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_each_scenario_makes_its_point_on_the_tiny_model(tiny_model_dir, name):
+    scenario = tiny_variant(name)
+    history, text = traced(scenario.build_engine(str(tiny_model_dir)), scenario)
+    at = scenario.shown_at(history)
+    assert at is not None, text
+    assert f"Shown at step {at}: {scenario.transition}." in text
+    assert "all requests finished" in text and f"step {len(history)} " in text
+
+
+def test_a_scenario_that_misses_its_point_says_so(tiny_model_dir):
+    scenario = replace(tiny_variant("preempt"), num_gpu_blocks=64)       # room for everyone
+    history, text = traced(scenario.build_engine(str(tiny_model_dir)), scenario)
+    assert scenario.shown_at(history) is None
+    assert "Not shown in this run: one request swapped out and back in" in text
+
+
+def test_requests_arrive_at_their_step_and_an_idle_engine_does_not_wait(tiny_model_dir):
+    scenario = replace(tiny_variant("prefix"), requests=(
+        TraceRequest("A", PREFIX + [1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)),
+        TraceRequest("B", PREFIX + [2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), arrival=1),
+        TraceRequest("C", PREFIX + [3], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), arrival=9)))
+    history, _ = traced(scenario.build_engine(str(tiny_model_dir)), scenario)
+    added = [[e.request_id for e in of(ev.RequestAdded, step)] for step in history]
+    assert added == [["A"], ["B"], [], ["C"]]          # C would arrive at step 10: nobody is left
+
+
+# -- the command line (tiny model, in process) ------------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--block-size", "0"], "--block-size must be an integer >= 1, got 0"),
+    (["--num-gpu-blocks", "many"], "--num-gpu-blocks must be an integer >= 1, got 'many'"),
+    (["--steps", "-3"], "--steps must be an integer >= 1, got -3"),
+    (["--scenario", "fig8"], "unknown scenario 'fig8': choose one of fig6, fig7, cow, prefix, preempt"),
+    (["--scenario", "fig6", "--prompt", "hi"], "not allowed with argument"),
+    (["--prompt", " "], "--prompt must be non-empty text, got [' ']"),
+    (["--export", "trace.png"], "--export must name a .svg or .html file, got 'trace.png'"),
+    (["--export", "/no/such/folder/t.svg"], "the folder '/no/such/folder' does not exist"),
+])
+def test_bad_arguments_are_named_with_their_value(capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_model_that_cannot_load_is_an_error_not_a_traceback(capsys, tmp_path):
+    assert main(["--model", str(tmp_path / "missing"), "--no-pause"]) == 1
+    assert "error:" in capsys.readouterr().err
+
+
+def test_a_prompt_bigger_than_the_pool_is_an_error(capsys, tiny_model_dir):
+    assert main(["--model", str(tiny_model_dir), "--prompt", "Hello, my name is nanopaged.", "--num-gpu-blocks", "2",
+                 "--block-size", "2"]) == 1
+    assert "but the KV cache holds only 2 blocks" in capsys.readouterr().err
+
+
+def test_without_a_terminal_every_step_is_printed(capsys, tiny_model_dir):
+    assert main(["--model", str(tiny_model_dir), "--prompt", "Hello", "Paris", "--max-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"─ step (\d+) ─", out) == ["1", "2", "3"]
+    assert "3 steps, all requests finished" in out
+    assert "A/seq 0 prefill" in out and "B/seq 1 decode: 1 token" in out and "device pool: 16 blocks" in out
+
+
+def test_steps_stops_early(capsys, tiny_model_dir):
+    assert main(["--model", str(tiny_model_dir), "--prompt", "Hello", "--steps", "2", "--no-pause"]) == 0
+    assert "2 steps, stopped early" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("suffix", ["svg", "html"])
+def test_export_writes_the_whole_trace(capsys, tiny_model_dir, tmp_path, suffix):
+    path = tmp_path / f"trace.{suffix}"
+    assert main(["--model", str(tiny_model_dir), "--prompt", "Hello", "--max-tokens", "2",
+                 "--export", str(path)]) == 0
+    assert f"trace written to {path}" in capsys.readouterr().err
+    text = path.read_text()
+    if suffix == "svg":
+        root = ET.fromstring(text)
+        assert root.tag == "{http://www.w3.org/2000/svg}svg"
+        shown = "".join(root.itertext()).replace("\xa0", " ")
+    else:
+        assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
+        shown = re.sub(r"<[^>]+>", "", text)
+    assert "step 2" in shown and "device pool" in shown
+
+
+def test_in_a_terminal_enter_steps_and_q_quits(tiny_model_dir):
+    pty = pytest.importorskip("pty")
+    import select
+    pid, fd = pty.fork()
+    if pid == 0:                                              # the child: the tracer on a terminal
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "nanopaged.trace", "--model", str(tiny_model_dir),
+                                  "--prompt", "Hello", "--max-tokens", "6"])
+    seen = b""
+
+    def read_until(marker: bytes, count: int) -> None:
+        nonlocal seen
+        while seen.count(marker) < count:
+            ready, _, _ = select.select([fd], [], [], 120)
+            try:
+                seen += os.read(fd, 1 << 16) if ready else b""
+            except OSError:                                   # the child has exited
+                ready = []
+            assert ready, seen[-2000:]
+
+    read_until(b"q: quit", 1)
+    os.write(fd, b"\n")
+    read_until(b"q: quit", 2)
+    os.write(fd, b"q")
+    try:
+        read_until(b"stopped early", 1)
+    finally:
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert b"2 steps, stopped early" in seen and b"step 3" not in seen
+
+
+# -- the real scenarios (the default model) ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real_runs(default_model_dir):
+    """Each scenario run once on the default model: name -> (history, text, engine)."""
+    runs = {}
+    for name, scenario in SCENARIOS.items():
+        engine = scenario.build_engine(str(default_model_dir))
+        runs[name] = (*traced(engine, scenario), engine)
+    return runs
+
+
+@pytest.mark.slow
+def test_fig6_gains_a_block_right_after_the_last_one_fills(real_runs):
+    history, text, _ = real_runs["fig6"]
+    prefill, fill, grow = history[:3]
+    assert [(e.kind, e.num_tokens) for e in of(ev.SequenceScheduled, prefill)] == [("prefill", 7)]
+    assert [(e.block_id, e.logical_index) for e in of(ev.BlockAllocated, prefill)] == [(0, 0), (1, 1)]
+    assert [(e.kind, e.start) for e in of(ev.SequenceScheduled, fill)] == [("decode", 7)]   # slot 4 of 4
+    assert not of(ev.BlockAllocated, fill)
+    assert [(e.kind, e.start) for e in of(ev.SequenceScheduled, grow)] == [("decode", 8)]
+    assert [(e.block_id, e.logical_index) for e in of(ev.BlockAllocated, grow)] == [(2, 2)]
+    assert "→ needs a new block" in text and "A/seq 0 gets new block 2 as logical 2" in text
+    assert "Shown at step 3" in text
+
+
+@pytest.mark.slow
+def test_fig7_interleaves_two_requests_in_one_pool(real_runs):
+    history, text, _ = real_runs["fig7"]
+    owner = {0: "A", 1: "B"}
+    order = [owner[e.seq_id] for step in history for e in of(ev.BlockAllocated, step)]
+    assert order[:6] == ["A", "A", "B", "B", "A", "B"]
+    assert "Shown at step" in text
+
+
+@pytest.mark.slow
+def test_cow_shares_the_prompt_blocks_then_copies_on_write(real_runs):
+    history, text, _ = real_runs["cow"]
+    shared = of(ev.BlocksShared, history[0])
+    assert [(e.seq_id, e.parent_seq_id, e.block_ids) for e in shared] == [(1, 0, (0, 1))]
+    assert "0 ×2" in text and "1 ×2" in text                    # ref_count 2 in both tables
+    [cow] = of(ev.CopyOnWrite, history[1])
+    assert (cow.logical_index, cow.src) == (1, 1)
+    assert "Shown at step 2" in text
+
+
+@pytest.mark.slow
+def test_prefix_second_request_hits_the_first_ones_cached_blocks(real_runs):
+    history, text, _ = real_runs["prefix"]
+    hits = [e for step in history for e in of(ev.PrefixCacheHit, step)]
+    assert [e.request_id for e in hits] == ["B"] and len(hits[0].block_ids) >= 2
+    assert hits[0].num_tokens == 4 * len(hits[0].block_ids)
+    assert "cached" in text and "free, reusable" in text
+
+
+@pytest.mark.slow
+def test_preempt_swaps_one_out_and_in_and_recomputes_another(real_runs):
+    history, text, _ = real_runs["preempt"]
+
+    def steps(kind, request_id, **fields):
+        return [k for k, step in enumerate(history, start=1) for e in of(kind, step)
+                if e.request_id == request_id and all(getattr(e, f) == v for f, v in fields.items())]
+
+    [out], [recompute], [back] = steps(ev.Preempted, "C", mode="swap"), steps(ev.Preempted, "B", mode="recompute"), \
+        steps(ev.SwapIn, "C")
+    assert out < recompute < back
+    assert not steps(ev.Preempted, "A") and len(steps(ev.Preempted, "B")) == len(steps(ev.Preempted, "C")) == 1
+    redo = [e for step in history[recompute:] for e in of(ev.SequenceScheduled, step) if e.request_id == "B"][0]
+    assert redo.kind == "prefill" and redo.start == 0 and redo.num_tokens > 4       # prompt + output again
+    assert "CPU swap pool: 2 blocks, 0 free" in text
+
+
+@pytest.mark.slow
+def test_the_command_exports_fig6_as_svg(tmp_path):
+    out = tmp_path / "fig6.svg"
+    proc = subprocess.run([sys.executable, "-m", "nanopaged.trace", "--scenario", "fig6", "--export", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "Shown at step 3" in proc.stdout
+    assert ET.parse(out).getroot().tag.endswith("svg")
+
+
+def svg_lines(path) -> list[str]:
+    """The non-blank text lines of a rich SVG export, whitespace removed (rich writes
+    each styled run as a <text> whose clip-path names its line)."""
+    lines: dict[int, str] = {}
+    for t in ET.parse(path).getroot().iter("{http://www.w3.org/2000/svg}text"):
+        m = re.search(r"line-(\d+)\)", t.get("clip-path", ""))
+        if m:
+            lines[int(m.group(1))] = lines.get(int(m.group(1)), "") + "".join((t.text or "").split())
+    return [line for _, line in sorted(lines.items()) if line]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_the_chapter_figures_are_what_the_tracer_draws_today(real_runs, name):
+    if torch.cuda.is_available():
+        pytest.skip("the figures were drawn on the CPU in float32; a GPU in bfloat16 may sample other tokens")
+    _, text, _ = real_runs[name]
+    fresh = [line for line in ("".join(t.split()) for t in text.splitlines()) if line]
+    assert svg_lines(ROOT / "chapters" / "figures" / f"trace-{name}.svg") == fresh, (
+        "the figure is stale: regenerate it with "
+        f"python -m nanopaged.trace --scenario {name} --export chapters/figures/trace-{name}.svg")
