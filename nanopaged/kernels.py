@@ -23,6 +23,7 @@ Attention layer holds its `impl`. vLLM: `vllm/attention/selector.py`,
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -177,9 +178,10 @@ def load_kernels(kind: str):
 def build_extension(name: str, source: Path, kind: str):
     """Compile one kernel source with ninja (torch.utils.cpp_extension.load) and import it.
 
-    The build folder is <nanopaged cache>/kernels/<name>-<python>-<torch version>; ninja
-    rebuilds only when the source changes. CPU builds are named after the instruction set
-    they target (e.g. nanopaged_cpu_avx2) and use OpenMP, torch's own thread pool.
+    The build folder is <nanopaged cache>/kernels/<name>-<python>-<torch>-<hash of the
+    source's path, contents and flags>, so a build is reused only for exactly this source.
+    CPU builds are named after the instruction set they target (e.g. nanopaged_cpu_avx2)
+    and use OpenMP, torch's own thread pool.
 
     Raises:
         KernelBuildError: source missing, no ninja, no compiler, or the build failed.
@@ -188,6 +190,9 @@ def build_extension(name: str, source: Path, kind: str):
 
     from .model_loader import cache_dir
 
+    if not source.is_file():
+        raise KernelBuildError(f"kernel source {source} not found (nanopaged installed without its "
+                               "kernels/ folder?)")
     if kind == "cpu":
         name += "_" + torch.backends.cpu.get_cpu_capability().lower()
         flags = dict(extra_cflags=["-O3", "-fopenmp", *_cpu_flags()], extra_ldflags=["-fopenmp"])
@@ -197,16 +202,16 @@ def build_extension(name: str, source: Path, kind: str):
             raise KernelBuildError(f"torch {torch.__version__} is a CPU build: no CUDA kernels")
         if cpp_extension.CUDA_HOME is None:
             raise KernelBuildError("nvcc not found (set CUDA_HOME)")
-    if not source.is_file():
-        raise KernelBuildError(f"kernel source {source} not found (nanopaged installed without its "
-                               "kernels/ folder?)")
     if not cpp_extension.is_ninja_available():
         raise KernelBuildError("ninja not found (pip install ninja)")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise KernelBuildError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)")
-    # One folder per python and torch version: an extension only loads into the torch it was built for.
+    # One folder per python and torch version (an extension only loads into the torch it
+    # was built for) and per source file, contents and flags: two checkouts, or an edited
+    # kernel, never rebuild over each other, and a missing .so means a build is coming.
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    build_dir = cache_dir() / "kernels" / f"{name}-{py}-torch{torch.__version__}"
+    key = hashlib.sha256(f"{source.resolve()}\n{sorted(flags.items())}\n".encode() + source.read_bytes())
+    build_dir = cache_dir() / "kernels" / f"{name}-{py}-torch{torch.__version__}-{key.hexdigest()[:12]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         print(f"nanopaged: building {source.name} (once, about a minute; cached in {build_dir})",

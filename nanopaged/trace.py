@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--export", default=None, metavar="FILE.svg|FILE.html",
                     help="also write the whole trace to an SVG or HTML file")
     ap.add_argument("--width", type=_positive("--width"), default=None, metavar="N",
-                    help="characters per line (default: the terminal's; 110 when not a terminal)")
+                    help="characters per line (default: the terminal's; 120 when not a terminal)")
     args = ap.parse_args(argv)
     if args.scenario is not None and args.scenario not in SCENARIOS:
         ap.error(f"unknown scenario {args.scenario!r}: choose one of {', '.join(SCENARIOS)}")
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     scenario = prompt_scenario(args.prompt, args.max_tokens) if args.prompt else SCENARIOS[args.scenario or "fig6"]
 
     tty = sys.stdout.isatty()
-    console = Console(record=args.export is not None, highlight=False, width=args.width or (None if tty else 110))
+    console = Console(record=args.export is not None, highlight=False, width=args.width or (None if tty else 120))
     err = Console(stderr=True, highlight=False, soft_wrap=True)     # messages are never cut into lines
     try:
         with err.status("loading the model ..."):

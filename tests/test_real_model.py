@@ -74,7 +74,8 @@ def test_c05_block_boundary_append(default_model_dir, hf_model):
     prompts = [list(range(1000, 1000 + n)) for n in (3, 4, 5, 8)]
     # exactly the blocks the four need: prompt + 8 more tokens get a slot (the 9th is never fed)
     need = sum(-(-(len(p) + 9 - 1) // 4) for p in prompts)
-    llm = LLM(str(default_model_dir), dtype="float32", block_size=4, num_gpu_blocks=need)
+    llm = LLM(str(default_model_dir), dtype="float32", block_size=4, num_gpu_blocks=need,
+              enable_prefix_caching=False)     # no shared block: the pool is exactly full
     eng = llm.engine
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=9))

@@ -44,7 +44,7 @@ def traced(engine, scenario, **kw):
         return outputs
 
     engine.step = checked_step
-    console = Console(file=io.StringIO(), width=110, highlight=False)
+    console = Console(file=io.StringIO(), width=120, highlight=False)
     try:
         history = run_trace(engine, scenario, console, **kw)
     finally:
