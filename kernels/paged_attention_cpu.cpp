@@ -50,7 +50,7 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
   const int64_t slot_stride = num_kv_heads * head_size;           // elements per slot (token)
   // Grain 1: a (sequence, kv_head) pair already walks a whole context.
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_size), acc(group * head_size), row(head_size), logits;
+    std::vector<float> q(group * head_size), acc(group * head_size), row(head_size), logits, sum(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t seq_len = seq_lens[s];
@@ -78,7 +78,7 @@ void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cac
         }
       }
       // 2. softmax numerators, max-subtracted so exp never overflows.
-      std::vector<float> sum(group, 0.f);
+      std::fill(sum.begin(), sum.end(), 0.f);
       for (int64_t g = 0; g < group; ++g) {
         float* lg = logits.data() + g * seq_len;
         float max = lg[0];
