@@ -1,0 +1,231 @@
+"""The messages that cross the engine's boundaries, one dataclass each.
+
+vLLM v1 splits the engine into layers that talk only through plain data, so that any
+layer can live in another process (the EngineCore behind AsyncLLM, a worker per
+tensor-parallel rank). This file holds every such message, in the order a request meets
+them:
+
+    Processor            --EngineCoreRequest-->   EngineCore          (tokens in)
+    Scheduler.schedule   --SchedulerOutput-->     ModelRunner         (what to compute)
+    ModelRunner          --ModelRunnerOutput-->   Scheduler.update_from_output
+    EngineCore           --EngineCoreOutputs-->   OutputProcessor     (tokens out)
+    OutputProcessor      --RequestOutput-->       the user            (outputs.py)
+
+Nothing here holds a live object of another layer (no Sequence, no block manager, no
+tokenizer): ids, token ids, numbers and SamplingParams only. A *sequence* (one of a
+request's n completions, or one beam) is what vLLM v1 calls a request inside the core
+and the worker; it is named by its engine-wide `seq_id`.
+vLLM: `vllm/v1/engine/__init__.py`, `vllm/v1/core/sched/output.py`, `vllm/v1/outputs.py`.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence ended (vLLM v1's FinishReason); str() gives the OpenAI word."""
+
+    STOP = "stop"        # an eos id, a stop token id, a stop string, or a finished beam
+    LENGTH = "length"    # max_tokens, max_model_len, or more KV blocks than the pool has
+    ABORT = "abort"      # abort_request()
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# -- Processor -> EngineCore --------------------------------------------------------------
+
+@dataclass
+class EngineCoreRequest:
+    """A request as the core sees it: token ids and settings, never text.
+
+    Attributes:
+        request_id: the caller's id, unique among unfinished requests.
+        prompt_token_ids: the prompt, already tokenized (chat template applied).
+        sampling_params: a validated SamplingParams (max_tokens resolved to an int).
+        eos_token_ids: the ids that end a sequence unless ignore_eos (the tokenizer's
+            eos and every id generation_config.json lists), a frozenset.
+        arrival_time: time.monotonic() when the Processor made it, seconds (FCFS order).
+        beam_search: a BeamSearchParams for beam-search requests, else None.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+    beam_search: object | None = None
+
+
+# -- Scheduler -> ModelRunner ------------------------------------------------------------
+
+@dataclass
+class NewRequestData:
+    """A sequence the runner must (re)learn in full: first scheduled, resumed after a
+    preemption, or a fork whose tokens and blocks were just replaced. The runner drops
+    what it knew of `seq_id` and keeps this instead (its generator excepted: a seeded
+    stream goes on where it was, so preemption does not change samples).
+
+    Attributes:
+        seq_id: the sequence (vLLM v1's req_id).
+        index: its index among the request's sequences (seeds the i-th random stream).
+        prompt_token_ids: the prompt.
+        output_token_ids: tokens generated so far (non-empty after a recompute or fork).
+        sampling_params: the request's SamplingParams.
+        block_ids: its block table, physical block ids in logical order.
+        num_computed_tokens: tokens whose K/V are already in those blocks (a cache hit).
+    """
+
+    seq_id: int
+    index: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """The sequences the runner already knows, as deltas since it last saw them
+    (parallel lists, one entry per sequence; vLLM v1's CachedRequestData).
+
+    Attributes:
+        seq_ids: the sequences.
+        new_token_ids: output tokens it has not seen (the last sampled one, on a decode).
+        new_block_ids: block ids appended to its table; when block_ids_replaced[i] the
+            whole new table instead (after copy-on-write or swap-in moved a block).
+        block_ids_replaced: see new_block_ids.
+        num_computed_tokens: its num_computed_tokens before this step.
+    """
+
+    seq_ids: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    block_ids_replaced: list[bool] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work for the runner, self-contained (it needs nothing else).
+
+    Attributes:
+        scheduled_new_reqs: NewRequestData of sequences the runner must learn.
+        scheduled_cached_reqs: deltas for the ones it knows.
+        num_scheduled_tokens: seq_id -> tokens computed this step (the uncached prompt
+            or a chunk of it on prefill, 1 on decode, 0 for a fork that only samples).
+        total_num_scheduled_tokens: their sum (<= max_num_batched_tokens).
+        sample_from: fork seq_id -> the seq_id whose last row it samples from this step
+            (the other n - 1 completions of a request whose prefill just completed).
+        blocks_to_copy: (src, dst) device block pairs, copied before the forward
+            (copy-on-write).
+        blocks_to_swap_out / blocks_to_swap_in: (device, cpu) / (cpu, device) block pairs,
+            copied before the forward (swap preemption).
+        finished_seq_ids: sequences that left since the last step; the runner forgets them.
+    """
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[int, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    sample_from: dict[int, int] = field(default_factory=dict)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    finished_seq_ids: set[int] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the step computes no token (copies and swaps may still be due)."""
+        return self.total_num_scheduled_tokens == 0
+
+
+# -- ModelRunner -> Scheduler ------------------------------------------------------------
+
+@dataclass
+class Logprobs:
+    """Log-probabilities of a few tokens per row (vLLM v1's LogprobsLists), raw: the
+    log_softmax of the model's logits before temperature, penalties or any filter.
+
+    Attributes:
+        token_ids: [num_rows][k + 1]: the sampled (or prompt) token first, then the top-k.
+        logprobs: [num_rows][k + 1], natural log, same order.
+        ranks: [num_rows]: rank of the first token in its row's distribution (1 = best).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def row(self, i: int) -> "Logprobs":
+        return Logprobs([self.token_ids[i]], [self.logprobs[i]], [self.ranks[i]])
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one forward produced.
+
+    Attributes:
+        sampled_token_ids: seq_id -> the token sampled for it (only sequences whose
+            prompt is fully computed after this step sample).
+        logprobs: seq_id -> its sampled token's Logprobs (one row), for sequences
+            whose SamplingParams.logprobs is set.
+        prompt_logprobs: seq_id -> Logprobs of the prompt tokens at positions
+            [start + 1, end] computed this step (row j: the token at position start+1+j),
+            for sequences whose SamplingParams.prompt_logprobs is set.
+    """
+
+    sampled_token_ids: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
+
+
+# -- EngineCore -> OutputProcessor -------------------------------------------------------
+
+@dataclass
+class EngineCoreOutput:
+    """What happened to one sequence in one step.
+
+    Attributes:
+        request_id: its request.
+        index: which of the request's completions (0..n-1; for a finished beam search,
+            the hypothesis' rank, best first).
+        new_token_ids: tokens appended this step (a finished beam: all of its tokens).
+        new_logprobs: Logprobs of those tokens (one row each), if asked for.
+        new_prompt_logprobs: Logprobs of prompt tokens computed this step, if asked for.
+        finish_reason: a FinishReason once the sequence ended, else None.
+        stop_reason: the eos / stop token id that ended it (stop strings are the
+            OutputProcessor's, which fills in the string).
+        num_cached_tokens: prompt tokens found in the prefix cache (first output only).
+        cumulative_logprob, score: a finished beam's sum of logprobs and its
+            length-penalised score.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: Logprobs | None = None
+    new_prompt_logprobs: Logprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    cumulative_logprob: float | None = None
+    score: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One step of the core: an output per sequence that advanced or ended, and the ids
+    of requests that are now entirely done (all sequences finished, blocks freed)."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    finished_requests: set[str] = field(default_factory=set)
+
