@@ -2,7 +2,8 @@
 
     python bench.py [--dtype float32|bfloat16] [--num-requests 64] [--profile]
                     [--attention-backend auto|torch|cpu|cuda]
-                    [--sections throughput,prefix,sharing,pressure,memory,kernels] [--kernels]
+                    [--sections throughput,sampling,prefix,sharing,pressure,memory,kernels]
+                    [--kernels]
 
 throughput: nanopaged vs HF transformers `generate` (below).
 prefix:     one 512-token system prompt shared by 32 short questions, prefix caching on
@@ -16,6 +17,9 @@ memory:     the paper's Fig. 2 under one fixed KV budget: the share of reserved 
             that hold live tokens (averaged over steps) and the peak number of concurrent
             requests, paged vs a contiguous baseline that reserves max_model_len slots
             per request up front (the same engine, another BlockManager).
+sampling:   the cost of full sampling: the throughput workload greedy vs with
+            temperature 0.8, top_p 0.9, min_p 0.05, repetition/presence/frequency
+            penalties and logprobs=5 on every request (target: within 10%).
 kernels:    (also --kernels) the compiled paged-attention kernel vs the PyTorch
             reference: decode attention alone (64 sequences x 1024 tokens of context,
             fp32 and bf16, the default model's heads), then the throughput workload end
@@ -75,7 +79,7 @@ def profile_nanopaged(llm, prompts, out_lens) -> None:
     """Where a nanopaged run spends its time: by engine stage, then by torch operator."""
     from nanopaged import SamplingParams
     eng = llm.engine
-    stages = dict(schedule=0.0, prepare_inputs=0.0, forward=0.0, sample=0.0, update=0.0)
+    stages = dict(schedule=0.0, prepare_inputs=0.0, forward=0.0, sample=0.0, update=0.0, output=0.0)
     runner = eng.model_runner
 
     def timed(name, fn):
@@ -90,7 +94,8 @@ def profile_nanopaged(llm, prompts, out_lens) -> None:
     runner.prepare_inputs = timed("prepare_inputs", runner.prepare_inputs)
     runner.model.forward = timed("forward", runner.model.forward)
     runner.sampler.__class__.__call__ = timed("sample", runner.sampler.__class__.__call__)
-    eng._update = timed("update", eng._update)
+    eng.scheduler.update_from_output = timed("update", eng.scheduler.update_from_output)
+    eng.output_processor.process_outputs = timed("output", eng.output_processor.process_outputs)
     for i, (p, n) in enumerate(zip(prompts, out_lens)):
         eng.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     t = time.perf_counter()
@@ -282,6 +287,42 @@ def bench_kernels(model, args) -> None:
           f"{rates[device] / rates['torch']:.2f}x")
 
 
+def bench_sampling(model, args) -> None:
+    """The throughput workload greedy vs with every sampling feature on, alternating
+    runs, best of two each (a shared VM varies from run to run)."""
+    from nanopaged import LLM, SamplingParams
+    llm = LLM(model, dtype=args.dtype, attention_backend=args.attention_backend)
+    prompts, out_lens = workload(args.num_requests, llm.engine.model_config.vocab_size)
+    full = dict(temperature=0.8, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.2,
+                frequency_penalty=0.2, logprobs=5, seed=0)
+    run_nanopaged(llm, prompts[:4], [4] * 4)                               # warm-up
+    rates = {"greedy": 0.0, "full": 0.0}
+    for name in ("greedy", "full", "greedy", "full"):
+        extra = full if name == "full" else {}
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, **({"temperature": 0} | extra)) for n in out_lens]
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        secs = time.perf_counter() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert tokens == sum(out_lens) and (name == "greedy" or all(o.outputs[0].logprobs for o in outs))
+        rates[name] = max(rates[name], tokens / secs)
+        print(f"sampling {name:<7} {tokens / secs:8.1f} tok/s ({secs:.1f} s)")
+    print(f"full sampling / greedy (best of 2 each): {rates['full'] / rates['greedy']:.3f} "
+          f"({100 * (1 - rates['full'] / rates['greedy']):.1f}% slower; target within 10%)")
+
+
+def cpu_flags() -> str:
+    """The CPU features that decide our speed, as this machine reports them."""
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":")[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return (f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, flags: "
+            f"{' '.join(w for w in wanted if w in flags) or 'none of ' + '/'.join(wanted)}")
+
+
 def bench_gpu_bandwidth(kernel, num_seqs=256, context=2048, head=128, heads=32, kv_heads=8) -> None:
     """KV bytes read per second vs the H200's HBM bandwidth; time vs SDPA on contiguous K/V."""
     import torch.nn.functional as F
@@ -305,10 +346,13 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
-    ap.add_argument("--sections", default="throughput,prefix,sharing,pressure,memory,kernels")
+    ap.add_argument("--sections", default="throughput,sampling,prefix,sharing,pressure,memory,kernels")
     ap.add_argument("--kernels", action="store_true", help="only the kernels section")
     args = ap.parse_args()
     sections = ["kernels"] if args.kernels else args.sections.split(",")
+    print(cpu_flags())
+    if "sampling" in sections:
+        bench_sampling(args.model, args)
     if "kernels" in sections:
         bench_kernels(args.model, args)
     if "prefix" in sections:

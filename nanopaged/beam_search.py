@@ -1,11 +1,17 @@
 """Beam search: keep the beam_width most likely continuations, sharing their KV blocks.
 
-A beam-search request is a SequenceGroup of beam_width sequences (the beams). Each step
-the model runner returns, for every beam, its 2 * beam_width most likely next tokens
-with their log-probabilities, and `beam_search_step` decides the next generation:
+A beam-search request is a SequenceGroup of beam_width sequences (the beams). It asks
+the model runner for nothing special: its SamplingParams are greedy with `logprobs` set
+to the number of candidates to keep, so each step the runner returns, for every beam,
+its most likely next tokens with their log-probabilities (the generic logprobs output,
+messages.Logprobs), and the scheduler calls `beam_search_step` to decide the next
+generation:
 
 1. candidates = (beam, token) pairs scored by beam.cumulative_logprob + logprob; keep
-   the best 2 * beam_width of them, best first;
+   the best `num_candidates(beam_width, eos ids)` of them, best first: 2 * beam_width,
+   or (1 + number of eos ids) * beam_width when there are several eos ids, so that
+   enough candidates survive to fill beam_width live beams even when many of the top
+   ones end (transformers' `beams_to_keep`; field case C25);
 2. a candidate that ends (EOS, or reaching max_tokens) and ranks among the first
    beam_width becomes a finished hypothesis, scored cum_logprob / length ** length_penalty
    (length = generated tokens); the best beam_width hypotheses are kept;
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .messages import Logprobs
 from .sequence import SequenceGroup, SequenceStatus
 
 
@@ -84,26 +91,37 @@ class BeamState:
     done: bool = False
 
 
-def beam_search_step(group: SequenceGroup, candidates: dict[int, tuple[list[float], list[int]]],
-                     eos_token_ids: frozenset[int], max_model_len: int, fork) -> None:
+def num_candidates(beam_width: int, eos_token_ids: frozenset[int]) -> int:
+    """Candidates kept per step, and top logprobs asked per beam (transformers' rule)."""
+    return max(2, 1 + len(eos_token_ids)) * beam_width
+
+
+def beam_search_step(group: SequenceGroup, candidates: dict[int, Logprobs],
+                     eos_token_ids: frozenset[int], max_model_len: int, fork) -> list[int]:
     """Advance one beam-search request by one token (see the module docstring).
 
     Args:
         group: the request; group.beam_state holds its BeamState.
-        candidates: seq_id -> (logprobs, token ids) of that beam's top 2 * beam_width tokens.
+        candidates: seq_id -> that beam's Logprobs row from the runner: the greedy
+            token first, then its top num_candidates tokens (only those are used).
         eos_token_ids: tokens that end a hypothesis (unless ignore_eos).
         max_model_len: a hypothesis also ends when it reaches this many tokens.
         fork: fork(parent, child), the BlockManager's; shares parent's blocks with child.
+
+    Returns:
+        seq_ids of the beams whose tokens and blocks were replaced by a fork.
     """
     state: BeamState = group.beam_state
     p, k = state.params, state.params.beam_width
+    keep = num_candidates(k, eos_token_ids)
     beams = group.get_seqs(SequenceStatus.RUNNING)
     if all(not b.output_token_ids for b in beams):
         beams = beams[:1]            # the first step: all beams are the prompt; expand one
     scored = sorted(((b.cumulative_logprob + lp, -bi, ti, b, tok)
                      for bi, b in enumerate(beams)
-                     for ti, (lp, tok) in enumerate(zip(*candidates[b.seq_id]))),
-                    key=lambda c: (c[0], c[1], -c[2]), reverse=True)[:2 * k]
+                     for ti, (lp, tok) in enumerate(zip(candidates[b.seq_id].logprobs[0][1:],
+                                                        candidates[b.seq_id].token_ids[0][1:]))),
+                    key=lambda c: (c[0], c[1], -c[2]), reverse=True)[:keep]
 
     gen_len = len(beams[0].output_token_ids) + 1          # generated length after this step
     ends_by_length = gen_len >= p.max_tokens or len(beams[0].prompt_token_ids) + gen_len >= max_model_len
@@ -123,7 +141,7 @@ def beam_search_step(group: SequenceGroup, candidates: dict[int, tuple[list[floa
     # transformers stops once beam_width hypotheses are done, or nothing can continue
     if len(state.finished) >= k or len(next_beams) < k:
         state.done = True
-        return
+        return []
 
     # Assign the next beams to Sequence objects. A parent's first child continues in the
     # parent itself; further children take over the Sequence of a beam that died.
@@ -132,6 +150,7 @@ def beam_search_step(group: SequenceGroup, candidates: dict[int, tuple[list[floa
         children_of.setdefault(parent.seq_id, []).append((score, tok))
     all_beams = group.get_seqs(SequenceStatus.RUNNING)
     spare = [b for b in all_beams if b.seq_id not in children_of]
+    forked = []
     for parent in all_beams:
         extra = children_of.get(parent.seq_id, [])[1:]
         for score, tok in extra:
@@ -140,9 +159,11 @@ def beam_search_step(group: SequenceGroup, candidates: dict[int, tuple[list[floa
             child.output_token_ids = list(parent.output_token_ids)
             child.cumulative_logprob = score
             child.output_token_ids.append(tok)
+            forked.append(child.seq_id)
     for parent in all_beams:
         kids = children_of.get(parent.seq_id)
         if kids:
             score, tok = kids[0]
             parent.cumulative_logprob = score
             parent.output_token_ids.append(tok)
+    return forked

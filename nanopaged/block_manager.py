@@ -93,10 +93,12 @@ class BlockManager:
                                             seq.token_ids_slice(i * bs, (i + 1) * bs)))
         return hashes
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def _cached_prefix(self, seq_group: SequenceGroup, seq: Sequence) -> list[int]:
         """Cached blocks holding seq's longest cached prefix. At most num_tokens - 1 tokens
-        can hit: the last token is always computed, to have logits to sample from."""
-        if not self.enable_prefix_caching:
+        can hit: the last token is always computed, to have logits to sample from. A
+        request that wants prompt logprobs reads no cache (as vLLM v1): a cached token
+        would have no logits to take them from."""
+        if not self.enable_prefix_caching or seq_group.sampling_params.prompt_logprobs is not None:
             return []
         bs, blocks = self.block_size, []
         hashes = self._full_block_hashes(seq)
@@ -113,18 +115,20 @@ class BlockManager:
         recompute preemption; they skip the shared full prompt blocks (see allocate)."""
         first, *rest = seq_group.seqs_to_compute()
         shared = len(first.prompt_token_ids) // self.block_size * self.block_size
-        return (first.num_tokens - len(self._cached_prefix(first)) * self.block_size,
+        return (first.num_tokens - len(self._cached_prefix(seq_group, first)) * self.block_size,
                 sum(s.num_tokens - shared for s in rest))
 
-    def _cache_full_blocks(self, seq: Sequence, first: int, end: int) -> None:
-        """Name seq's full blocks [first, end // block_size) in the prefix cache: their
-        K/V are computed this step (blocks before `first` were named on earlier steps;
-        blocks past `end` belong to later chunks)."""
+    def cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Name the blocks that became full when seq's positions [start, end) were
+        computed, in the prefix cache. Called by the scheduler *after* the forward that
+        wrote their K/V (update_from_output), never before: a forward that fails (an
+        exception, Ctrl-C) must not leave a named block whose K/V were never written,
+        or a later request would reuse garbage (field case C39)."""
         if not self.enable_prefix_caching:
             return
         bs, table = self.block_size, seq.block_table
         hashes = self._full_block_hashes(seq)
-        for i in range(first, min(len(hashes), end // bs)):
+        for i in range(start // bs, min(len(hashes), end // bs)):
             h, block_id = hashes[i], table.block_ids[i]
             if self.block_hash[block_id] is not None:
                 continue                      # already named (a hit, or cached earlier)
@@ -151,7 +155,7 @@ class BlockManager:
         cached hits that are currently free. Sequences recomputed together share the
         full blocks of their common prompt (see allocate)."""
         first, *rest = seq_group.seqs_to_compute()
-        hits = self._cached_prefix(first)
+        hits = self._cached_prefix(seq_group, first)
         take = first.block_table.num_blocks_for(first_end) - len(hits)
         take += sum(1 for b in set(hits) if self.ref_count[b] == 0)
         shared = len(first.prompt_token_ids) // self.block_size
@@ -198,14 +202,14 @@ class BlockManager:
         The first sequence gets slots for positions < first_end (its first chunk) and
         its num_computed_tokens is set to its cache hit. A fresh request with n > 1 is
         computed once, by the first sequence; the others fork it when its prefill is
-        done (LLMEngine._update). Sequences recomputed after a preemption share the
+        done (Scheduler.update_from_output). Sequences recomputed after a preemption share the
         first one's full prompt blocks (computed by it in this same step: each layer
         writes K/V before it reads them) and compute only their own tokens.
         Raises RuntimeError if the pool runs out (call can_allocate first).
         """
         first, *rest = seq_group.seqs_to_compute()
         first_end = first.num_tokens if first_end is None else first_end
-        hits = self._cached_prefix(first)
+        hits = self._cached_prefix(seq_group, first)
         if self.enable_prefix_caching:
             self.prefix_cache_queries += first.num_tokens
             self.prefix_cache_hits += len(hits) * self.block_size
@@ -240,7 +244,6 @@ class BlockManager:
         """
         table, bs = seq.block_table, self.block_size
         end = seq.num_tokens if end is None else end
-        already_full = table.num_tokens // bs
         copies = []
         if self._blocks_to_append([seq], [end]) > len(self.free_block_ids):     # all or nothing
             raise RuntimeError(f"sequence {seq.seq_id} needs more KV blocks than the "
@@ -258,7 +261,6 @@ class BlockManager:
             if self.observers:
                 self.observers.publish(BlockAllocated(seq.seq_id, table.block_ids[-1], len(table) - 1))
         table.num_tokens = end
-        self._cache_full_blocks(seq, already_full, end)
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -8,17 +8,20 @@ to the engine as one request, and prints the answer as the engine produces it, o
 step at a time (text deltas from the incremental detokenizer, so a multi-byte character
 is never split). Commands: /reset forgets the conversation, /exit (or end of input)
 quits. Ctrl-C while the model is answering stops that answer (the request is aborted
-and its blocks freed) and returns to the prompt. Works with stdin piped, so it can be
+and its blocks freed) and returns to the prompt. The model's eos ids (all that its
+generation_config lists, e.g. the chat end-of-turn id) end an answer. Works with stdin piped, so it can be
 scripted: `printf 'What is the capital of France?\\n' | python -m nanopaged.chat`.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import signal
 import sys
 
-from .sampling_params import SamplingParams
+from .processor import apply_chat_template
+from .sampling_params import RequestOutputKind, SamplingParams
 
 
 def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
@@ -29,8 +32,7 @@ def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> lis
     """
     msgs = list(messages)
     while True:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False).input_ids
+        ids = apply_chat_template(tokenizer, msgs)       # exactly the template's ids (C19)
         if len(ids) <= max_prompt_tokens:
             return ids
         first = 1 if msgs and msgs[0]["role"] == "system" else 0
@@ -48,6 +50,8 @@ def stream_answer(engine, request_id: str, prompt_ids: list[int], params: Sampli
     leave blocks allocated for a request the scheduler no longer tracks). Returns the
     answer text, partial if stopped.
     """
+    params = copy.copy(params)
+    params.output_kind = RequestOutputKind.DELTA            # each output: the new text only
     engine.add_request(request_id, prompt_ids, params)      # may raise ValueError: nothing to undo
     stop = []
     previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
@@ -59,11 +63,11 @@ def stream_answer(engine, request_id: str, prompt_ids: list[int], params: Sampli
                 out.write(" [stopped]")
                 break
             for output in engine.step():
-                if output.request_id == request_id:
-                    new = output.outputs[0].text
-                    out.write(new[len(text):])
+                if output.request_id == request_id and output.outputs:
+                    delta = output.outputs[0].text
+                    out.write(delta)
                     out.flush()
-                    text = new
+                    text += delta
     finally:
         signal.signal(signal.SIGINT, previous)
     out.write("\n")

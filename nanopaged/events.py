@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Union
 
 if TYPE_CHECKING:
-    from .scheduler import SchedulerOutput
+    from .scheduler import ScheduledSequence
 
 
 class Observers(list):
@@ -58,7 +58,7 @@ class Observers(list):
                 observer(event)
 
 
-# -- requests (published by the engine) ----------------------------------------------------
+# -- requests (published by the scheduler, which owns them) ----------------------------------------------------
 
 @dataclass(frozen=True)
 class RequestAdded:
@@ -272,11 +272,11 @@ Event = Union[RequestAdded, RequestFinished, SequenceScheduled, Preempted, Block
 Observer = Callable[[Event], None]
 
 
-def scheduled_events(out: SchedulerOutput) -> list[SequenceScheduled]:
-    """The SequenceScheduled events of a SchedulerOutput (called before the step runs,
+def scheduled_events(scheduled: list[ScheduledSequence]) -> list[SequenceScheduled]:
+    """The SequenceScheduled events of a step's batch (called before the step runs,
     while num_computed_tokens is still each sequence's start)."""
     events = []
-    for s in out.scheduled:
+    for s in scheduled:
         seq, start = s.seq, s.seq.num_computed_tokens
         decode = s.num_new_tokens == 1 and seq.output_token_ids and start == seq.num_tokens - 1
         events.append(SequenceScheduled(s.seq_group.request_id, seq.seq_id, "decode" if decode else "prefill",

@@ -10,6 +10,7 @@ done; continuous batching does the rest. vLLM: `vllm/entrypoints/llm.py`.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import sys
 from typing import Sequence as Seq
@@ -18,7 +19,7 @@ from .config import EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -89,13 +90,29 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         outs = self._add_and_run(prompt_list, [params] * len(prompt_list), use_tqdm)
         return [BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, c.cumulative_logprob,
-                                                     c.text, finish_reason=c.finish_reason)
+                                                     c.text, score=c.score, finish_reason=c.finish_reason)
                                   for c in o.outputs]) for o in outs]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to chats (vLLM's `LLM.chat`): one conversation as a list of
+        {"role": ..., "content": ...} dicts, or a list of such conversations. The
+        tokenizer's chat template makes the prompt, generation prompt included, exactly
+        as `apply_chat_template(tokenize=True, add_generation_prompt=True)` (one BOS).
+        Returns one RequestOutput per conversation; raises as `generate`."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts or of such lists")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        return self.generate(convs, sampling_params, use_tqdm)
 
     def _add_and_run(self, prompt_list: list, params: list, use_tqdm: bool) -> list[RequestOutput]:
         ids = []
         try:
             for prompt, p in zip(prompt_list, params):
+                if isinstance(p, SamplingParams) and p.output_kind != RequestOutputKind.FINAL_ONLY:
+                    p = copy.copy(p)                  # we only want each request's last output
+                    p.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = str(next(self._request_counter))
                 self.engine.add_request(rid, prompt, p)
                 ids.append(rid)

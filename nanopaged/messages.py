@@ -184,6 +184,26 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
 
 
+@dataclass
+class PreemptionCosts:
+    """What preempting costs on this machine, measured by the model runner when the
+    engine starts (ModelRunner.measure_preemption_costs), read by the scheduler.
+
+    Attributes:
+        seconds_per_block_swap: copying one KV block (all layers, K and V) between the
+            device pool and the CPU pool, one way.
+        seconds_per_token_recompute: prefilling one token again.
+    A swap costs 2 * blocks * seconds_per_block_swap (out, later back in); a recompute
+    costs tokens * seconds_per_token_recompute (the paper's §4.5 trade-off).
+    """
+
+    seconds_per_block_swap: float
+    seconds_per_token_recompute: float
+
+    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        return 2 * num_blocks * self.seconds_per_block_swap < num_tokens * self.seconds_per_token_recompute
+
+
 # -- EngineCore -> OutputProcessor -------------------------------------------------------
 
 @dataclass

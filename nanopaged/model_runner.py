@@ -1,33 +1,74 @@
-"""ModelRunner: carry out one SchedulerOutput: tensors in, a token per sequence out.
+"""ModelRunner: carry out one SchedulerOutput: tensors in, tokens (and logprobs) out.
 
-The runner makes no decisions. Given the scheduler's batch it:
+The runner makes no decisions, and it never sees the scheduler's Sequence objects: all
+it knows arrived in SchedulerOutput messages (messages.py), so it could live in another
+process (vLLM v1's worker). It keeps its own record of every sequence it serves
+(`SeqState`: tokens, block table, sampling settings, random generator; vLLM v1's
+CachedRequestState / InputBatch), learns new ones in full and known ones as deltas.
 
-1. copies KV blocks if asked (copy-on-write, later swap),
-2. builds the flat model input (`prepare_inputs`): for every scheduled sequence, the
+Each step it:
+
+1. updates that record (`_update_states`),
+2. copies KV blocks if asked (swap out, swap in, copy-on-write),
+3. builds the flat model input (`prepare_inputs`): for every scheduled sequence, the
    ids and positions of the tokens it computes this step, the KV slot each one writes
    (`slot_mapping`), its block table and its context length (`seq_lens`),
-3. runs the model over all those tokens at once,
-4. takes the hidden state of each sequence's last token, computes logits only there, and
-   samples.
+4. runs the model over all those tokens at once,
+5. takes the hidden state of each sequence's last token, computes logits only there (in
+   fp32), and samples; plus prompt logprobs where a request asked for them.
 
 It also owns the KV cache itself: one tensor
-    kv_cache: [num_layers, 2 (K, V), num_gpu_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: [num_layers, 2 (K, V), num_gpu_blocks, block_size, num_kv_heads, head_size]
 zero-filled once at start (zeros, not garbage: padded block-table entries are read and
 then masked, and 0 * NaN would still be NaN).
 
-vLLM: `vllm/worker/model_runner.py` (v0), `vllm/v1/worker/gpu_model_runner.py` (v1).
+vLLM: `vllm/v1/worker/gpu_model_runner.py`, `gpu_input_batch.py`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
 import torch
 
 from .attention import AttentionMetadata
 from .kernels import TorchBackend
 from .llama import LlamaForCausalLM
-from .sampler import Sampler, SamplingMetadata
-from .scheduler import PreemptionCosts, SchedulerOutput
+from .messages import Logprobs, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from .sampler import Sampler, SamplingMetadata, compute_logprobs
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SeqState:
+    """What the runner knows of one sequence (vLLM v1's CachedRequestState).
+
+    Attributes:
+        seq_id, index: the sequence and its index in its request.
+        prompt_token_ids, output_token_ids: its tokens, as told by the scheduler.
+        sampling_params: its request's SamplingParams.
+        block_ids: its block table (physical block ids in logical order).
+        num_computed_tokens: tokens with K/V in the cache before this step.
+    """
+
+    seq_id: int
+    index: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n):end - n]
 
 
 @dataclass
@@ -39,10 +80,11 @@ class ModelInput:
         positions: [num_tokens] int64, each token's position in its sequence.
         attn_metadata: slot_mapping, block_tables, seq_lens, query_start_loc.
         logits_indices: [num_sampled] int64, rows of the hidden states to sample from
-            (the last new token of each sequence whose prompt is now fully computed).
+            (the last new token of each sequence whose prompt is now fully computed;
+            a fork's row repeats its parent's).
         sampled_seq_ids: seq_id of each of those rows.
-        sampling_metadata: per-row sampling settings.
-        beam_rows, beam_ks: rows of beam-search sequences and how many top tokens each wants.
+        prompt_logprob_rows: seq_id -> (first hidden row, number of rows, first
+            position) for sequences that want prompt logprobs of this step's tokens.
     """
 
     input_ids: torch.Tensor
@@ -50,23 +92,11 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sampled_seq_ids: list[int]
-    sampling_metadata: SamplingMetadata
-    beam_rows: list[int] = field(default_factory=list)
-    beam_ks: list[int] = field(default_factory=list)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """sampled_token_ids[seq_id] = the token sampled for that sequence this step;
-    beam_candidates[seq_id] = (logprobs, token ids) of its 2 * beam_width best next
-    tokens, for the sequences of beam-search requests."""
-
-    sampled_token_ids: dict[int, int]
-    beam_candidates: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)
+    prompt_logprob_rows: dict[int, tuple[int, int, int]]
 
 
 class ModelRunner:
-    """Owns the model and the KV cache; executes SchedulerOutputs.
+    """Owns the model, the KV cache and the per-sequence state; executes SchedulerOutputs.
 
     Args:
         model: a loaded LlamaForCausalLM.
@@ -93,8 +123,12 @@ class ModelRunner:
         self.cpu_kv_cache = torch.empty((c.num_hidden_layers, 2, num_cpu_blocks, block_size,
                                          c.num_key_value_heads, c.head_dim), dtype=self.dtype,
                                         pin_memory=self.device.type == "cuda")
-        self.sampler = Sampler()
+        self.sampler = Sampler(c.vocab_size, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.seqs: dict[int, SeqState] = {}
+        # Seeded streams outlive a SeqState: a sequence re-sent in full after a
+        # preemption goes on drawing where it was, so preemption never changes samples.
+        self.generators: dict[int, torch.Generator] = {}
 
     @staticmethod
     def kv_cache_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
@@ -102,88 +136,140 @@ class ModelRunner:
         return (2 * model_config.num_hidden_layers * block_size * model_config.num_key_value_heads
                 * model_config.head_dim * torch.empty((), dtype=dtype).element_size())
 
-    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInput:
-        """Flatten the scheduled sequences into one batch (decode sequences first)."""
-        # Decode rows first so attention can batch them in one call (see attention.py).
-        batch = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens > 1)
-        input_ids, positions, slot_mapping, seq_lens, query_start_loc = [], [], [], [], [0]
-        logits_indices, sampled_seq_ids, params, generators = [], [], [], []
-        beam_rows, beam_ks = [], []
-        for s in batch:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            if s.num_new_tokens == 1:
-                input_ids.append(seq.token_id_at(start))
+    # -- the runner's own state ---------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Forget finished sequences, learn new ones, apply the deltas of known ones."""
+        for seq_id in so.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+            self.generators.pop(seq_id, None)
+            self.sampler.remove_sequence(seq_id)
+        for new in so.scheduled_new_reqs:
+            self.seqs[new.seq_id] = SeqState(new.seq_id, new.index, new.prompt_token_ids,
+                                             list(new.output_token_ids), new.sampling_params,
+                                             list(new.block_ids), new.num_computed_tokens)
+            seed = new.sampling_params.seed
+            if seed is not None and new.seq_id not in self.generators:
+                self.generators[new.seq_id] = self._seeded_generator(seed, new.index)
+            self.sampler.add_sequence(new.seq_id, new.sampling_params, new.prompt_token_ids,
+                                      new.output_token_ids)
+        c = so.scheduled_cached_reqs
+        appended_seqs, appended_tokens = [], []
+        for seq_id, tokens, blocks, replaced, computed in zip(c.seq_ids, c.new_token_ids, c.new_block_ids,
+                                                              c.block_ids_replaced, c.num_computed_tokens):
+            state = self.seqs[seq_id]
+            state.output_token_ids.extend(tokens)
+            if replaced:
+                state.block_ids = list(blocks)
             else:
-                input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slot_mapping.extend(seq.block_table.slots(start, end))
+                state.block_ids.extend(blocks)
+            state.num_computed_tokens = computed
+            appended_seqs += [seq_id] * len(tokens)
+            appended_tokens += tokens
+        if appended_tokens:
+            self.sampler.append_tokens(appended_seqs, appended_tokens)
+
+    def _seeded_generator(self, seed: int, index: int) -> torch.Generator:
+        """A seeded request's i-th sequence draws from its own stream: the first from
+        `seed` itself, the others from seeds derived from (seed, i), so the n samples
+        differ and a rerun repeats them."""
+        seed = seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def prepare_inputs(self, so: SchedulerOutput) -> ModelInput:
+        """Flatten the scheduled sequences into one batch (decode sequences first)."""
+        scheduled = [(self.seqs[i], n) for i, n in so.num_scheduled_tokens.items() if n > 0]
+        scheduled.sort(key=lambda sn: sn[1] > 1)     # decodes first: attention batches them
+        forks_of: dict[int, list[int]] = {}
+        for fork, parent in so.sample_from.items():
+            forks_of.setdefault(parent, []).append(fork)
+        input_ids, positions, seq_lens, query_start_loc = [], [], [], [0]
+        logits_indices, sampled_seq_ids, prompt_rows = [], [], {}
+        for state, n in scheduled:
+            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            input_ids += state.token_ids(start, end)
+            positions += range(start, end)
             seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
-            if end == seq.num_tokens:        # prompt fully computed: sample the next token
-                for sampling_seq in [seq, *s.forks]:       # forks sample from the same row
-                    if s.seq_group.beam_state is not None:
-                        beam_rows.append(len(logits_indices))
-                        beam_ks.append(2 * s.seq_group.beam_state.params.beam_width)
+            query_start_loc.append(query_start_loc[-1] + n)
+            num_prompt = len(state.prompt_token_ids)
+            if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
+                # hidden row of position p predicts the prompt token at p + 1
+                prompt_rows[state.seq_id] = (query_start_loc[-2], min(end, num_prompt - 1) - start, start)
+            if end == state.num_tokens:      # prompt fully computed: sample the next token
+                for seq_id in [state.seq_id, *forks_of.get(state.seq_id, [])]:
                     logits_indices.append(query_start_loc[-1] - 1)
-                    sampled_seq_ids.append(sampling_seq.seq_id)
-                    params.append(s.seq_group.sampling_params)
-                    generators.append(sampling_seq.generator)
-        max_blocks = max(len(s.seq.block_table) for s in batch)
-        block_tables = [s.seq.block_table.block_ids + [0] * (max_blocks - len(s.seq.block_table))
-                        for s in batch]
+                    sampled_seq_ids.append(seq_id)
+        max_blocks = max(len(s.block_ids) for s, _ in scheduled)
+        block_tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s, _ in scheduled]
 
         def t(x):
             return torch.tensor(x, dtype=torch.int64, device=self.device)
 
+        pos, tables = t(positions), t(block_tables)
+        # slot of each token = its block's id * block_size + offset (vLLM's slot_mapping)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(scheduled), device=self.device),
+                                               t([n for _, n in scheduled]))
+        slot_mapping = tables[seq_of_token, pos // self.block_size] * self.block_size + pos % self.block_size
         meta = AttentionMetadata(
-            slot_mapping=t(slot_mapping), block_tables=t(block_tables), seq_lens=t(seq_lens),
-            query_start_loc=t(query_start_loc),
-            num_decodes=sum(1 for s in batch if s.num_new_tokens == 1),
+            slot_mapping=slot_mapping, block_tables=tables, seq_lens=t(seq_lens),
+            query_start_loc=t(query_start_loc), num_decodes=sum(1 for _, n in scheduled if n == 1),
             seq_lens_list=seq_lens, query_start_loc_list=query_start_loc)
-        return ModelInput(
-            input_ids=t(input_ids), positions=t(positions), attn_metadata=meta,
-            logits_indices=t(logits_indices), sampled_seq_ids=sampled_seq_ids,
-            sampling_metadata=SamplingMetadata.build(params, generators,
-                                                     self.model.config.vocab_size, self.device),
-            beam_rows=beam_rows, beam_ks=beam_ks)
+        return ModelInput(input_ids=t(input_ids), positions=pos, attn_metadata=meta,
+                          logits_indices=t(logits_indices), sampled_seq_ids=sampled_seq_ids,
+                          prompt_logprob_rows=prompt_rows)
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Copy blocks, run the forward pass, sample. Returns the sampled tokens."""
-        if scheduler_output.blocks_to_swap_out:       # first: their device blocks may be reused now
-            self.swap_blocks(self.kv_cache, self.cpu_kv_cache, scheduler_output.blocks_to_swap_out)
-        if scheduler_output.blocks_to_swap_in:
-            self.swap_blocks(self.cpu_kv_cache, self.kv_cache, scheduler_output.blocks_to_swap_in)
-        if scheduler_output.blocks_to_copy:
-            self.copy_blocks(scheduler_output.blocks_to_copy)
-        if scheduler_output.is_empty:
-            return ModelRunnerOutput({})
-        inp = self.prepare_inputs(scheduler_output)
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Update state, copy blocks, run the forward pass, sample."""
+        self._update_states(so)
+        if so.blocks_to_swap_out:       # first: their device blocks may be reused now
+            self.swap_blocks(self.kv_cache, self.cpu_kv_cache, so.blocks_to_swap_out)
+        if so.blocks_to_swap_in:
+            self.swap_blocks(self.cpu_kv_cache, self.kv_cache, so.blocks_to_swap_in)
+        if so.blocks_to_copy:
+            self.copy_blocks(so.blocks_to_copy)
+        if so.is_empty:
+            return ModelRunnerOutput()
+        inp = self.prepare_inputs(so)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata)
+        out = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, inp))
         if not inp.sampled_seq_ids:
-            return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[inp.logits_indices])      # [num_sampled, vocab]
-        tokens = self.sampler(logits, inp.sampling_metadata, self.generator).tolist()
-        out = ModelRunnerOutput(dict(zip(inp.sampled_seq_ids, tokens)))
-        if inp.beam_rows:                          # beam search wants the top 2k instead
-            rows = torch.tensor(inp.beam_rows, device=self.device)
-            k = max(inp.beam_ks)
-            top = torch.log_softmax(logits[rows], dim=-1).topk(k, dim=-1)
-            for i, (lp, ids) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
-                kk = inp.beam_ks[i]
-                out.beam_candidates[inp.sampled_seq_ids[inp.beam_rows[i]]] = (lp[:kk], ids[:kk])
+            return out
+        logits = self.model.compute_logits(hidden[inp.logits_indices]).float()   # [num_sampled, vocab]
+        states = [self.seqs[i] for i in inp.sampled_seq_ids]
+        meta = SamplingMetadata.build(inp.sampled_seq_ids, [s.sampling_params for s in states],
+                                      [self.generators.get(i) for i in inp.sampled_seq_ids],
+                                      [s.output_token_ids for s in states], logits.shape[-1], self.device)
+        sampled = self.sampler(logits, meta, self.generator)
+        out.sampled_token_ids = dict(zip(inp.sampled_seq_ids, sampled.sampled_token_ids.tolist()))
+        out.logprobs = {i: lp for i, lp in zip(inp.sampled_seq_ids, sampled.logprobs) if lp is not None}
         return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput) -> dict[int, Logprobs]:
+        """Logprobs of the prompt tokens this step's hidden rows predict (raw, fp32)."""
+        result = {}
+        for seq_id, (row, count, start) in inp.prompt_logprob_rows.items():
+            state = self.seqs[seq_id]
+            logits = self.model.compute_logits(hidden[row:row + count]).float()
+            targets = torch.tensor(state.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
+            result[seq_id] = compute_logprobs(logits, targets, state.sampling_params.prompt_logprobs)
+        return result
+
+    # -- block copies and start-up measurements ------------------------------------------------
 
     def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor,
                     pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src_cache[src] -> dst_cache[dst] (device <-> CPU pool)."""
         self.attn_backend.swap_blocks(src_cache, dst_cache, pairs)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer, K and V (copy-on-write)."""
+        self.attn_backend.copy_blocks(self.kv_cache, pairs)
+
     def measure_preemption_costs(self) -> PreemptionCosts:
         """Time a swap of a few blocks and a short prefill (once, at engine start)."""
-        import time
-
         num_blocks = self.kv_cache.shape[2]
         n = max(1, min(8, num_blocks, self.cpu_kv_cache.shape[2]))
         pairs = [(i, i) for i in range(n)]
@@ -209,7 +295,3 @@ class ModelRunner:
             per_token = (time.perf_counter() - start) / tokens
             self.kv_cache[:, :, :max(n, len(blocks))].zero_()   # back to the zero state
         return PreemptionCosts(per_block, per_token)
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer, K and V (copy-on-write)."""
-        self.attn_backend.copy_blocks(self.kv_cache, pairs)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .messages import Logprobs
 from .sampling_params import SamplingParams
 
 
@@ -43,9 +44,11 @@ class SamplingMetadata:
     any_top_k: bool
     generators: dict[int, torch.Generator]
 
+    params: list = None
+
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
-              vocab_size: int, device: torch.device) -> "SamplingMetadata":
+    def build(cls, seq_ids, params: list[SamplingParams], generators: list[torch.Generator | None],
+              output_token_ids, vocab_size: int, device: torch.device) -> "SamplingMetadata":
         """One row per entry of `params` (and of `generators`, None for unseeded rows)."""
         greedy = [p.greedy for p in params]
         top_k = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params]
@@ -58,7 +61,7 @@ class SamplingMetadata:
             all_greedy=all(greedy),
             any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
             any_top_k=any(k < vocab_size and not g for k, g in zip(top_k, greedy)),
-            generators={i: g for i, g in enumerate(generators) if g is not None},
+            generators={i: g for i, g in enumerate(generators) if g is not None}, params=params,
         )
 
 
@@ -84,10 +87,44 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor
+    logprobs: list
+
+
+def compute_logprobs(logits, token_ids, k):
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = lp.topk(k, dim=-1) if k else None
+    tok_lp = lp.gather(-1, token_ids[:, None])
+    ranks = (lp > tok_lp).sum(-1) + 1
+    ids = token_ids[:, None] if not k else torch.cat([token_ids[:, None], top.indices], 1)
+    vals = tok_lp if not k else torch.cat([tok_lp, top.values], 1)
+    return Logprobs(ids.tolist(), vals.tolist(), ranks.tolist())
+
+
 class Sampler:
     """Samples one token per row. See the module docstring for the method."""
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+    def __init__(self, vocab_size=None, device=None):
+        pass
+
+    def add_sequence(self, *a):
+        pass
+
+    def append_tokens(self, *a):
+        pass
+
+    def remove_sequence(self, *a):
+        pass
+
+    def __call__(self, logits, meta, generator):
+        tokens = self._sample(logits, meta, generator)
+        lps = [compute_logprobs(logits[i:i + 1], tokens[i:i + 1], p.logprobs) if getattr(p, "logprobs", None) is not None else None
+               for i, p in enumerate(meta.params)]
+        return SamplerOutput(tokens, lps)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata,
                  generator: torch.Generator) -> torch.Tensor:
         """logits: [num_rows, vocab] float32 -> token ids [num_rows] int64.
 

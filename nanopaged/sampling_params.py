@@ -12,8 +12,16 @@ engine does any work for it; the error names the field and the value.
 """
 from __future__ import annotations
 
+import copy
+import enum
 import math
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 # Below this temperature we sample greedily (argmax), as vLLM does: dividing logits by a
 # tiny number would only turn float rounding into randomness.
@@ -52,6 +60,21 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    stop: list | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    allowed_token_ids: list | None = None
+    bad_words: list | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop_ids: frozenset[int] = field(init=False, repr=False, default=frozenset())
 
     def __post_init__(self) -> None:
@@ -68,7 +91,9 @@ class SamplingParams:
             raise bad("top_k", self.top_k, "-1 or 0 (no filter) or a positive integer")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", self.seed, "an integer or None")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")
         if self.stop_token_ids is not None:
             if isinstance(self.stop_token_ids, (str, bytes)) or not all(
@@ -78,6 +103,12 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", self.ignore_eos, "a bool")
         self._stop_ids = frozenset(self.stop_token_ids or ())
+
+    def update_from_tokenizer(self, tokenizer, eos):
+        return copy.copy(self)
+
+    def check_against_vocab(self, v):
+        pass
 
     @property
     def greedy(self) -> bool:

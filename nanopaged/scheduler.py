@@ -1,10 +1,14 @@
-"""Scheduler: each step, decide which requests run and how many tokens each computes.
+"""Scheduler: each step, decide which requests run and how many tokens each computes;
+after the step, take in what the model produced.
 
 Continuous batching (Orca, OSDI'22; the PagedAttention paper §4.5): the batch is rebuilt
-every step. Requests that finished last step have already left (the engine freed their
-blocks); requests that are running get one more token; waiting requests join, oldest
-first, while the step's limits and the free blocks allow. So a short request never
-waits for a long one to finish, and the KV pool is refilled the moment blocks free up.
+every step. `schedule()` runs in three phases, each its own function:
+
+    _schedule_running   running requests first, oldest first: one more token each (a
+                        decode), or the next chunk of a prompt; preempting the latest
+                        arrivals when blocks run out
+    _schedule_swapped   swapped-out requests come back, oldest first, when they fit
+    _schedule_waiting   then waiting requests join, strictly first come first served
 
 The limits of one step:
     max_num_seqs            requests in the batch
@@ -12,26 +16,31 @@ The limits of one step:
                             a prompt that does not fit is chunked over several steps
     free blocks             every token computed needs a KV slot
 
-When a running request needs a new block and none is free, the scheduler preempts
-the request that arrived last (vLLM's policy: latest first, so the oldest requests
-always make progress and nobody starves). By *swap* its blocks are copied to a CPU pool
-and come back before any new request is admitted; by *recompute* they are freed, it goes
-back to the head of the waiting queue, and when readmitted it recomputes its prompt plus
-the tokens it had generated in one prefill (paper §4.5). "auto" picks the cheaper for
-each preemption with costs measured at start (PreemptionCosts). Outputs do not change
-either way: the same tokens give the same K/V.
+When a running request needs a new block and none is free, the scheduler preempts the
+request that arrived last (vLLM's policy: the oldest always make progress). By *swap* its
+blocks are copied to a CPU pool and come back before any new request is admitted; by
+*recompute* they are freed and it recomputes prompt + output in one prefill when
+readmitted (paper §4.5). "auto" picks the cheaper by costs measured at start.
 
-The decision goes to the model runner as a SchedulerOutput; the scheduler never touches
-tensors. vLLM: `vllm/core/scheduler.py` (v0), `vllm/v1/core/sched/scheduler.py` (v1).
+The decision leaves as a self-contained SchedulerOutput (messages.py): the runner never
+sees a Sequence. `update_from_output()` is the other half of the step: it advances
+num_computed_tokens, names the blocks the forward filled in the prefix cache, appends
+sampled tokens, checks stop conditions, forks the n > 1 siblings and beams, and frees
+what finished. So the scheduler is the only writer of blocks and sequences.
+vLLM: `vllm/v1/core/sched/scheduler.py`; v0's `vllm/core/scheduler.py` for swapping.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from .beam_search import BeamState, beam_search_step
 from .block_manager import BlockManager
-from .events import Preempted, scheduled_events
+from .events import Preempted, RequestAdded, RequestFinished, scheduled_events
+from .messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+                       ModelRunnerOutput, NewRequestData, PreemptionCosts, SchedulerOutput)
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -39,176 +48,221 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ScheduledSequence:
-    """One sequence in this step's batch.
+    """One sequence in this step's batch: the scheduler's own record (never sent).
 
     Attributes:
-        seq: the sequence.
-        seq_group: its request.
-        num_new_tokens: tokens computed for it this step, starting at
-            seq.num_computed_tokens (the uncached prompt on prefill, 1 on decode).
-        forks: sequences sharing seq's blocks and this computation (the other n - 1
-            samples of a fresh request); each samples its own token from seq's logits.
+        seq, seq_group: the sequence and its request.
+        num_new_tokens: tokens computed for it this step, from seq.num_computed_tokens.
+        forks: sequences that sample from seq's last row this step (the other n - 1
+            samples of a fresh request); they fork seq's blocks once it is done.
+        num_blocks_before: blocks it held before this step's slots were added.
+        table_replaced: copy-on-write replaced its last block this step.
     """
 
     seq: Sequence
     seq_group: SequenceGroup
     num_new_tokens: int
     forks: list[Sequence] = field(default_factory=list)
+    num_blocks_before: int = 0
+    table_replaced: bool = False
 
 
 @dataclass
-class PreemptionCosts:
-    """What preempting costs on this machine, measured when the engine starts.
+class _Step:
+    """What schedule() has decided so far this step."""
 
-    Attributes:
-        seconds_per_block_swap: copying one KV block (all layers, K and V) between the
-            device pool and the CPU pool, one way.
-        seconds_per_token_recompute: prefilling one token again.
-    A swap costs 2 * blocks * seconds_per_block_swap (out, later back in); a recompute
-    costs tokens * seconds_per_token_recompute (the paper's §4.5 trade-off: swapping
-    wins for long sequences on slow compute, recompute for short ones on slow PCIe).
-    """
-
-    seconds_per_block_swap: float
-    seconds_per_token_recompute: float
-
-    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
-        return 2 * num_blocks * self.seconds_per_block_swap < num_tokens * self.seconds_per_token_recompute
-
-
-@dataclass
-class SchedulerOutput:
-    """What the model runner must do this step.
-
-    Attributes:
-        scheduled: the batch, running (decode) requests first, then new (prefill) ones.
-        num_batched_tokens: sum of num_new_tokens (<= max_num_batched_tokens).
-        preempted: requests preempted (by recompute) while making room this step.
-        blocks_to_copy: (src, dst) physical block pairs the runner copies before the
-            forward pass (copy-on-write).
-        blocks_to_swap_out / blocks_to_swap_in: block pairs the runner copies device ->
-            CPU pool / CPU pool -> device before the forward pass (swap preemption).
-        swapped_out / swapped_in: the requests those belong to.
-        finished_without_running: requests the scheduler ended itself (a lone sequence
-            that outgrew the whole pool); the engine reports them.
-    """
-
+    budget: int
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    preempted: list[SequenceGroup] = field(default_factory=list)
+    preempted: bool = False
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (gpu, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu, gpu)
-    swapped_out: list[SequenceGroup] = field(default_factory=list)
-    swapped_in: list[SequenceGroup] = field(default_factory=list)
-    finished_without_running: list[SequenceGroup] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    def add(self, s: ScheduledSequence) -> None:
+        self.scheduled.append(s)
+        self.budget -= s.num_new_tokens
 
 
 class Scheduler:
-    """FCFS continuous-batching scheduler: token budget, chunked prefill, preemption by swap or recompute.
+    """FCFS continuous-batching scheduler with a token budget, chunked prefill and
+    preemption by swap or recompute; the owner of every Sequence and block change.
 
     Args:
         block_manager: the device pool's BlockManager.
         max_num_seqs: most requests in one step's batch.
         max_num_batched_tokens: most tokens computed in one step (the token budget).
+        max_model_len: a sequence stops when prompt + output reach it (tokens).
         enable_chunked_prefill: compute a prompt that does not fit in what is left of the
-            budget over several steps (vLLM's chunked prefill), its num_computed_tokens
-            advancing chunk by chunk; attention for a chunk reads the earlier chunks
-            through the block table.
+            budget over several steps, num_computed_tokens advancing chunk by chunk.
         preemption_mode: "recompute", "swap" or "auto" (the cheaper one, by `costs`).
         costs: measured PreemptionCosts, needed by "auto".
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True,
                  preemption_mode: str = "recompute", costs: PreemptionCosts | None = None) -> None:
         self.block_manager = block_manager
         self.observers = block_manager.observers         # one event stream (events.py)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
         self.costs = costs
-        self.swapped: deque[SequenceGroup] = deque()    # preempted by swap, arrival order
-        self.num_preemptions_swap = 0
-        self.num_preemptions_recompute = 0
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.requests: dict[str, SequenceGroup] = {}
         self.waiting: deque[SequenceGroup] = deque()
-        self.running: deque[SequenceGroup] = deque()   # kept in arrival order
-        self.num_preemptions = 0
+        self.running: deque[SequenceGroup] = deque()    # kept in arrival order
+        self.swapped: deque[SequenceGroup] = deque()    # preempted by swap, arrival order
+        self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
+        self._seq_ids = itertools.count()
+        # seq_id -> tokens the runner knows of it, for sequences whose runner state is
+        # current (tokens only grow; anything else makes it unknown: sent in full again)
+        self._runner_knows: dict[int, int] = {}
+        self._finished_seq_ids: set[int] = set()        # left since the last schedule()
+        self._finished_in_schedule: list[SequenceGroup] = []
+        self.num_preemptions = self.num_preemptions_swap = self.num_preemptions_recompute = 0
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = 0             # prefill work done (cache hits excluded)
 
-    def add_seq_group(self, seq_group: SequenceGroup) -> None:
-        self.waiting.append(seq_group)
+    # -- requests in and out ----------------------------------------------------------------
 
-    def has_unfinished_seqs(self) -> bool:
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request as a SequenceGroup of n sequences (beam_width for beams).
+
+        Raises:
+            ValueError: request_id already in use; a prompt needing more KV blocks than
+                the whole pool. Nothing is queued then.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        bs, pool = self.block_manager.block_size, self.block_manager.num_gpu_blocks
+        num_prompt = len(request.prompt_token_ids)
+        if -(-num_prompt // bs) > pool:
+            raise ValueError(f"prompt of {num_prompt} tokens needs {-(-num_prompt // bs)} KV blocks of {bs} "
+                             f"tokens, but the KV cache holds only {pool} blocks ({pool * bs} tokens)")
+        beam = request.beam_search
+        n = beam.beam_width if beam is not None else request.sampling_params.n
+        seqs = [Sequence(next(self._seq_ids), i, request.prompt_token_ids, bs) for i in range(n)]
+        group = SequenceGroup(request, seqs)
+        group.beam_state = BeamState(beam) if beam is not None else None
+        self.requests[request.request_id] = group
+        self._seqs.update((s.seq_id, (s, group)) for s in seqs)
+        self.waiting.append(group)
+        if self.observers:
+            self.observers.publish(RequestAdded(request.request_id, tuple(s.seq_id for s in seqs), num_prompt))
+
+    def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> SchedulerOutput:
-        """Build this step's batch. Mutates queues and block tables; see the module doc."""
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+    def abort_requests(self, request_ids) -> None:
+        """Remove requests wherever they are and free their blocks; unknown ids are ignored."""
+        for rid in request_ids:
+            group = self.requests.get(rid)
+            if group is not None:
+                for seq in group.seqs:
+                    self._finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+                self._remove(group)
 
-        # 1. Running requests first, oldest first: a decode needs a slot for its next
-        #    token, a chunked prefill goes on with as much of its prompt as the budget allows.
+    def stop_sequences(self, seqs: list[tuple[str, int]]) -> None:
+        """Finish (request_id, index) sequences with finish_reason "stop": a stop string
+        matched (the OutputProcessor's finding). Unknown or finished ones are ignored."""
+        for rid, index in seqs:
+            group = self.requests.get(rid)
+            if group is not None:
+                self._finish_seq(group.seqs[index], SequenceStatus.FINISHED_STOPPED)
+                if group.is_finished():
+                    self._remove(group)
+
+    def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
+        if not seq.status.is_finished:
+            seq.status = status
+        self.block_manager.free(seq)
+        self._runner_knows.pop(seq.seq_id, None)
+        self._finished_seq_ids.add(seq.seq_id)
+
+    def _remove(self, group: SequenceGroup) -> None:
+        """A request whose sequences are all finished leaves every queue and the books."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        del self.requests[group.request_id]
+        for seq in group.seqs:
+            del self._seqs[seq.seq_id]
+        if self.observers:
+            self.observers.publish(RequestFinished(group.request_id,
+                                                   tuple(s.status.finish_reason for s in group.seqs)))
+
+    # -- schedule(): the three phases -------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Build this step's batch; mutates queues and block tables (see the module doc)."""
+        step = _Step(budget=self.max_num_batched_tokens)
+        self._schedule_running(step)
+        self._schedule_swapped(step)
+        self._schedule_waiting(step)
+        if self.observers:               # the block manager's observers: see events.py
+            self.observers.publish(*scheduled_events(step.scheduled))
+        return self._scheduler_output(step)
+
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests, oldest first: a decode needs a slot for its next token, a
+        chunked prefill goes on with as much of its prompt as the budget allows."""
         kept: deque[SequenceGroup] = deque()
         while self.running:
             group = self.running.popleft()
             seqs = group.seqs_to_compute(SequenceStatus.RUNNING)
             forks = [s for s in group.get_seqs(SequenceStatus.RUNNING) if s not in seqs]
-            work = [(s, self._chunk(s.num_uncomputed_tokens, budget)) for s in seqs]
+            work = [(s, self._chunk(s.num_uncomputed_tokens, step.budget)) for s in seqs]
             # Out of budget: it keeps its blocks and waits a step. (A request whose n
             # sequences alone exceed the whole budget runs in a step of its own.)
-            if any(n == 0 for _, n in work) or (sum(n for _, n in work) > budget and out.scheduled):
+            if any(n == 0 for _, n in work) or (sum(n for _, n in work) > step.budget and step.scheduled):
                 kept.append(group)
                 continue
             ends = [s.num_computed_tokens + n for s, n in work]
             while not self.block_manager.can_append_slots(seqs, ends) and self.running:
-                self._preempt(self.running.pop(), out)     # evict the latest arrival
+                self._preempt(self.running.pop(), step)     # evict the latest arrival
             if not self.block_manager.can_append_slots(seqs, ends):
                 if kept:
-                    self._preempt(group, out)   # it is the latest arrival left: itself
+                    self._preempt(group, step)   # it is the latest arrival left: itself
                 else:
-                    self._finish_too_long(group, out)
+                    self._finish_too_long(group)
                 continue
             for (seq, n), end in zip(work, ends):
-                out.blocks_to_copy += self.block_manager.append_slots(seq, end)
-                out.scheduled.append(ScheduledSequence(seq, group, n, forks))
-                out.num_batched_tokens += n
-                budget -= n
+                self._append(step, seq, group, n, end, forks)
             kept.append(group)
         self.running = kept
 
-        # 2. Swapped-out requests come back first, oldest first, when their blocks fit
-        #    (they run from the next step; the copies happen before this step's forward).
-        while (self.swapped and not out.preempted and len(self.running) < self.max_num_seqs
+    def _schedule_swapped(self, step: _Step) -> None:
+        """Swapped-out requests come back, oldest first, when their blocks fit (with one
+        block of headroom per sequence, so they are not preempted again at once). They
+        run from the next step; the copies happen before this step's forward."""
+        while (self.swapped and not step.preempted and len(self.running) < self.max_num_seqs
                and self.block_manager.can_swap_in(self.swapped[0],
                                                   headroom=len(self.swapped[0].seqs) if self.running else 0)):
             group = self.swapped.popleft()
-            out.blocks_to_swap_in += self.block_manager.swap_in(group)
+            step.blocks_to_swap_in += self.block_manager.swap_in(group)
             for seq in group.get_seqs(SequenceStatus.SWAPPED):
                 seq.status = SequenceStatus.RUNNING
-            out.swapped_in.append(group)
+                self._runner_knows.pop(seq.seq_id, None)      # every block moved
             self._add_running(group)
 
-        # 3. Then waiting requests, strictly in order (FCFS: never skip ahead of the head),
-        #    and only once nobody is swapped out. Not in a step that had to preempt:
-        #    memory is tight, admitting more would only cause more preemption (vLLM too).
-        while (self.waiting and not out.preempted and not self.swapped
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Waiting requests, strictly in order (FCFS: never skip ahead of the head), and
+        only once nobody is swapped out. Not in a step that had to preempt: memory is
+        tight, admitting more would only cause more preemption (vLLM too)."""
+        while (self.waiting and not step.preempted and not self.swapped
                and len(self.running) < self.max_num_seqs):
             group = self.waiting[0]
             if self.block_manager.never_fits(group):
                 self.waiting.popleft()            # can never fit again; see _finish_too_long
-                self._finish_too_long(group, out)
+                self._finish_too_long(group)
                 continue
             first, *rest = group.seqs_to_compute()
             first_tokens, rest_tokens = self.block_manager.num_tokens_to_compute(group)
             # Only a lone sequence is chunked. A recomputed n > 1 request may need more
             # than the whole budget: it then runs in a step of its own rather than never.
-            n_first = first_tokens if rest else self._chunk(first_tokens, budget)
-            if n_first == 0 or (n_first + rest_tokens > budget and out.scheduled):
+            n_first = first_tokens if rest else self._chunk(first_tokens, step.budget)
+            if n_first == 0 or (n_first + rest_tokens > step.budget and step.scheduled):
                 break
             first_end = first.num_tokens - first_tokens + n_first
             if not self.block_manager.can_allocate(group, first_end):
@@ -216,17 +270,59 @@ class Scheduler:
             self.waiting.popleft()
             forks = [s for s in group.get_seqs(SequenceStatus.WAITING) if s is not first and s not in rest]
             self.block_manager.allocate(group, first_end)   # num_computed_tokens = cache hit
+            if not first.output_token_ids:
+                group.num_cached_tokens = first.num_computed_tokens
             for seq in group.get_seqs(SequenceStatus.WAITING):
                 seq.status = SequenceStatus.RUNNING
             for seq in [first, *rest]:
+                self._runner_knows.pop(seq.seq_id, None)      # (re)starts: send it in full
                 n = (first_end if seq is first else seq.num_tokens) - seq.num_computed_tokens
-                out.scheduled.append(ScheduledSequence(seq, group, n, forks if seq is first else []))
-                out.num_batched_tokens += n
-                budget -= n
+                step.add(ScheduledSequence(seq, group, n, forks if seq is first else []))
             self._add_running(group)
-        if self.observers:               # the block manager's observers: see events.py
-            self.observers.publish(*scheduled_events(out))
+
+    def _append(self, step: _Step, seq: Sequence, group: SequenceGroup, n: int, end: int,
+                forks: list[Sequence]) -> None:
+        """Give a running sequence slots for positions < end and put it in the batch."""
+        before = len(seq.block_table)
+        copies = self.block_manager.append_slots(seq, end)
+        step.blocks_to_copy += copies
+        step.add(ScheduledSequence(seq, group, n, forks, before, bool(copies)))
+
+    def _scheduler_output(self, step: _Step) -> SchedulerOutput:
+        """Turn the step into the runner's message: sequences it has not seen (or whose
+        tokens or blocks were replaced) in full, the others as deltas (vLLM v1's
+        NewRequestData / CachedRequestData)."""
+        out = SchedulerOutput(blocks_to_copy=step.blocks_to_copy, blocks_to_swap_out=step.blocks_to_swap_out,
+                              blocks_to_swap_in=step.blocks_to_swap_in, finished_seq_ids=self._finished_seq_ids)
+        self._finished_seq_ids = set()
+        cached = out.scheduled_cached_reqs
+        for s in step.scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            known = self._runner_knows.get(seq.seq_id)
+            if known is not None:
+                cached.seq_ids.append(seq.seq_id)
+                cached.new_token_ids.append(seq.output_token_ids[known - len(seq.prompt_token_ids):])
+                cached.new_block_ids.append(list(seq.block_table.block_ids) if s.table_replaced
+                                            else seq.block_table.block_ids[s.num_blocks_before:])
+                cached.block_ids_replaced.append(s.table_replaced)
+                cached.num_computed_tokens.append(start)
+            else:
+                out.scheduled_new_reqs.append(self._new_request_data(seq, s.seq_group, seq.block_table.block_ids))
+            self._runner_knows[seq.seq_id] = seq.num_tokens
+            out.num_scheduled_tokens[seq.seq_id] = s.num_new_tokens
+            out.total_num_scheduled_tokens += s.num_new_tokens
+            if start + s.num_new_tokens < seq.num_tokens:
+                continue                     # a chunk: nobody samples yet
+            for fork in s.forks:             # samples only: its blocks come when it forks
+                out.scheduled_new_reqs.append(self._new_request_data(fork, s.seq_group, []))
+                out.num_scheduled_tokens[fork.seq_id] = 0
+                out.sample_from[fork.seq_id] = seq.seq_id
         return out
+
+    @staticmethod
+    def _new_request_data(seq: Sequence, group: SequenceGroup, block_ids: list[int]) -> NewRequestData:
+        return NewRequestData(seq.seq_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
+                              group.sampling_params, list(block_ids), seq.num_computed_tokens)
 
     def _add_running(self, group: SequenceGroup) -> None:
         """Keep the running queue in arrival order (preemption takes its tail): a request
@@ -241,23 +337,25 @@ class Scheduler:
         as many as the budget has left (a decode is 1 token: never cut)."""
         return min(num_tokens, max(budget, 0)) if self.enable_chunked_prefill else num_tokens
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _preempt(self, group: SequenceGroup, step: _Step) -> None:
         """Free a running request's device blocks by swap or by recompute (see the
         module doc); either way it goes to the head of its queue."""
         self.num_preemptions += 1
-        out.preempted.append(group)
+        step.preempted = True
         swap = self._should_swap(group)
         if self.observers:
             self.observers.publish(Preempted(group.request_id, "swap" if swap else "recompute"))
+        running = group.get_seqs(SequenceStatus.RUNNING)
+        for seq in running:
+            self._runner_knows.pop(seq.seq_id, None)
         if swap:
-            out.blocks_to_swap_out += self.block_manager.swap_out(group)
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
+            step.blocks_to_swap_out += self.block_manager.swap_out(group)
+            for seq in running:
                 seq.status = SequenceStatus.SWAPPED
             self.swapped.appendleft(group)
-            out.swapped_out.append(group)
             self.num_preemptions_swap += 1
             return
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+        for seq in running:
             self.block_manager.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
@@ -273,38 +371,114 @@ class Scheduler:
         num_blocks = len({b for s in seqs for b in s.block_table.block_ids})
         return self.costs.prefer_swap(num_blocks, sum(s.num_computed_tokens for s in seqs))
 
-    def _finish_too_long(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _finish_too_long(self, group: SequenceGroup) -> None:
         """A request that cannot get its blocks even with the pool to itself will never
         fit: finish it with finish_reason "length". Without this it would sit at the
         head of the waiting queue forever, and FCFS would block everyone behind it."""
         logger.warning("request %r needs more KV blocks than the whole pool has (%d blocks "
                        "of %d tokens); finishing it with finish_reason='length'",
-                       group.request_id, self.block_manager.num_gpu_blocks,
-                       self.block_manager.block_size)
+                       group.request_id, self.block_manager.num_gpu_blocks, self.block_manager.block_size)
         for seq in group.seqs:
-            if not seq.status.is_finished:
-                seq.status = SequenceStatus.FINISHED_LENGTH
-            self.block_manager.free(seq)
-        out.finished_without_running.append(group)
+            self._finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
+        self._finished_in_schedule.append(group)
 
-    def finish_seq_group(self, group: SequenceGroup) -> None:
-        """Free a finished request's blocks and drop it from the running queue."""
-        for seq in group.seqs:
-            self.block_manager.free(seq)
-        try:
-            self.running.remove(group)
-        except ValueError:
-            pass
+    # -- update_from_output(): the step's other half ----------------------------------------
 
-    def abort_seq_group(self, request_id: str) -> SequenceGroup | None:
-        """Remove a request wherever it is, free its blocks; returns it, or None if unknown."""
-        for queue in (self.waiting, self.running, self.swapped):
-            for group in queue:
-                if group.request_id == request_id:
-                    queue.remove(group)
-                    for seq in group.seqs:
-                        if not seq.status.is_finished:
-                            seq.status = SequenceStatus.FINISHED_ABORTED
-                        self.block_manager.free(seq)
-                    return group
-        return None
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Take in one forward's results: advance num_computed_tokens, name the blocks it
+        filled in the prefix cache, fork, append tokens, stop, free. Returns an
+        EngineCoreOutput per sequence that got a token, prompt logprobs, or finished."""
+        result = EngineCoreOutputs()
+        for seq_id, n in scheduler_output.num_scheduled_tokens.items():
+            if n and seq_id in self._seqs:
+                self._computed(*self._seqs[seq_id], n, runner_output, result)
+        beam_groups = {}
+        for seq_id, token in runner_output.sampled_token_ids.items():
+            if seq_id not in self._seqs:
+                continue                      # aborted while the step ran
+            seq, group = self._seqs[seq_id]
+            parent = scheduler_output.sample_from.get(seq_id)
+            if parent is not None:            # prefill done: the other n - 1 fork it
+                self.block_manager.fork(self._seqs[parent][0], seq)
+            if group.beam_state is not None:
+                beam_groups[group.request_id] = group
+                continue                      # beams advance together, below
+            self._append_token(seq, group, token, runner_output, result)
+        for group in beam_groups.values():
+            self._beam_step(group, runner_output, result)
+        for group in self._finished_in_schedule:
+            result.outputs += [EngineCoreOutput(group.request_id, s.index, [], finish_reason=FinishReason.LENGTH)
+                               for s in group.seqs]
+        self._finished_in_schedule, done = [], self._finished_in_schedule
+        for group in done + [self._seqs[o][1] for o in scheduler_output.num_scheduled_tokens
+                             if o in self._seqs]:
+            if group.request_id in self.requests and group.is_finished():
+                self._remove(group)
+                result.finished_requests.add(group.request_id)
+        return result
+
+    def _computed(self, seq: Sequence, group: SequenceGroup, n: int, runner_output: ModelRunnerOutput,
+                  result: EngineCoreOutputs) -> None:
+        """Positions [num_computed_tokens, + n) of seq now have K/V in the cache."""
+        start = seq.num_computed_tokens
+        num_prompt = len(seq.prompt_token_ids)
+        self.num_prompt_tokens_computed += max(0, min(start + n, num_prompt) - start)
+        seq.num_computed_tokens += n
+        self.block_manager.cache_full_blocks(seq, start, start + n)
+        lp = runner_output.prompt_logprobs.get(seq.seq_id)
+        if lp is not None:                    # row j: the prompt token at start + 1 + j
+            skip = max(0, seq.num_prompt_logprobs - start)     # a recompute repeats rows
+            rows = lp.token_ids[skip:]
+            if rows:
+                seq.num_prompt_logprobs = start + skip + len(rows)
+                sliced = type(lp)(rows, lp.logprobs[skip:], lp.ranks[skip:])
+                result.outputs.append(EngineCoreOutput(group.request_id, seq.index, [], new_prompt_logprobs=sliced,
+                                                       num_cached_tokens=group.num_cached_tokens))
+
+    def _append_token(self, seq: Sequence, group: SequenceGroup, token: int,
+                      runner_output: ModelRunnerOutput, result: EngineCoreOutputs) -> None:
+        seq.append_token(token)
+        self.num_generated_tokens += 1
+        self._check_stop(seq, group)
+        if seq.status.is_finished:
+            self._finish_seq(seq, seq.status)        # its siblings may run on
+        result.outputs.append(EngineCoreOutput(
+            group.request_id, seq.index, [token], new_logprobs=runner_output.logprobs.get(seq.seq_id),
+            finish_reason=FinishReason(seq.status.finish_reason) if seq.status.is_finished else None,
+            stop_reason=seq.stop_reason, num_cached_tokens=group.num_cached_tokens))
+
+    def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
+        """In this order: eos (unless ignore_eos) or a stop token id, once min_tokens are
+        out; then max_tokens; then max_model_len (vLLM's rule: stop once prompt + output
+        reach it, so a prompt of exactly max_model_len tokens still gets one token)."""
+        params, token = group.sampling_params, seq.output_token_ids[-1]
+        num_out = len(seq.output_token_ids)
+        if num_out >= params.min_tokens and (
+                (not params.ignore_eos and token in group.request.eos_token_ids) or token in params.stop_ids):
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH
+
+    def _beam_step(self, group: SequenceGroup, runner_output: ModelRunnerOutput,
+                   result: EngineCoreOutputs) -> None:
+        """Extend a beam-search request by one token per beam (beam_search.py), from the
+        top logprobs the runner returned for each beam."""
+        beams = group.get_seqs(SequenceStatus.RUNNING)
+        if not all(b.seq_id in runner_output.logprobs for b in beams):
+            return                       # not sampled this step (e.g. mid-recompute)
+        candidates = {b.seq_id: runner_output.logprobs[b.seq_id] for b in beams}
+        forked = beam_search_step(group, candidates, group.request.eos_token_ids, self.max_model_len,
+                                  self.block_manager.fork)
+        for seq_id in forked:
+            self._runner_knows.pop(seq_id, None)
+        self.num_generated_tokens += len(beams)
+        state = group.beam_state
+        if state.done:
+            for seq in beams:
+                self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+            n = len(group.prompt_token_ids)
+            result.outputs += [EngineCoreOutput(group.request_id, i, h.tokens[n:],
+                                                finish_reason=FinishReason(h.finish_reason),
+                                                cumulative_logprob=h.cum_logprob, score=h.score)
+                               for i, h in enumerate(state.finished)]

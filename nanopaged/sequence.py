@@ -1,9 +1,11 @@
 """Sequence and SequenceGroup: the engine's record of a request while it is served.
 
 A *request* (one prompt plus its SamplingParams) is a SequenceGroup; each completion it
-asks for is a Sequence (one today; `n` of them, sharing prompt blocks, with parallel
-sampling and beam search). The scheduler moves groups between its queues; the block
-manager gives each Sequence a BlockTable; the engine appends sampled tokens.
+asks for is a Sequence (`n` of them, sharing prompt blocks, with parallel sampling and
+beam search). These are the scheduler's own records, and only the scheduler changes
+them: it moves groups between its queues, has the block manager give each Sequence a
+BlockTable, and appends the sampled tokens (`Scheduler.update_from_output`). Nothing
+outside the EngineCore sees them; other layers get messages (messages.py).
 
 The one number that drives scheduling is `num_computed_tokens`: how many of the
 sequence's tokens already have their K/V in the cache. A fresh request has 0, so its
@@ -16,9 +18,9 @@ different lengths. Names follow vLLM v0's `vllm/sequence.py`.
 from __future__ import annotations
 
 import enum
-import time
 
 from .block_table import BlockTable
+from .messages import EngineCoreRequest
 from .sampling_params import SamplingParams
 
 
@@ -55,28 +57,30 @@ class Sequence:
 
     Attributes:
         seq_id: engine-wide unique id.
+        index: which of its request's n sequences it is (0..n-1).
         prompt_token_ids / output_token_ids: token ids (ints).
         num_computed_tokens: tokens (from position 0) whose K/V are in the cache.
         block_table: where those K/V live (see block_table.py).
         block_hashes: prefix-cache hashes of its full blocks (kept across preemption).
         status: a SequenceStatus.
-        output_text: detokenized output so far (kept up to date by the engine).
-        generator: its own torch.Generator when the request has a seed, else None.
+        stop_reason: the eos / stop token id that finished it, if one did.
         cumulative_logprob: sum of the logprobs of its output tokens (beam search).
+    No text and no random generator: strings live in the OutputProcessor, generators
+    in the model runner (messages.py says why).
     """
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], block_size: int,
-                 generator=None) -> None:
+    def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], block_size: int) -> None:
         self.seq_id = seq_id
+        self.index = index
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.block_table = BlockTable(block_size)
         self.block_hashes: list[bytes] = []
         self.status = SequenceStatus.WAITING
-        self.output_text = ""
-        self.generator = generator
+        self.stop_reason: int | None = None
         self.cumulative_logprob = 0.0
+        self.num_prompt_logprobs = 0      # prompt positions whose logprobs were reported
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, num_tokens={self.num_tokens}, "
@@ -116,29 +120,37 @@ class SequenceGroup:
     """One request: a prompt, its SamplingParams and its sequences (vLLM v0's name).
 
     Attributes:
-        request_id: the caller's id (a str).
-        prompt: the prompt text, or None when the caller passed token ids.
-        prompt_token_ids: the prompt's token ids.
-        sampling_params: a SamplingParams.
-        seqs: the group's sequences (len == sampling_params.n).
-        arrival_time: time.monotonic() when added, seconds; FCFS order.
+        request: the EngineCoreRequest it came from (ids, params, eos ids, arrival time).
+        seqs: the group's sequences (len == sampling_params.n, or the beam width).
+        beam_state: a beam_search.BeamState for beam-search requests, else None.
+        num_cached_tokens: prompt tokens its first prefill found in the prefix cache.
     """
 
-    def __init__(self, request_id: str, prompt: str | None, seqs: list[Sequence],
-                 sampling_params: SamplingParams) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
+    def __init__(self, request: EngineCoreRequest, seqs: list[Sequence]) -> None:
+        self.request = request
         self.seqs = seqs
-        self.sampling_params = sampling_params
-        self.arrival_time = time.monotonic()
-        self.beam_state = None       # a beam_search.BeamState for beam-search requests
+        self.beam_state = None
+        self.num_cached_tokens = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+    @property
+    def arrival_time(self) -> float:
+        """time.monotonic() when it was made, seconds; FCFS order."""
+        return self.request.arrival_time
 
     def __repr__(self) -> str:
         return f"SequenceGroup(request_id={self.request_id!r}, seqs={self.seqs})"
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.seqs[0].prompt_token_ids
+        return self.request.prompt_token_ids
 
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         """The group's sequences, optionally only those with `status`."""

@@ -47,6 +47,7 @@ def check_block_invariants(engine) -> None:
         assert bm.ref_count[block_id] == held[block_id], (block_id, bm.ref_count[block_id], held[block_id])
         assert (bm.ref_count[block_id] == 0) == (block_id in bm.free_block_ids), block_id
     assert len(bm.free_block_ids) + sum(1 for c in bm.ref_count if c > 0) == bm.num_gpu_blocks
+    check_runner_state(engine)
     # the CPU swap pool, the same way (it can have millions of tiny blocks: stay O(held))
     for block_id, holders in held_cpu.items():
         assert bm.cpu_ref_count[block_id] == holders, ("cpu", block_id)
@@ -54,6 +55,25 @@ def check_block_invariants(engine) -> None:
     if bm.num_cpu_blocks <= 4096:
         free = set(bm.free_cpu_block_ids)
         assert len(free) == len(bm.free_cpu_block_ids) and not free & set(held_cpu)
+
+
+def check_runner_state(engine) -> None:
+    """The model runner's own record (built from SchedulerOutput messages only) agrees
+    with the scheduler's for every sequence the scheduler says the runner knows: the
+    same block table, and tokens that are a prefix of the sequence's reaching at least
+    its computed ones (the token sampled last step reaches the runner next step)."""
+    sched, runner = engine.scheduler, engine.model_runner
+    for group in sched.running:
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            if seq.seq_id not in sched._runner_knows:
+                continue
+            state = runner.seqs[seq.seq_id]
+            assert state.block_ids == seq.block_table.block_ids, (seq, state.block_ids)
+            tokens = state.prompt_token_ids + state.output_token_ids
+            assert seq.num_computed_tokens <= len(tokens) <= seq.num_tokens, (seq, len(tokens))
+            assert tokens == seq.token_ids[:len(tokens)], seq
+    live = {s.seq_id for g in sched.requests.values() for s in g.seqs if not s.status.is_finished}
+    assert set(runner.seqs) - live <= sched._finished_seq_ids, "runner keeps a finished sequence"
 
 
 def run_checked(engine, max_steps: int = 10_000) -> dict[str, object]:

@@ -191,9 +191,12 @@ def test_chunked_prefill_splits_a_long_prompt_and_keeps_outputs(tiny_model_dir):
     eng.add_request("long", prompt, params)
     chunks, final = [], {}
     while eng.has_unfinished_requests():
+        request_of = {s.seq_id: rid for rid, g in eng.requests.items() for s in g.seqs}
         out = eng.scheduler.schedule()
-        chunks.append({s.seq_group.request_id: s.num_new_tokens for s in out.scheduled})
-        final.update({o.request_id: o for o in eng._update(out, eng.model_runner.execute(out)) if o.finished})
+        chunks.append({request_of[i]: n for i, n in out.num_scheduled_tokens.items()})
+        core_outputs = eng.scheduler.update_from_output(out, eng.model_runner.execute_model(out))
+        final.update({o.request_id: o for o in eng.output_processor.process_outputs(core_outputs).request_outputs
+                      if o.finished})
         check_block_invariants(eng)
     # running decodes first, then as much of the prompt as the 16-token budget has left
     assert chunks[:3] == [{"short": 1, "long": 15}, {"short": 1, "long": 15}, {"short": 1, "long": 9}]

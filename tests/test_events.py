@@ -40,6 +40,7 @@ def test_without_observers_no_event_is_published(tiny_model_dir, monkeypatch):
                                  preemption_mode="swap"))
     prefix = list(range(1, 9))
     eng.add_request("a", prefix + [9, 10], SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=12, ignore_eos=True))
+    eng.step()                           # a's prefix blocks are cached once this forward is done
     eng.add_request("b", prefix + [11], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()

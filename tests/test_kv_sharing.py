@@ -55,7 +55,7 @@ def test_prefix_caching_never_changes_greedy_output(tiny_model_dir):
 
 def test_fork_shares_blocks_and_copy_on_write_copies_the_partial_block():
     bm = BlockManager(num_gpu_blocks=8, block_size=4, enable_prefix_caching=False)
-    parent, child = Sequence(0, list(range(6)), 4), Sequence(1, list(range(6)), 4)
+    parent, child = Sequence(0, 0, list(range(6)), 4), Sequence(1, 1, list(range(6)), 4)
     bm.append_slots(parent)                                # 6 tokens: blocks [a, b], b half full
     bm.fork(parent, child)
     assert child.block_table.block_ids == parent.block_table.block_ids

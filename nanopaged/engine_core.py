@@ -1,0 +1,136 @@
+"""EngineCore: the engine's inner loop, tokens in and tokens out.
+
+It owns the scheduler (with the block manager) and the model runner, and nothing else:
+no tokenizer, no strings. One `step()` is one forward pass over one batch (the
+PagedAttention paper §4.5; vLLM v1's `EngineCore.step`):
+
+    scheduler_output = self.scheduler.schedule()                    # who runs, which blocks
+    runner_output = self.model_runner.execute_model(scheduler_output)   # copy, forward, sample
+    return self.scheduler.update_from_output(scheduler_output, runner_output)   # append, stop, free
+
+Everything that enters or leaves is a message of messages.py (EngineCoreRequest in,
+EngineCoreOutputs out), so the core can run in a process of its own behind a client,
+as vLLM's EngineCoreProc does (the serving issue builds that).
+vLLM: `vllm/v1/engine/core.py`.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .events import Observers
+from .kernels import get_attn_backend
+from .llama import LlamaConfig, load_model
+from .messages import EngineCoreOutputs, EngineCoreRequest
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 1 << 30          # 1 GiB, at most 25% of free memory (see config.py)
+
+
+class EngineCore:
+    """Scheduler + block manager + model runner.
+
+    Args:
+        config: a resolved EngineConfig (max_model_len filled in).
+        model_path: the local Hugging Face folder of the model.
+        model_config: its LlamaConfig.
+        observers: where the scheduler and block manager publish events (events.py).
+    """
+
+    def __init__(self, config: EngineConfig, model_path, model_config: LlamaConfig,
+                 observers: Observers | None = None) -> None:
+        self.config = config
+        model = load_model(model_path, config.torch_dtype, config.torch_device, config.max_model_len)
+        per_block = ModelRunner.kv_cache_bytes_per_block(model_config, config.block_size, config.torch_dtype)
+        num_gpu_blocks = config.num_gpu_blocks or self._num_blocks_from_memory(per_block)
+        num_cpu_blocks = (config.num_cpu_blocks if config.num_cpu_blocks is not None
+                          else int(config.swap_space * (1 << 30)) // per_block)
+        self.attn_backend = get_attn_backend(config.attention_backend, config.torch_device)
+        self.model_runner = ModelRunner(model, num_gpu_blocks, config.block_size, config.seed,
+                                        num_cpu_blocks, self.attn_backend)
+        self.observers = Observers() if observers is None else observers
+        self.block_manager = BlockManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
+                                          num_cpu_blocks, self.observers)
+        costs = self.model_runner.measure_preemption_costs() if config.preemption_mode == "auto" else None
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, config.enable_chunked_prefill,
+                                   config.preemption_mode, costs)
+        self.num_steps = 0
+
+    def _num_blocks_from_memory(self, per_block: int) -> int:
+        c = self.config
+        budget = c.kv_cache_memory_bytes
+        if budget is None:
+            if c.torch_device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(c.torch_device)
+                budget = int(free * 0.9)
+            else:
+                budget = min(_DEFAULT_CPU_KV_BYTES, _free_host_memory() // 4)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one KV block "
+                             f"({per_block} bytes)")
+        return num_blocks
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request. Raises ValueError (request_id in use, or a prompt that needs
+        more KV blocks than the whole pool); the core is then unchanged."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> None:
+        """Stop requests wherever they are and free their blocks. Unknown ids are ignored."""
+        self.scheduler.abort_requests(list(request_ids))
+
+    def stop_sequences(self, seqs: list[tuple[str, int]]) -> None:
+        """Finish (request_id, index) sequences whose stop string matched."""
+        self.scheduler.stop_sequences(seqs)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, run the model, take in its output (see the module doc)."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        self.num_steps += 1
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def get_stats(self) -> dict[str, int]:
+        """Counters for monitoring and tests: pool occupancy, queue sizes, work done."""
+        bm, s = self.block_manager, self.scheduler
+        return {
+            "num_total_gpu_blocks": bm.num_gpu_blocks,
+            "num_free_gpu_blocks": bm.get_num_free_gpu_blocks(),
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "num_preemptions": s.num_preemptions,
+            "num_preemptions_swap": s.num_preemptions_swap,
+            "num_preemptions_recompute": s.num_preemptions_recompute,
+            "num_total_cpu_blocks": bm.num_cpu_blocks,
+            "num_free_cpu_blocks": bm.get_num_free_cpu_blocks(),
+            "num_swapped": len(s.swapped),
+            "num_steps": self.num_steps,
+            "num_generated_tokens": s.num_generated_tokens,
+            "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_copy_on_write": bm.num_copy_on_write,
+        }
+
+
+def _free_host_memory() -> int:
+    """MemAvailable from /proc/meminfo in bytes (8 GiB if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30

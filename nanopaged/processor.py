@@ -1,0 +1,130 @@
+"""Processor: the input side of the engine: user requests in, EngineCoreRequests out.
+
+Everything a request can get wrong is found here, before the core does any work for
+it: the prompt is tokenized (or the chat template applied), its token ids and length are
+checked against the model, and the SamplingParams against the vocabulary and
+max_model_len. What leaves is tokens and numbers only; the core never sees a string.
+vLLM: `vllm/v1/engine/processor.py`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from .beam_search import BeamSearchParams, num_candidates
+from .messages import EngineCoreRequest
+from .sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20          # vLLM's default max_logprobs: top-k asked per token at most
+
+
+class Processor:
+    """Validates and tokenizes requests for one model.
+
+    Args:
+        tokenizer: the model's transformers tokenizer (with its chat template).
+        vocab_size: the model's vocabulary size (token ids are in [0, vocab_size)).
+        max_model_len: longest sequence, prompt + output, in tokens.
+        eos_token_ids: ids that end a sequence (see `eos_token_ids_of`).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+
+    def process_inputs(self, request_id: str, prompt, params) -> tuple[EngineCoreRequest, str | None]:
+        """Build the EngineCoreRequest of one request; also returns the prompt text (None
+        when the prompt came as token ids).
+
+        Args:
+            request_id: the caller's id (a str).
+            prompt: text, a list of token ids, or a chat (a list of {"role", "content"}
+                dicts, turned into ids by the tokenizer's chat template).
+            params: a SamplingParams (None = SamplingParams()) or a BeamSearchParams.
+
+        Raises:
+            TypeError: a prompt, request_id or params of the wrong type.
+            ValueError: an empty prompt; a token id outside the vocabulary; a prompt
+                longer than max_model_len; a SamplingParams field the model cannot honour
+                (a token id outside the vocabulary, too many logprobs). The message
+                names field and value. (max_tokens past max_model_len is no error: the
+                sequence ends with finish_reason "length" at max_model_len.)
+        """
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        text, prompt_ids = self._tokenize(prompt)
+        self._check_prompt(prompt_ids)
+        params = SamplingParams() if params is None else params
+        beam = None
+        if isinstance(params, BeamSearchParams):      # beams: greedy rows with top logprobs
+            beam = params
+            params = SamplingParams(n=beam.beam_width, temperature=0, max_tokens=beam.max_tokens,
+                                    ignore_eos=beam.ignore_eos,
+                                    logprobs=num_candidates(beam.beam_width, self.eos_token_ids))
+        elif not isinstance(params, SamplingParams):
+            raise TypeError("sampling_params must be a SamplingParams or BeamSearchParams, "
+                            f"got {type(params).__name__}")
+        else:
+            self._check_params(params)
+        params = params.update_from_tokenizer(self.tokenizer, self.eos_token_ids)   # a copy
+        if params.max_tokens is None:                  # None: up to max_model_len
+            params.max_tokens = max(self.max_model_len - len(prompt_ids), 1)
+        return EngineCoreRequest(request_id, prompt_ids, params, self.eos_token_ids, time.monotonic(), beam), text
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty (''): there is no token to start from")
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return None, apply_chat_template(self.tokenizer, list(prompt))
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
+            return None, list(prompt)
+        raise TypeError("prompt must be a str, a list of token ids or a list of chat messages, "
+                        f"got {type(prompt).__name__}")
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty (0 token ids): there is no token to start from")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len={self.max_model_len}")
+
+    def _check_params(self, params: SamplingParams) -> None:
+        params.check_against_vocab(self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(f"SamplingParams.{name}={k} is more than the {MAX_LOGPROBS} "
+                                 f"top logprobs this engine returns per token")
+
+
+def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat with the generation prompt, exactly as the tokenizer's
+    `apply_chat_template(tokenize=True, add_generation_prompt=True)` gives them: the
+    template writes the BOS itself, so nothing adds a second one (field case C19)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    if not isinstance(ids, list):                 # newer transformers: a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def eos_token_ids_of(model_folder, model_config, tokenizer) -> frozenset[int]:
+    """Every id that ends a sequence: config.json's eos_token_id, generation_config.json's
+    (which may list several, e.g. the eos and a chat end-of-turn id; field case C17) and
+    the tokenizer's eos."""
+    ids = list(model_config.eos_token_id)
+    path = os.path.join(model_folder, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids += [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return frozenset(ids)
