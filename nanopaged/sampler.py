@@ -1,9 +1,18 @@
 """Sampler: turn each sequence's last-position logits into its next token.
 
-Batched over the step's sequences, each with its own SamplingParams:
+Batched over the step's sequences (one row each), each with its own SamplingParams. The
+order is vLLM v1's (`vllm/v1/sample/sampler.py`):
 
-    greedy rows (temperature 0)  -> argmax
-    other rows                   -> logits / temperature -> top-k -> top-p -> softmax -> draw
+    1. raw logprobs        log_softmax of the model's logits, for rows that want logprobs
+    2. logits processors   allowed_token_ids, bad_words, min_tokens (mask to -inf),
+                           logit_bias (add)
+    3. penalties           repetition (prompt and output), frequency and presence (output)
+    4. greedy rows         argmax of the processed logits
+    5. other rows          / temperature -> min_p -> top-k -> top-p -> softmax -> draw
+
+A stage no row of the batch uses costs nothing, so an unconstrained greedy batch is one
+argmax. Stages 2-3 only ever change a row from that row's own settings and tokens, so a
+request's tokens never depend on what else shares the batch (field case C41).
 
 The draw uses the "exponential race" that vLLM uses (`vllm/v1/sample/ops/topk_topp_sampler.py`):
 argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i, and needs no
@@ -11,6 +20,11 @@ cumulative sums. Its randomness is one Exp(1) vector per row, so a request with 
 fills its row from its own torch.Generator and gets the same tokens whatever else is in
 the batch; requests without a seed share the engine's generator (seeded by
 `LLM(seed=...)`), so a whole run is reproducible too.
+
+Penalties need to know which tokens a sequence has seen. Counting them anew every step
+would cost O(sequence length) Python per row, so the Sampler keeps the counts itself, as
+vLLM's InputBatch does: one row of `output_counts` (and of `prompt_mask`) per sequence
+with a penalty, updated by one scatter per step (`append_tokens`).
 """
 from __future__ import annotations
 
@@ -21,20 +35,38 @@ import torch
 from .messages import Logprobs
 from .sampling_params import SamplingParams
 
+_INITIAL_CAPACITY = 8     # rows of the counts state allocated the first time one is needed
+
 
 @dataclass
 class SamplingMetadata:
-    """Per-row sampling settings of one step, as tensors.
+    """Per-row sampling settings of one step, as tensors (row i = entry i of `build`).
 
     Attributes:
+        seq_ids: the row's sequence, to find its penalty counts in the Sampler.
+        output_token_ids: the row's generated tokens so far, the caller's live lists
+            (not copies); read for min_tokens and multi-token bad words.
         temperature: [num_rows] float32 (1.0 on greedy rows, which never use it).
         top_p: [num_rows] float32 in (0, 1].
         top_k: [num_rows] int64, vocab_size where there is no top-k filter.
         greedy: [num_rows] bool.
         all_greedy, any_top_p, any_top_k: shortcuts that skip whole stages.
         generators: row index -> the request's torch.Generator (seeded requests).
+        min_p: [num_rows] float32, 0 where off; None when no sampled row uses it.
+        num_logprobs: per row, SamplingParams.logprobs (None = no logprobs).
+        logprobs_rows: rows whose num_logprobs is not None.
+        allowed_token_ids_mask: [num_rows, vocab] bool, True = not allowed; or None.
+        bad_words_single: (rows, token ids) [n] int64 each: single-token bad words; or None.
+        bad_words_multi: (row, token ids) for bad words of two tokens or more.
+        min_tokens: (row, min_tokens, ids to hold back) for rows with min_tokens > 0.
+        logit_bias: (rows, token ids, biases) [n] int64, int64, float32; or None.
+        penalty_rows: rows whose params need token counts (any penalty on).
+        repetition_penalty, frequency_penalty, presence_penalty: [len(penalty_rows)]
+            float32; None when penalty_rows is empty.
     """
 
+    seq_ids: list[int]
+    output_token_ids: list[list[int]]
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
@@ -43,26 +75,175 @@ class SamplingMetadata:
     any_top_p: bool
     any_top_k: bool
     generators: dict[int, torch.Generator]
-
-    params: list = None
+    min_p: torch.Tensor | None
+    num_logprobs: list[int | None]
+    logprobs_rows: list[int]
+    allowed_token_ids_mask: torch.Tensor | None
+    bad_words_single: tuple[torch.Tensor, torch.Tensor] | None
+    bad_words_multi: list[tuple[int, list[int]]]
+    min_tokens: list[tuple[int, int, list[int]]]
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    penalty_rows: list[int]
+    repetition_penalty: torch.Tensor | None
+    frequency_penalty: torch.Tensor | None
+    presence_penalty: torch.Tensor | None
 
     @classmethod
-    def build(cls, seq_ids, params: list[SamplingParams], generators: list[torch.Generator | None],
-              output_token_ids, vocab_size: int, device: torch.device) -> "SamplingMetadata":
-        """One row per entry of `params` (and of `generators`, None for unseeded rows)."""
-        greedy = [p.greedy for p in params]
-        top_k = [vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size) for p in params]
+    def build(cls, seq_ids: list[int], params: list[SamplingParams],
+              generators: list[torch.Generator | None], output_token_ids: list[list[int]],
+              vocab_size: int, device: torch.device) -> "SamplingMetadata":
+        """One row per entry of the four (parallel) lists; generators[i] is None for an
+        unseeded row. O(rows) Python plus the size of the rows' token-id settings
+        (measured, 128 greedy rows, vocab 49152, CPU, one thread: 140 us, against 110 us
+        for the build that knew only temperature, top-p and top-k).
+
+        Raises:
+            ValueError: lists of different lengths, or a row with bad_words whose
+                params did not go through SamplingParams.update_from_tokenizer.
+        """
+        n = len(params)
+        if not len(seq_ids) == len(generators) == len(output_token_ids) == n:
+            raise ValueError("SamplingMetadata.build: seq_ids, params, generators and "
+                             "output_token_ids must have one entry per row")
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        # One pass over the rows; a row that uses none of the optional stages only
+        # contributes its temperature, top-p, top-k and greedy flag.
+        temperature, top_k, greedy, min_p = [], [], [], []
+        logprobs_rows, penalty_rows, min_tokens, multi = [], [], [], []
+        allowed_rows, allowed_ids, single_rows, single_ids, bias = [], [], [], [], []
+        for i, p in enumerate(params):
+            g = p.greedy
+            greedy.append(g)
+            temperature.append(1.0 if g else p.temperature)
+            top_k.append(vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size))
+            min_p.append(0.0 if g else p.min_p)
+            if p.logprobs is not None:
+                logprobs_rows.append(i)
+            if p.needs_token_counts:
+                penalty_rows.append(i)
+            if p.min_tokens > 0 and p._all_stop_token_ids:
+                min_tokens.append((i, p.min_tokens, sorted(p._all_stop_token_ids)))
+            if p.allowed_token_ids:
+                allowed_rows.append(i)
+                allowed_ids.extend(p.allowed_token_ids)
+            if p.logit_bias:
+                bias.extend((i, t, b) for t, b in p.logit_bias.items())
+            if p.bad_words:
+                if p._bad_words_token_ids is None:
+                    raise ValueError(f"row {i} has bad_words {p.bad_words!r} but no token ids: "
+                                     "call SamplingParams.update_from_tokenizer first")
+                for ids in p._bad_words_token_ids:
+                    if len(ids) == 1:
+                        single_rows.append(i)
+                        single_ids.append(ids[0])
+                    else:
+                        multi.append((i, ids))
+
+        allowed_mask = None
+        if allowed_rows:
+            allowed_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
+            allowed_mask[allowed_rows] = True
+            rows = [i for i in allowed_rows for _ in params[i].allowed_token_ids]
+            allowed_mask[tensor(rows, torch.int64), tensor(allowed_ids, torch.int64)] = False
+
+        def penalty(name):
+            return tensor([getattr(params[i], name) for i in penalty_rows], torch.float32) \
+                if penalty_rows else None
+
         return cls(
-            temperature=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                     dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            seq_ids=list(seq_ids),
+            output_token_ids=list(output_token_ids),      # the list of lists; each stays live
+            temperature=tensor(temperature, torch.float32),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            top_k=tensor(top_k, torch.int64),
+            greedy=tensor(greedy, torch.bool),
             all_greedy=all(greedy),
             any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
             any_top_k=any(k < vocab_size and not g for k, g in zip(top_k, greedy)),
-            generators={i: g for i, g in enumerate(generators) if g is not None}, params=params,
+            generators={i: g for i, g in enumerate(generators) if g is not None},
+            min_p=tensor(min_p, torch.float32) if any(min_p) else None,
+            num_logprobs=[p.logprobs for p in params],
+            logprobs_rows=logprobs_rows,
+            allowed_token_ids_mask=allowed_mask,
+            bad_words_single=(tensor(single_rows, torch.int64), tensor(single_ids, torch.int64))
+            if single_rows else None,
+            bad_words_multi=multi,
+            min_tokens=min_tokens,
+            logit_bias=(tensor([r for r, _, _ in bias], torch.int64),
+                        tensor([t for _, t, _ in bias], torch.int64),
+                        tensor([b for _, _, b in bias], torch.float32)) if bias else None,
+            penalty_rows=penalty_rows,
+            repetition_penalty=penalty("repetition_penalty"),
+            frequency_penalty=penalty("frequency_penalty"),
+            presence_penalty=penalty("presence_penalty"),
         )
+
+
+@dataclass
+class SamplerOutput:
+    """What the Sampler returns for one step.
+
+    Attributes:
+        sampled_token_ids: [num_rows] int64, the token chosen for each row.
+        logprobs: per row, a one-row Logprobs (the sampled token first, then the row's
+            top SamplingParams.logprobs tokens) where logprobs was asked for, else None.
+    """
+
+    sampled_token_ids: torch.Tensor
+    logprobs: list[Logprobs | None]
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Logprobs:
+    """Log-probabilities of `token_ids` and of each row's k most likely tokens.
+
+    logits: [rows, vocab], any float dtype (the log_softmax is computed in float32);
+    token_ids: [rows] int64; k >= 0. Returns a Logprobs with `rows` rows: row i holds
+    [token_ids[i], top-k ids...] and their log-probabilities (natural log), and
+    ranks[i] = 1 + the number of tokens with a strictly larger logprob than token_ids[i].
+    """
+    return _gather_logprobs(logits.float().log_softmax(dim=-1), token_ids, k)
+
+
+def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> Logprobs:
+    """compute_logprobs, from logprobs already computed ([rows, vocab] float32)."""
+    token_logprobs = logprobs.gather(-1, token_ids.unsqueeze(-1))          # [rows, 1]
+    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1                     # [rows]
+    ids, values = token_ids.unsqueeze(-1), token_logprobs
+    if k > 0:
+        top = logprobs.topk(k, dim=-1)
+        ids, values = torch.cat([ids, top.indices], dim=-1), torch.cat([values, top.values], dim=-1)
+    return Logprobs(ids.tolist(), values.tolist(), ranks.tolist())
+
+
+def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
+                    repetition_penalty: torch.Tensor, frequency_penalty: torch.Tensor,
+                    presence_penalty: torch.Tensor) -> torch.Tensor:
+    """The three penalties (vLLM's `apply_penalties`), out of place.
+
+    logits: [rows, vocab] float32; prompt_mask: [rows, vocab] bool (token in the prompt);
+    output_counts: [rows, vocab] int32 (times the token was generated); the penalties:
+    [rows] float32. Repetition acts on tokens in the prompt or the output, dividing a
+    positive logit by the penalty and multiplying a negative one (transformers'
+    RepetitionPenaltyLogitsProcessor); frequency subtracts penalty * count and presence
+    subtracts penalty once, both counting output tokens only (OpenAI's definition).
+    """
+    seen = prompt_mask | (output_counts > 0)
+    rep = repetition_penalty.unsqueeze(-1)
+    logits = torch.where(seen, torch.where(logits < 0, logits * rep, logits / rep), logits)
+    logits = logits - frequency_penalty.unsqueeze(-1) * output_counts
+    return logits - presence_penalty.unsqueeze(-1) * (output_counts > 0)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits of tokens whose probability is below min_p times the row's
+    largest probability. logits: [rows, vocab] float32; min_p: [rows] float32 in [0, 1]
+    (0 keeps the row as it is). The most likely token always survives."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
@@ -87,53 +268,169 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-@dataclass
-class SamplerOutput:
-    sampled_token_ids: torch.Tensor
-    logprobs: list
-
-
-def compute_logprobs(logits, token_ids, k):
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    top = lp.topk(k, dim=-1) if k else None
-    tok_lp = lp.gather(-1, token_ids[:, None])
-    ranks = (lp > tok_lp).sum(-1) + 1
-    ids = token_ids[:, None] if not k else torch.cat([token_ids[:, None], top.indices], 1)
-    vals = tok_lp if not k else torch.cat([tok_lp, top.values], 1)
-    return Logprobs(ids.tolist(), vals.tolist(), ranks.tolist())
-
-
 class Sampler:
-    """Samples one token per row. See the module docstring for the method."""
+    """Samples one token per row (see the module docstring), and keeps the token counts
+    of the sequences that have a penalty.
 
-    def __init__(self, vocab_size=None, device=None):
-        pass
+    Counts state: `output_counts` [capacity, vocab] int32 and `prompt_mask` [capacity,
+    vocab] bool, one row per sequence with a penalty (`_rows`: seq_id -> row), allocated
+    on first need and doubled when full; freed rows are reused.
+    """
 
-    def add_sequence(self, *a):
-        pass
+    def __init__(self, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)
+        self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
+        self._rows: dict[int, int] = {}
+        self._free: list[int] = []
 
-    def append_tokens(self, *a):
-        pass
+    # -- the counts state -----------------------------------------------------------------
 
-    def remove_sequence(self, *a):
-        pass
+    def add_sequence(self, seq_id: int, params: SamplingParams, prompt_token_ids: list[int],
+                     output_token_ids: list[int]) -> None:
+        """(Re)set `seq_id`'s counts from its prompt and output so far. Nothing is kept
+        (or allocated) unless params.needs_token_counts."""
+        self.remove_sequence(seq_id)
+        if not params.needs_token_counts:
+            return
+        prompt, output = self._ids(prompt_token_ids), self._ids(output_token_ids)
+        if not self._free:
+            self._grow()
+        row = self._rows[seq_id] = self._free.pop()
+        self.prompt_mask[row] = False
+        self.output_counts[row] = 0
+        self.prompt_mask[row, prompt] = True
+        self.output_counts[row].scatter_add_(
+            0, output, torch.ones(len(output_token_ids), dtype=torch.int32, device=self.device))
 
-    def __call__(self, logits, meta, generator):
-        tokens = self._sample(logits, meta, generator)
-        lps = [compute_logprobs(logits[i:i + 1], tokens[i:i + 1], p.logprobs) if getattr(p, "logprobs", None) is not None else None
-               for i, p in enumerate(meta.params)]
-        return SamplerOutput(tokens, lps)
+    def append_tokens(self, seq_ids: list[int], token_ids: list[int]) -> None:
+        """Count new output tokens: token_ids[i] was generated by seq_ids[i] (flat,
+        parallel lists; a sequence may appear more than once). Sequences without counts
+        are skipped. One scatter_add_ for the whole step."""
+        if len(seq_ids) != len(token_ids):
+            raise ValueError(f"append_tokens: {len(seq_ids)} seq_ids but {len(token_ids)} token_ids")
+        flat = []                                # indices into output_counts.view(-1)
+        for seq_id, t in zip(seq_ids, token_ids):
+            row = self._rows.get(seq_id)
+            if row is not None:
+                self._check_id(t)
+                flat.append(row * self.vocab_size + t)
+        if flat:
+            self.output_counts.view(-1).scatter_add_(
+                0, torch.tensor(flat, dtype=torch.int64, device=self.device),
+                torch.ones(len(flat), dtype=torch.int32, device=self.device))
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata,
-                 generator: torch.Generator) -> torch.Tensor:
-        """logits: [num_rows, vocab] float32 -> token ids [num_rows] int64.
+    def remove_sequence(self, seq_id: int) -> None:
+        """Forget `seq_id`'s counts and free its row (a no-op if it has none)."""
+        row = self._rows.pop(seq_id, None)
+        if row is not None:
+            self._free.append(row)
 
-        `generator` is the engine's, used by rows without their own.
+    def _grow(self) -> None:
+        old = self.output_counts.shape[0]
+        new = max(_INITIAL_CAPACITY, 2 * old)
+        counts = torch.zeros(new, self.vocab_size, dtype=torch.int32, device=self.device)
+        mask = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
+        counts[:old], mask[:old] = self.output_counts, self.prompt_mask
+        self.output_counts, self.prompt_mask = counts, mask
+        self._free.extend(range(new - 1, old - 1, -1))     # pop() hands out the lowest first
+
+    def _check_id(self, t: int) -> None:
+        # a flat index past the vocabulary would silently count into the next row
+        if not 0 <= t < self.vocab_size:
+            raise ValueError(f"token id {t} outside the vocabulary [0, {self.vocab_size})")
+
+    def _ids(self, token_ids: list[int]) -> torch.Tensor:
+        for t in token_ids:
+            self._check_id(t)
+        return torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+                 generator: torch.Generator) -> SamplerOutput:
+        """logits: [num_rows, vocab] (upcast to float32; not modified) -> SamplerOutput.
+
+        `generator` is the engine's, used by rows without their own. Logprobs are vLLM's
+        default logprobs_mode "raw_logprobs": the log_softmax of the logits as the model
+        produced them, before any processor, penalty, temperature or filter. The counts
+        of penalty rows must be up to date (append_tokens after every step).
         """
+        logits = logits.float()
+        raw_logprobs = None
+        if meta.logprobs_rows:
+            raw_logprobs = logits[meta.logprobs_rows].log_softmax(dim=-1)   # [num_lp_rows, vocab]
+        logits = self.apply_logits_processors(logits, meta)
+        sampled = self.sample(logits, meta, generator)
+        logprobs: list[Logprobs | None] = [None] * logits.shape[0]
+        if raw_logprobs is not None:
+            rows = meta.logprobs_rows
+            k = max(meta.num_logprobs[i] for i in rows)
+            gathered = _gather_logprobs(raw_logprobs, sampled[rows], k)
+            for j, i in enumerate(rows):
+                keep = meta.num_logprobs[i] + 1
+                logprobs[i] = Logprobs([gathered.token_ids[j][:keep]],
+                                       [gathered.logprobs[j][:keep]], [gathered.ranks[j]])
+        return SamplerOutput(sampled, logprobs)
+
+    def apply_logits_processors(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Stages 2 and 3: the masks, logit_bias and penalties. logits: [num_rows, vocab]
+        float32, returned as is when no row uses any of them, else as a new tensor."""
+        banned_rows, banned_ids = self._banned_by_output(meta)
+        if (meta.allowed_token_ids_mask is None and meta.bad_words_single is None
+                and not banned_rows and meta.logit_bias is None and not meta.penalty_rows):
+            return logits
+        logits = logits.clone()
+        if meta.allowed_token_ids_mask is not None:
+            logits.masked_fill_(meta.allowed_token_ids_mask, float("-inf"))
+        if meta.bad_words_single is not None:
+            logits[meta.bad_words_single] = float("-inf")
+        if banned_rows:                          # multi-token bad words and min_tokens
+            logits[torch.tensor(banned_rows, device=logits.device),
+                   torch.tensor(banned_ids, device=logits.device)] = float("-inf")
+        if meta.logit_bias is not None:
+            rows, ids, bias = meta.logit_bias
+            logits.index_put_((rows, ids), bias, accumulate=True)
+        if meta.penalty_rows:
+            missing = [meta.seq_ids[i] for i in meta.penalty_rows if meta.seq_ids[i] not in self._rows]
+            if missing:
+                raise RuntimeError(f"sequences {missing} have penalties but no token counts: "
+                               "call Sampler.add_sequence first")
+            state = torch.tensor([self._rows[meta.seq_ids[i]] for i in meta.penalty_rows],
+                                 device=self.device)
+            rows = torch.tensor(meta.penalty_rows, device=logits.device)
+            logits[rows] = apply_penalties(logits[rows], self.prompt_mask[state],
+                                           self.output_counts[state], meta.repetition_penalty,
+                                           meta.frequency_penalty, meta.presence_penalty)
+        return logits
+
+    @staticmethod
+    def _banned_by_output(meta: SamplingMetadata) -> tuple[list[int], list[int]]:
+        """(rows, token ids) that the rows' outputs so far forbid: the last token of a
+        multi-token bad word whose other tokens end the output (vLLM looks at output
+        tokens only), and the stop ids of a row still short of min_tokens."""
+        rows, ids = [], []
+        for i, word in meta.bad_words_multi:
+            out, prefix = meta.output_token_ids[i], word[:-1]
+            if len(out) >= len(prefix) and out[len(out) - len(prefix):] == prefix:
+                rows.append(i)
+                ids.append(word[-1])
+        for i, min_tokens, stop_ids in meta.min_tokens:
+            if len(meta.output_token_ids[i]) < min_tokens:
+                rows += [i] * len(stop_ids)
+                ids += stop_ids
+        return rows, ids
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata,
+               generator: torch.Generator) -> torch.Tensor:
+        """Stages 4 and 5: processed logits [num_rows, vocab] float32 -> [num_rows] int64."""
         greedy_tokens = logits.argmax(dim=-1)
         if meta.all_greedy:
             return greedy_tokens
         logits = logits / meta.temperature.unsqueeze(-1)
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
         if meta.any_top_k or meta.any_top_p:
             logits = apply_top_k_top_p(logits, meta.top_k if meta.any_top_k else None,
                                        meta.top_p if meta.any_top_p else None)
