@@ -15,8 +15,10 @@ detokenizer), the logprob dicts and why it finished; per request, the prompt log
 Three things need care:
 
 - Stop strings live in text, so they are found here (detokenizer.check_stop_strings)
-  and the core is told to stop the sequence. The core has already run it one step
-  further by then, which costs a token of compute and nothing else: the text is cut.
+  and the core is told to stop the sequence (LLMEngine.step calls
+  EngineCore.stop_sequences before the next step, so no token is computed in vain;
+  a core that runs ahead, as with async scheduling, would compute one more, which
+  costs compute and nothing else: the text is cut here).
 - Hold-back. While a sequence runs, the text it shows leaves out its last
   len(longest stop string) - 1 characters: they might be the start of a stop string
   that the next token completes, and text once shown cannot be taken back. So every
