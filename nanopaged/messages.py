@@ -11,6 +11,8 @@ them:
     EngineCore           --EngineCoreOutputs-->   OutputProcessor     (tokens out)
     OutputProcessor      --RequestOutput-->       the user            (outputs.py)
 
+plus PreemptionCosts, which the runner measures once at start and the scheduler reads.
+
 Nothing here holds a live object of another layer (no Sequence, no block manager, no
 tokenizer): ids, token ids, numbers and SamplingParams only. A *sequence* (one of a
 request's n completions, or one beam) is what vLLM v1 calls a request inside the core
