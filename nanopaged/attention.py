@@ -18,8 +18,9 @@ slot the row index. Two operations use it (PagedAttention paper §4.1; vLLM
 
 Prefill and decode are the same read; they differ only in how many queries a sequence
 brings. Decode (one query per sequence) is batched over all sequences with a length mask;
-prefill (many queries) runs per sequence, with a causal mask offset by the tokens that
-are already cached (none today; a cached prefix or an earlier chunk later).
+prefill (many queries) runs per sequence and, within it, one KV block of queries at a
+time, with a causal mask offset by the tokens that are already cached (a prefix-cache
+hit or an earlier chunk).
 
 Everything the op needs comes in an AttentionMetadata built by the model runner: no
 global state. GQA (num_heads a multiple of num_kv_heads) is handled by SDPA's enable_gqa.
@@ -138,16 +139,32 @@ def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
 
 def _prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
-    """Queries of one sequence (its last q_len positions) over its first seq_len keys."""
+    """Queries of one sequence (its last q_len positions) over its first seq_len keys.
+
+    The queries go to SDPA one KV block at a time: the queries of positions in block b
+    attend, in one call, to keys 0 .. (end of their block). Why not one call for all of
+    them: SDPA's rounding depends on how many queries it is given, and a prefix-cache hit
+    computes only the blocks after the hit. Split at block boundaries, the hit path
+    (queries of the last blocks) makes exactly the calls the miss path makes for those
+    blocks, so both write the same K/V and sample the same tokens (field case C36).
+    Cost: bf16 prefills of 163 and 320 tokens took as long as with one call (12.7 s vs
+    12.4 s, 22.8 s vs 26.0 s on our loaded 2-core CPU: noise bigger than the change).
+    """
     q_len = query.shape[0]
-    num_blocks = -(-seq_len // key_cache.shape[1])
+    block_size = key_cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
     k = _gather(key_cache, block_table[:num_blocks])[:seq_len].transpose(0, 1)   # [kv_heads, L, head]
     v = _gather(value_cache, block_table[:num_blocks])[:seq_len].transpose(0, 1)
     q = query.transpose(0, 1)                                                     # [heads, q_len, head]
-    if q_len == seq_len:        # nothing cached before this chunk: plain causal
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:                       # query i sits at position seq_len - q_len + i
-        pos_q = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
+    out = torch.empty_like(q)
+    first = seq_len - q_len                    # position of query 0
+    start = first
+    while start < seq_len:
+        end = min((start // block_size + 1) * block_size, seq_len)
+        pos_q = torch.arange(start, end, device=query.device)
+        mask = torch.arange(end, device=query.device)[None, :] <= pos_q[:, None]   # [end - start, end]
+        out[:, start - first:end - first] = F.scaled_dot_product_attention(
+            q[:, start - first:end - first], k[:, :end], v[:, :end], attn_mask=mask, scale=scale,
+            enable_gqa=True)
+        start = end
+    return out.transpose(0, 1)
