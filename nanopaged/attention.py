@@ -48,7 +48,8 @@ class AttentionMetadata:
             (cached + new), i.e. its context length.
         query_start_loc: [num_seqs + 1] int64, offsets of each sequence's new tokens
             in the flat batch (vLLM's name); query_lens = diff of it.
-        num_decodes: the first num_decodes sequences have exactly one new token.
+        num_decodes: the first num_decodes sequences are decodes: one new token, an
+            output token (a prompt's last token alone is still prefill).
         seq_lens_list, query_start_loc_list: host copies (python ints) for the loops.
     """
 

@@ -181,7 +181,12 @@ class ModelRunner:
     def prepare_inputs(self, so: SchedulerOutput) -> ModelInput:
         """Flatten the scheduled sequences into one batch (decode sequences first)."""
         scheduled = [(self.seqs[i], n) for i, n in so.num_scheduled_tokens.items() if n > 0]
-        scheduled.sort(key=lambda sn: sn[1] > 1)     # decodes first: attention batches them
+        # Decodes first: attention batches them. A decode computes one *output* token; the
+        # last token of a prompt (one left after a prefix-cache hit) is prefill, so it
+        # takes the prefill path the same prompt takes without the hit (field case C36).
+        is_decode = [n == 1 and s.num_computed_tokens >= len(s.prompt_token_ids) for s, n in scheduled]
+        order = sorted(range(len(scheduled)), key=lambda i: not is_decode[i])
+        scheduled, num_decodes = [scheduled[i] for i in order], sum(is_decode)
         forks_of: dict[int, list[int]] = {}
         for fork, parent in so.sample_from.items():
             forks_of.setdefault(parent, []).append(fork)
@@ -214,7 +219,7 @@ class ModelRunner:
         slot_mapping = tables[seq_of_token, pos // self.block_size] * self.block_size + pos % self.block_size
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, block_tables=tables, seq_lens=t(seq_lens),
-            query_start_loc=t(query_start_loc), num_decodes=sum(1 for _, n in scheduled if n == 1),
+            query_start_loc=t(query_start_loc), num_decodes=num_decodes,
             seq_lens_list=seq_lens, query_start_loc_list=query_start_loc)
         return ModelInput(input_ids=t(input_ids), positions=pos, attn_metadata=meta,
                           logits_indices=t(logits_indices), sampled_seq_ids=sampled_seq_ids,

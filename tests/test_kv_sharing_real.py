@@ -60,7 +60,8 @@ def test_c03_cached_tokens_counted_after_the_prefill_length_was_fixed(default_mo
     seq = eng.requests["B"].seqs[0]
     scheduled = eng.scheduler.schedule()
     assert scheduled.num_scheduled_tokens == {seq.seq_id: 13}          # X came from the cache
-    eng.scheduler.update_from_output(scheduled, eng.model_runner.execute_model(scheduled))
+    eng.output_processor.process_outputs(
+        eng.scheduler.update_from_output(scheduled, eng.model_runner.execute_model(scheduled)))
     assert seq.num_computed_tokens == 29
     assert ids(run_checked(eng)["B"]) == expected
 
