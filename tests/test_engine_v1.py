@@ -176,6 +176,13 @@ def test_logprobs_equal_transformers_log_softmax(tiny_model_dir, tiny_hf_model):
                 assert abs(lp.logprob - row[t].item()) < 1e-4
         assert abs(c.cumulative_logprob - sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs))) < 1e-5
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in first.outputs]
+    # sample logprobs alone do read the cache: the hit run's logprobs equal the miss run's
+    sample_only = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    hits = llm.engine.get_stats()["prefix_cache_hits"]
+    hit = llm.generate(prompt, sample_only)[0].outputs[0]
+    assert llm.engine.get_stats()["prefix_cache_hits"] - hits == 16           # 4 full blocks of 4
+    for j, (tok, d) in enumerate(zip(hit.token_ids, hit.logprobs)):
+        assert abs(d[tok].logprob - ref[len(prompt) - 1 + j, tok].item()) < 1e-4
 
 
 def test_repetition_penalty_equals_transformers(tiny_model_dir, tiny_hf_model):
