@@ -53,9 +53,9 @@ def test_ctrl_c_stops_the_answer_not_the_program(tiny_model_dir):
     engine.step = step
     handler_before = signal.getsignal(signal.SIGINT)     # (SIG_IGN when run in the background)
     out = io.StringIO()
-    text = stream_answer(engine, "r", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True), out)
+    text = stream_answer(engine, "r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), out)
     assert len(steps) == 3 and out.getvalue().endswith(" [stopped]\n")
-    assert text and not engine.has_unfinished_requests()
+    assert text and out.getvalue() == text + " [stopped]\n" and not engine.has_unfinished_requests()
     assert engine.get_stats()["num_free_gpu_blocks"] == 64
     assert signal.getsignal(signal.SIGINT) == handler_before      # restored
     engine.step = real_step
