@@ -148,12 +148,11 @@ class SamplingParams:
             raise bad("min_p", self.min_p, "a number in [0, 1]")
         if self.seed is not None and (not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX):
             raise bad("seed", self.seed, "None or an integer in [-2**63, 2**63) (int64)")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
         if self.stop is not None:
-            if not _is_list_of(self.stop, lambda s: isinstance(s, str) and s != ""):
-                raise bad("stop", self.stop, "a non-empty str or a list of them")
-            self.stop = list(self.stop)
+            stop = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not _is_list_of(stop, lambda s: isinstance(s, str) and s != ""):
+                raise bad("stop", self.stop, "a non-empty str or a list of them")   # as the user gave it
+            self.stop = list(stop)
         for name in ("stop_token_ids", "allowed_token_ids"):
             value = getattr(self, name)
             if value is not None:
