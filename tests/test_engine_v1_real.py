@@ -121,6 +121,7 @@ def test_c19_one_bos_with_a_chat_template(llm):
 
 @pytest.mark.parametrize("length_penalty", [1.0, 2.0])
 def test_c24s_beam_score(llm, length_penalty):
+    """Field case C24 (its score half, C24s): score == cum_logprob / len ** penalty, ordered."""
     prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "Name a fruit."}],
                                                      tokenize=False, add_generation_prompt=True)
     (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=length_penalty))
