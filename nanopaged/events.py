@@ -1,7 +1,7 @@
 """Engine events: what happened in a step, as data, for the tracer and for tests.
 
 The engine publishes one small frozen dataclass per fact, from the place where the fact
-happens: the engine for requests coming and going, the scheduler for its decisions,
+happens: the scheduler for requests coming and going and for its decisions,
 the block manager for every change to a physical block. Anyone can listen:
 
     engine.add_observer(events.append)          # any callable taking one event
@@ -62,7 +62,7 @@ class Observers(list):
 
 @dataclass(frozen=True)
 class RequestAdded:
-    """A request was queued (`LLMEngine.add_request`).
+    """A request was queued (`Scheduler.add_request`, from `LLMEngine.add_request`).
 
     seq_ids: its sequences (n of them; beams for beam search). num_prompt_tokens: > 0.
     """
