@@ -103,10 +103,6 @@ class Sequence:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n):end - n]
 
-    def token_id_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
-
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens the next forward pass must compute: the whole prompt on prefill, 1 on decode."""
