@@ -1,0 +1,273 @@
+"""The OpenAI wire format: pydantic models of requests and responses, and their mapping
+to SamplingParams.
+
+A request body is parsed into `CompletionRequest` or `ChatCompletionRequest` (a wrong
+type or a missing field is a pydantic ValidationError, which serve.py answers with an
+OpenAI-style 400); `to_sampling_params` turns it into the engine's SamplingParams, whose
+own checks (negative max_tokens, temperature < 0, ...) raise ValueError naming the field.
+Fields OpenAI has and we do not model are accepted and ignored, as vLLM ignores them
+(with a warning in the log). Responses are built as pydantic models too, so the
+official `openai` client parses them.
+vLLM: `vllm/entrypoints/openai/protocol.py`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from .sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("nanopaged.serve")
+
+
+class OpenAIBaseModel(BaseModel):
+    """Accepts unknown fields and logs them, as vLLM's OpenAIBaseModel does."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _warn_extra(self):
+        if self.model_extra:
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           sorted(self.model_extra))
+        return self
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """The fields completions and chat share (OpenAI's, then vLLM's extra sampling ones)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None          # None: 1.0, OpenAI's default
+    top_p: float | None = None
+    top_k: int | None = None                  # vLLM extension, as are min_p .. ignore_eos
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None                   # accepted, ignored
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        bias = None
+        if self.logit_bias is not None:         # OpenAI's keys are token ids as strings
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids (integers as strings), "
+                                 f"got {list(self.logit_bias)!r}") from None
+        kw = dict(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                  logit_bias=bias, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                  skip_special_tokens=self.skip_special_tokens, output_kind=RequestOutputKind.DELTA)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        return kw
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. `prompt`: a str, a list of token ids, or a list holding one
+    of those (a batch of several prompts is refused with a 400)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16               # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request. Raises ValueError for a batch or echo/suffix."""
+        if self.echo:
+            raise ValueError("echo=true is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError(f"prompt: a batch of {len(p)} prompts is not supported; "
+                                 "send one prompt per request")
+            p = p[0]
+        return p
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
+                              **self._sampling_kwargs())
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message's text; OpenAI's list of content parts may hold text parts only."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(part.get("type") != "text" for part in self.content):
+            raise ValueError("messages: only text content parts are supported")
+        return "".join(part.get("text", "") for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions. max_tokens (or max_completion_tokens) None = up to
+    max_model_len, as OpenAI's and vLLM's chat default."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return SamplingParams(max_tokens=max_tokens,
+                              logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                              **self._sampling_kwargs())
+
+
+# ---- responses ---------------------------------------------------------------
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(BaseModel):
+    """The legacy completions logprobs: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None        # vLLM's extra: the stop token id or string
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogProbs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """A chat stream's delta; fields left None are left out, as OpenAI's are."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "nanopaged"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,211 @@
+"""Serving one OpenAI request on AsyncLLM: completions and chat, whole or streamed.
+
+Every request is one `engine.generate(prompt, params, request_id)` in DELTA mode: each
+RequestOutput holds only what is new per completion index. A whole response adds the
+deltas up per index; a streamed one turns each delta into one SSE chunk
+(`data: {json}\\n\\n`), then the usage chunk if asked, then `data: [DONE]`.
+The first output is awaited before the response starts, so a request the Processor
+refuses (ValueError / TypeError on the first `__anext__`) is still a clean 400, not a
+broken stream. Leaving the generator early (the client went away: Starlette cancels the
+stream) aborts the request in the core. Latencies go to the app's ServerMetrics.
+vLLM: `vllm/entrypoints/openai/serving_completion.py`, `serving_chat.py`.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
+                       ChatLogProbs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
+                       CompletionLogProbs, CompletionResponse, DeltaMessage, TopLogprob, UsageInfo)
+
+_MIN_LOGPROB = -9999.0     # OpenAI's JSON stand-in for -inf (as vLLM clamps)
+
+
+async def start(engine, metrics, prompt, params, request_id: str):
+    """Start a request and wait for its first output.
+
+    Returns (first RequestOutput, the generator for the rest). The generator records
+    TTFT, inter-token and end-to-end latency in `metrics` (seconds).
+
+    Raises:
+        ValueError, TypeError: the engine's Processor refused the request (nothing queued).
+        EngineDeadError: the engine core is gone.
+    """
+    arrival = time.monotonic()
+    gen = engine.generate(prompt, params, request_id)
+    first = await gen.__anext__()
+    now = time.monotonic()
+    metrics.ttft.observe(now - arrival)
+    metrics.prompt_tokens.inc(len(first.prompt_token_ids))
+
+    async def rest():
+        last = now
+        out = first
+        try:
+            while not out.finished:
+                out = await gen.__anext__()
+                t = time.monotonic()
+                metrics.itl.observe(t - last)
+                last = t
+                yield out
+            metrics.e2e.observe(last - arrival)
+        finally:
+            await gen.aclose()        # early exit: aborts the request in the core
+
+    return first, rest()
+
+
+@dataclass
+class _Choice:
+    """What one completion index has produced so far."""
+
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list = field(default_factory=list)      # [(token_id, {id: Logprob})]
+
+
+def _absorb(choices: dict[int, _Choice], out) -> None:
+    for c in out.outputs:
+        ch = choices.setdefault(c.index, _Choice())
+        ch.text += c.text
+        ch.num_tokens += len(c.token_ids)
+        ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+        if c.logprobs is not None:
+            ch.logprobs += list(zip(c.token_ids, c.logprobs))
+
+
+def _usage(first, choices: dict[int, _Choice]) -> UsageInfo:
+    prompt = len(first.prompt_token_ids)
+    completion = sum(c.num_tokens for c in choices.values())
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _token_str(tokenizer, token_id: int, lp) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([token_id])
+
+
+def completion_logprobs(tokenizer, pairs, text_offset: int) -> CompletionLogProbs:
+    """The legacy completions format of [(token_id, {id: Logprob})]: the sampled token,
+    its logprob, and the top-k (plus the sampled token) as {token text: logprob};
+    text_offset: characters of generated text before the first of these tokens."""
+    out = CompletionLogProbs()
+    for token_id, top in pairs:
+        s = _token_str(tokenizer, token_id, top[token_id])
+        out.text_offset.append(text_offset)
+        text_offset += len(s)
+        out.tokens.append(s)
+        out.token_logprobs.append(max(top[token_id].logprob, _MIN_LOGPROB))
+        out.top_logprobs.append({_token_str(tokenizer, i, lp): max(lp.logprob, _MIN_LOGPROB)
+                                 for i, lp in sorted(top.items(), key=lambda kv: kv[1].rank or 0)})
+    return out
+
+
+def chat_logprobs(tokenizer, pairs, top_k: int) -> ChatLogProbs:
+    """The chat format of [(token_id, {id: Logprob})]: per token its text, logprob, UTF-8
+    bytes, and the top_k most likely tokens (rank 1..top_k)."""
+    content = []
+    for token_id, top in pairs:
+        s = _token_str(tokenizer, token_id, top[token_id])
+        ranked = sorted((lp.rank, i, lp) for i, lp in top.items() if lp.rank is not None and lp.rank <= top_k)
+        content.append(ChatTokenLogprob(
+            token=s, logprob=max(top[token_id].logprob, _MIN_LOGPROB), bytes=list(s.encode()),
+            top_logprobs=[TopLogprob(token=(t := _token_str(tokenizer, i, lp)), bytes=list(t.encode()),
+                                     logprob=max(lp.logprob, _MIN_LOGPROB)) for _, i, lp in ranked]))
+    return ChatLogProbs(content=content)
+
+
+# ---- whole responses ----------------------------------------------------------
+
+async def full_completion(tokenizer, first, rest, request_id: str, model: str, want_logprobs: bool):
+    choices: dict[int, _Choice] = {}
+    _absorb(choices, first)
+    async for out in rest:
+        _absorb(choices, out)
+    return CompletionResponse(id=request_id, model=model, usage=_usage(first, choices), choices=[
+        CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                         logprobs=completion_logprobs(tokenizer, c.logprobs, 0) if want_logprobs else None)
+        for i, c in sorted(choices.items())])
+
+
+async def full_chat(tokenizer, first, rest, request_id: str, model: str, top_logprobs: int | None):
+    choices: dict[int, _Choice] = {}
+    _absorb(choices, first)
+    async for out in rest:
+        _absorb(choices, out)
+    return ChatCompletionResponse(id=request_id, model=model, usage=_usage(first, choices), choices=[
+        ChatChoice(index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+                   stop_reason=c.stop_reason,
+                   logprobs=chat_logprobs(tokenizer, c.logprobs, top_logprobs)
+                   if top_logprobs is not None else None)
+        for i, c in sorted(choices.items())])
+
+
+# ---- streams ------------------------------------------------------------------
+
+def _sse(model) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+async def _outputs(first, rest):
+    """first, then the rest; closing this closes `rest` (which aborts the request)."""
+    try:
+        yield first
+        async for out in rest:
+            yield out
+    finally:
+        await rest.aclose()
+
+
+async def stream_completion(tokenizer, first, rest, request_id: str, model: str,
+                            want_logprobs: bool, include_usage: bool):
+    """SSE lines of a streamed completion: one chunk per delta per index."""
+    choices: dict[int, _Choice] = {}
+    created = int(time.time())
+    async with aclosing(_outputs(first, rest)) as outputs:
+        async for out in outputs:
+            for c in out.outputs:
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue
+                offset = len(choices[c.index].text) if c.index in choices else 0
+                lp = (completion_logprobs(tokenizer, list(zip(c.token_ids, c.logprobs or [])), offset)
+                      if want_logprobs else None)
+                yield _sse(CompletionResponse(id=request_id, created=created, model=model, choices=[
+                    CompletionChoice(index=c.index, text=c.text, logprobs=lp,
+                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
+            _absorb(choices, out)
+    if include_usage:
+        yield _sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                      usage=_usage(first, choices)))
+    yield "data: [DONE]\n\n"
+
+
+async def stream_chat(tokenizer, first, rest, request_id: str, model: str, n: int,
+                      top_logprobs: int | None, include_usage: bool):
+    """SSE lines of a streamed chat: per index a first chunk with role "assistant", then
+    one chunk per content delta, the last with its finish_reason."""
+    choices: dict[int, _Choice] = {}
+    created = int(time.time())
+
+    def chunk(choice):
+        return _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
+
+    async with aclosing(_outputs(first, rest)) as outputs:
+        for i in range(n):
+            yield chunk(ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        async for out in outputs:
+            for c in out.outputs:
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue
+                lp = (chat_logprobs(tokenizer, list(zip(c.token_ids, c.logprobs or [])), top_logprobs)
+                      if top_logprobs is not None else None)
+                yield chunk(ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text), logprobs=lp,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            _absorb(choices, out)
+    if include_usage:
+        yield _sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                       usage=_usage(first, choices)))
+    yield "data: [DONE]\n\n"
