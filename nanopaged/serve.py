@@ -32,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import serving
 from .async_llm import AsyncLLM, EngineDeadError
@@ -43,7 +44,6 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo, Erro
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"   # what model=None serves
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 logger = logging.getLogger("nanopaged.serve")
-_CODES = {401: "invalid_api_key", 404: "model_not_found", 413: "request_too_large"}
 
 
 class _ClientGone(Exception):
@@ -53,20 +53,19 @@ class _ClientGone(Exception):
 class OpenAIError(Exception):
     """An error answered as OpenAI's JSON body with this HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's error JSON for an HTTP status (type "invalid_request_error" below 500)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param,
-                                         code=_CODES.get(status))).model_dump()
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code)).model_dump()
 
 
-async def _send_error(send, status: int, message: str) -> None:
-    body = json.dumps(error_body(status, message)).encode()
+async def _send_error(send, status: int, message: str, code: str) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})
@@ -91,21 +90,24 @@ class _Guard:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, b"Bearer " + self.api_key.encode()):
                 return await _send_error(send, 401, "Incorrect or missing API key "
-                                                    "(send 'Authorization: Bearer KEY')")
+                                                    "(send 'Authorization: Bearer KEY')", "invalid_api_key")
         declared = headers.get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return await _send_error(send, 413, f"request body is {int(declared)} bytes, more than "
-                                                f"the server's limit of {self.max_body_bytes}")
-        body, more = b"", True
+                                                f"the server's limit of {self.max_body_bytes}",
+                                     "request_too_large")
+        chunks, size, more = [], 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":          # disconnected while sending
                 return
-            body += message.get("body", b"")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             more = message.get("more_body", False)
-            if len(body) > self.max_body_bytes:
+            if size > self.max_body_bytes:
                 return await _send_error(send, 413, f"request body is more than the server's "
-                                                    f"limit of {self.max_body_bytes} bytes")
+                                                    f"limit of {self.max_body_bytes} bytes",
+                                         "request_too_large")
         replayed = False
 
         async def replay():
@@ -113,7 +115,7 @@ class _Guard:
             if replayed:
                 return await receive()                      # waits for http.disconnect
             replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         await self.app(scope, replay, send)
 
@@ -169,7 +171,12 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_, e: OpenAIError):
-        return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
+        return JSONResponse(error_body(e.status, e.message, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException):      # bytes that are not JSON, 404, 405
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(_ClientGone)
     async def _gone(_, e: _ClientGone):
@@ -189,7 +196,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
-            raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
+            raise OpenAIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
     async def run(request: Request, body, prompt, params_fn, prefix: str, respond):
         """Start the request (400/500 before any byte is sent), then answer it."""

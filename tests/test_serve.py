@@ -1,0 +1,370 @@
+"""python -m nanopaged.serve, tested as a user meets it: a real server process on a free
+port, the official `openai` client and raw httpx against it.
+
+One server per model and module: the tiny random Llama (fast tests; its tokenizer has a
+chat template, conftest.py) with an API key, and the default SmolLM2 model (slow tests:
+greedy outputs and the chat template equal LLM.generate / LLM.chat's). The last fast
+test kills the engine core, so it runs last. Teardown checks that the server and its
+EngineCore child are gone.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+KEY = "sk-test-key"
+TINY_ARGS = ["--block-size", "4", "--num-gpu-blocks", "256", "--attention-backend", "torch"]
+TINY_ENGINE = dict(block_size=4, num_gpu_blocks=256, attention_backend="torch")
+PROMPTS = ["Hello, my name is", "The capital of France is", "Paged attention splits"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `python -m nanopaged.serve` subprocess; `url` is its base URL."""
+
+    def __init__(self, model, *args: str, startup_s: float = 180.0) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nanopaged.serve", "--model", str(model), "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "warning", *args],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not healthy within {startup_s} s")
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self) -> list[psutil.Process]:
+        """SIGTERM, wait, SIGKILL if needed; returns the children that are still alive."""
+        children = self.children()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        _, alive = psutil.wait_procs(children, timeout=10)
+        return alive
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir):
+    server = Server(tiny_model_dir, "--api-key", KEY, *TINY_ARGS)
+    assert len(server.children()) >= 1          # the EngineCore process
+    yield server
+    alive = server.stop()
+    assert server.proc.returncode is not None and not alive, f"left behind: {alive}"
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir):
+    from nanopaged import LLM
+    return LLM(str(tiny_model_dir), **TINY_ENGINE)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    from openai import OpenAI
+    return OpenAI(base_url=tiny_server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(tiny_server):
+    with httpx.Client(base_url=tiny_server.url, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as c:
+        yield c
+
+
+def _metrics(http) -> dict[str, float]:
+    """name -> value of every unlabelled-bucket nanopaged: sample of GET /metrics."""
+    text = http.get("/metrics").text
+    return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("nanopaged:") and "_bucket" not in line}
+
+
+def _greedy(llm, prompt, max_tokens, **kw):
+    from nanopaged import SamplingParams
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **kw))[0].outputs[0]
+
+
+# ---- the openai client ------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_models_lists_the_served_name(client, tiny_model_dir):
+    assert [m.id for m in client.models.list().data] == [str(tiny_model_dir)]
+
+
+@pytest.mark.timeout(60)
+def test_completion_greedy_equals_llm_generate(client, tiny_llm, tiny_model_dir):
+    for prompt in PROMPTS:
+        want = _greedy(tiny_llm, prompt, 12)
+        got = client.completions.create(model=str(tiny_model_dir), prompt=prompt, max_tokens=12, temperature=0)
+        assert got.object == "text_completion" and got.id.startswith("cmpl-")
+        assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason
+        assert got.usage.completion_tokens == len(want.token_ids)
+        assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+        stream = client.completions.create(model=str(tiny_model_dir), prompt=prompt, max_tokens=12,
+                                           temperature=0, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+@pytest.mark.timeout(60)
+def test_completion_token_prompt_stop_and_logprobs(client, tiny_llm, tiny_model_dir):
+    ids = tiny_llm.get_tokenizer()(PROMPTS[0]).input_ids
+    want = _greedy(tiny_llm, ids, 8, logprobs=2)
+    got = client.completions.create(model=str(tiny_model_dir), prompt=ids, max_tokens=8, temperature=0, logprobs=2)
+    c = got.choices[0]
+    assert c.text == want.text and got.usage.prompt_tokens == len(ids)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(want.token_ids)
+    for t, top, got_lp, got_top in zip(want.token_ids, want.logprobs, lp.token_logprobs, lp.top_logprobs):
+        assert got_lp == pytest.approx(top[t].logprob, abs=1e-5)
+        # the top 2 and the sampled token, keyed by text (tokens that decode alike share a key)
+        assert set(got_top) == {lp_.decoded_token for lp_ in top.values()}
+    stop = want.text[3:5]                      # a stop string inside the greedy text
+    got = client.completions.create(model=str(tiny_model_dir), prompt=PROMPTS[0], max_tokens=8,
+                                    temperature=0, stop=[stop])
+    assert got.choices[0].finish_reason == "stop" and want.text.startswith(got.choices[0].text)
+    assert stop not in got.choices[0].text
+
+
+@pytest.mark.timeout(60)
+def test_chat_stream_and_not_n2_logprobs(client, tiny_llm, tiny_model_dir):
+    from nanopaged import SamplingParams
+    messages = [{"role": "user", "content": "Hello, my name is"}]
+    want = tiny_llm.chat(messages, SamplingParams(temperature=0, max_tokens=10))[0]
+    got = client.chat.completions.create(model=str(tiny_model_dir), messages=messages, max_tokens=10,
+                                         temperature=0, logprobs=True, top_logprobs=2)
+    assert got.object == "chat.completion" and got.id.startswith("chatcmpl-")
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.outputs[0].text
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    content = got.choices[0].logprobs.content
+    assert len(content) == len(want.outputs[0].token_ids) and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob == t.top_logprobs[0].logprob for t in content)     # greedy: rank 1
+    chunks = list(client.chat.completions.create(model=str(tiny_model_dir), messages=messages, max_tokens=10,
+                                                 temperature=0, stream=True, max_completion_tokens=10))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == want.outputs[0].finish_reason
+    two = client.chat.completions.create(model=str(tiny_model_dir), messages=messages, max_tokens=6,
+                                         n=2, temperature=1.0, seed=7)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert two.usage.completion_tokens == 12 or all(c.finish_reason for c in two.choices)
+    again = client.chat.completions.create(model=str(tiny_model_dir), messages=messages, max_tokens=6,
+                                           n=2, temperature=1.0, seed=7)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in two.choices]
+
+
+# ---- errors, raw httpx ----------------------------------------------------------
+
+def _post(http, path, body, **kw):
+    if isinstance(body, (dict, list)):
+        return http.post(path, json=body, **kw)
+    return http.post(path, content=body, headers={"content-type": "application/json"}, **kw)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/v1/completions", b"\x00\xff\x13garbage\xfe", 400, ["body"]),
+    ("/v1/completions", b'{"prompt": "hi", ', 400, ["JSON"]),
+    ("/v1/completions", {"max_tokens": 3}, 400, ["prompt", "required"]),
+    ("/v1/chat/completions", {"max_tokens": 3}, 400, ["messages"]),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, ["max_tokens"]),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, ["max_tokens", "-1"]),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, ["temperature", "-0.5"]),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, ["logit_bias"]),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, 400, ["99999"]),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, ["batch"]),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, ["echo"]),
+    ("/v1/completions", {"prompt": "Hello " * 300}, 400, ["600", "max_model_len=256"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     ["logprobs"]),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, ["gpt-4"]),
+])
+def test_bad_request_is_an_openai_error(http, path, body, status, words):
+    r = _post(http, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert all(w in err["message"] for w in words), err["message"]
+
+
+@pytest.mark.timeout(60)
+def test_over_size_body_is_413_declared_or_chunked(http):
+    big = json.dumps({"prompt": "a" * (1 << 20)}).encode()
+    r = _post(http, "/v1/completions", big)
+    assert r.status_code == 413 and "1048576" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)]),
+                  headers={"content-type": "application/json"})         # no Content-Length
+    assert r.status_code == 413
+
+
+@pytest.mark.timeout(60)
+def test_api_key_needed_on_v1_only(tiny_server):
+    body = {"prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(tiny_server.url + "/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert KEY not in r.text
+    assert httpx.get(tiny_server.url + "/v1/models").status_code == 401
+    r = httpx.post(tiny_server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+    assert httpx.get(tiny_server.url + "/health").status_code == 200
+    assert httpx.get(tiny_server.url + "/metrics").status_code == 200
+
+
+@pytest.mark.timeout(60)
+def test_unknown_fields_are_ignored(http):
+    r = _post(http, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "best_of_everything": 3, "user": "u"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+# ---- concurrency, metrics, disconnect ----------------------------------------------
+
+async def _stream_text(client: httpx.AsyncClient, body: dict) -> str:
+    text = ""
+    async with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+@pytest.mark.timeout(120)
+def test_32_concurrent_streams_equal_their_solo_outputs(tiny_server, http):
+    bodies = [{"prompt": PROMPTS[i % 3] + " " * (i // 3 % 2), "max_tokens": 4 + i % 9, "temperature": 0,
+               "ignore_eos": True} for i in range(32)]
+    solo = [http.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+    bad = [{"prompt": "hi", "temperature": -1}, {"prompt": "Hello " * 300}, {"prompt": []}]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=tiny_server.url, timeout=60,
+                                     headers={"Authorization": f"Bearer {KEY}"},
+                                     limits=httpx.Limits(max_connections=64)) as c:
+            good = asyncio.gather(*[_stream_text(c, b) for b in bodies])
+            errors = asyncio.gather(*[c.post("/v1/completions", json=b) for b in bad])
+            return await asyncio.gather(good, errors)
+
+    texts, errors = asyncio.run(main())
+    assert texts == solo
+    assert [r.status_code for r in errors] == [400, 400, 400]
+    m = _metrics(http)
+    assert m["nanopaged:num_requests_running"] == 0 and m["nanopaged:num_requests_waiting"] == 0
+    assert m["nanopaged:kv_cache_blocks_used"] == 0 and m["nanopaged:kv_cache_blocks_total"] == 256
+    assert m["nanopaged:generation_tokens_total"] >= 2 * sum(b["max_tokens"] for b in bodies)
+    assert m["nanopaged:time_to_first_token_seconds_count"] >= 64
+    assert m["nanopaged:e2e_request_latency_seconds_count"] >= 64
+    assert 0 <= m["nanopaged:prefix_cache_hit_rate"] <= 1
+
+
+@pytest.mark.timeout(60)
+def test_c23_disconnect_mid_stream_aborts(tiny_server, http):
+    """C23 through the server: close the stream after two chunks."""
+    after = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+    before_text = http.post("/v1/completions", json=after).json()["choices"][0]["text"]
+    used0 = _metrics(http)["nanopaged:kv_cache_blocks_used"]
+    with httpx.Client(base_url=tiny_server.url, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 240, "ignore_eos": True,
+                                                        "temperature": 0, "stream": True}) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == 2:
+                    break
+    deadline = time.monotonic() + 5
+    while True:
+        m = _metrics(http)
+        if m["nanopaged:num_requests_running"] == 0 and m["nanopaged:kv_cache_blocks_used"] == used0:
+            break
+        assert time.monotonic() < deadline, f"not aborted: {m}"
+        time.sleep(0.05)
+    assert m["nanopaged:generation_tokens_total"] < 1e9
+    assert http.post("/v1/completions", json=after).json()["choices"][0]["text"] == before_text
+
+
+@pytest.mark.timeout(60)
+def test_zz_dead_engine_is_500_and_health_503(tiny_server, http):
+    """Runs last: kills the EngineCore process under the server."""
+    for child in tiny_server.children():
+        child.kill()
+    deadline = time.monotonic() + 10
+    while http.get("/health").status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+
+
+# ---- the default model (slow) ----------------------------------------------------
+
+DEFAULT_ARGS = ["--max-model-len", "512", "--num-gpu-blocks", "128"]
+
+
+@pytest.fixture(scope="module")
+def default_server(default_model_dir):
+    server = Server(default_model_dir, "--served-model-name", "smol", *DEFAULT_ARGS)
+    yield server
+    alive = server.stop()
+    assert server.proc.returncode is not None and not alive, f"left behind: {alive}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_default_model_greedy_and_chat_equal_llm(default_server, default_model_dir):
+    from openai import OpenAI
+    from nanopaged import LLM, SamplingParams
+    llm = LLM(str(default_model_dir), max_model_len=512, num_gpu_blocks=128)
+    client = OpenAI(base_url=default_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    want = llm.generate(PROMPTS[:2], params)
+    for prompt, w in zip(PROMPTS[:2], want):
+        got = client.completions.create(model="smol", prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == w.outputs[0].text
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = llm.chat(messages, params)[0]
+    got = client.chat.completions.create(model="smol", messages=messages, max_tokens=12, temperature=0)
+    assert got.choices[0].message.content == want.outputs[0].text
+    ids = want.prompt_token_ids                     # the template's ids, exactly one BOS
+    tok = llm.get_tokenizer()
+    assert got.usage.prompt_tokens == len(ids)
+    if tok.bos_token_id is not None:
+        assert ids.count(tok.bos_token_id) <= 1
+    chunks = list(client.chat.completions.create(model="smol", messages=messages, max_tokens=12,
+                                                 temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.outputs[0].text
