@@ -314,8 +314,21 @@ def test_c23_disconnect_mid_stream_aborts(tiny_server, http):
             break
         assert time.monotonic() < deadline, f"not aborted: {m}"
         time.sleep(0.05)
-    assert m["nanopaged:generation_tokens_total"] < 1e9
     assert http.post("/v1/completions", json=after).json()["choices"][0]["text"] == before_text
+
+
+@pytest.mark.timeout(60)
+def test_disconnect_before_a_whole_response_aborts(tiny_server, http):
+    """A non-streamed request whose client gives up is aborted too (vLLM's with_cancellation)."""
+    generated = _metrics(http)["nanopaged:generation_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(tiny_server.url + "/v1/completions", timeout=0.5, headers={"Authorization": f"Bearer {KEY}"},
+                   json={"prompt": PROMPTS[0], "max_tokens": 240, "ignore_eos": True})
+    deadline = time.monotonic() + 5
+    while (m := _metrics(http))["nanopaged:num_requests_running"] or m["nanopaged:kv_cache_blocks_used"]:
+        assert time.monotonic() < deadline, f"not aborted: {m}"
+        time.sleep(0.05)
+    assert m["nanopaged:generation_tokens_total"] - generated < 240
 
 
 @pytest.mark.timeout(60)
