@@ -24,6 +24,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import sys
 import typing
 
@@ -268,21 +269,25 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
 
 
 def _add_engine_flags(ap: argparse.ArgumentParser) -> None:
-    """One --flag per EngineConfig field (but model), typed from its annotation; a flag
-    not given leaves the field's default."""
+    """One --flag per EngineConfig field (but model), typed from its annotation and
+    explained by its docstring's Args entry; a flag not given leaves the field's default."""
     hints = typing.get_type_hints(EngineConfig)
+    docs = {m[1]: " ".join(m[2].split()) for m in
+            re.finditer(r"^ {8}(\w+): (.*?)(?=^ {8}\w+: |\Z)", EngineConfig.__doc__, re.M | re.S)}
+    group = ap.add_argument_group("engine", "EngineConfig fields (nanopaged/config.py)")
     for f in dataclasses.fields(EngineConfig):
         if f.name == "model":
             continue
         kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
         flag = "--" + f.name.replace("_", "-")
+        text = f"{docs.get(f.name, '')} (default {f.default})".replace("%", "%%")
         if kinds == [bool]:
-            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                            help=f"(default {f.default})")
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=text)
         else:
             kind = next((t for t in (int, float) if t in kinds), str)
-            ap.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
-                            help=f"(default {f.default})")
+            group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+                               help=text)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

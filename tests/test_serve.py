@@ -119,6 +119,25 @@ def _greedy(llm, prompt, max_tokens, **kw):
     return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **kw))[0].outputs[0]
 
 
+# ---- the command line ------------------------------------------------------------
+
+def test_every_engine_config_field_is_a_typed_flag():
+    from nanopaged.serve import parse_args
+    args = parse_args(["--block-size", "4", "--no-enable-prefix-caching", "--swap-space", "0.5",
+                       "--max-model-len", "64", "--dtype", "float32"])
+    assert (args.block_size, args.enable_prefix_caching, args.swap_space, args.max_model_len, args.dtype) == \
+        (4, False, 0.5, 64, "float32")
+    assert not hasattr(parse_args([]), "block_size")       # not given: EngineConfig's default
+    assert parse_args([]).host == "127.0.0.1"
+
+
+@pytest.mark.timeout(60)
+def test_bad_engine_flag_exits_1_naming_the_field(tiny_model_dir, capsys):
+    from nanopaged.serve import main
+    assert main(["--model", str(tiny_model_dir), "--block-size", "0"]) == 1
+    assert "block_size" in capsys.readouterr().err
+
+
 # ---- the openai client ------------------------------------------------------------
 
 @pytest.mark.timeout(60)
