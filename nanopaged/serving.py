@@ -42,14 +42,13 @@ async def start(engine, metrics, prompt, params, request_id: str):
 
     async def rest():
         last = now
-        out = first
         try:
-            while not out.finished:
-                out = await gen.__anext__()
-                t = time.monotonic()
-                metrics.itl.observe(t - last)
-                last = t
-                yield out
+            if not first.finished:
+                async for out in gen:
+                    t = time.monotonic()
+                    metrics.itl.observe(t - last)
+                    last = t
+                    yield out
             metrics.e2e.observe(last - arrival)
         finally:
             await gen.aclose()        # early exit: aborts the request in the core
