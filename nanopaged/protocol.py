@@ -271,3 +271,17 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class OpenAIError(Exception):
+    """An error answered as OpenAI's JSON body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error JSON for an HTTP status (type "invalid_request_error" below 500)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code)).model_dump()

@@ -39,30 +39,12 @@ from . import serving
 from .async_llm import AsyncLLM, EngineDeadError
 from .config import EngineConfig
 from .metrics import ServerMetrics
-from .protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse, ModelCard,
-                       ModelList, random_id)
+from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIError,
+                       error_body, random_id)
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"   # what model=None serves
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 logger = logging.getLogger("nanopaged.serve")
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its response started; nobody reads the answer."""
-
-
-class OpenAIError(Exception):
-    """An error answered as OpenAI's JSON body with this HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error JSON for an HTTP status (type "invalid_request_error" below 500)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code)).model_dump()
 
 
 async def _send_error(send, status: int, message: str, code: str) -> None:
@@ -121,44 +103,6 @@ class _Guard:
         await self.app(scope, replay, send)
 
 
-async def _cancel_on_disconnect(request: Request, coro):
-    """Run coro; cancel it (which aborts its engine request) if the client disconnects
-    first. As vLLM's `with_cancellation` (vllm/entrypoints/utils.py)."""
-    work = asyncio.ensure_future(coro)
-
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if watch.done() and not watch.cancelled():
-            raise _ClientGone() from None
-        raise
-
-
-async def _guarded_stream(lines):
-    """The SSE lines; an error after the stream started becomes an error event."""
-    try:
-        async for line in lines:
-            yield line
-    except Exception as e:      # the status line has gone: say it in the stream, as vLLM does
-        logger.exception("error while streaming")
-        status = 500 if isinstance(e, EngineDeadError) else 400
-        yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        await lines.aclose()
-
-
 def build_app(engine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `engine` (an AsyncLLM) under the name `served_model_name`.
@@ -179,8 +123,8 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
         return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
                             headers=e.headers)
 
-    @app.exception_handler(_ClientGone)
-    async def _gone(_, e: _ClientGone):
+    @app.exception_handler(serving.ClientGone)
+    async def _gone(_, e: serving.ClientGone):
         return Response(status_code=499)      # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(RequestValidationError)
@@ -206,18 +150,18 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
             raise OpenAIError(500, "the engine core has died")
         request_id = random_id(prefix)
         try:
-            first, rest = await _cancel_on_disconnect(
+            first, rest = await serving.cancel_on_disconnect(
                 request, serving.start(engine, metrics, prompt(), params_fn(), request_id))
         except (ValueError, TypeError) as e:
             raise OpenAIError(400, str(e)) from None
         except EngineDeadError as e:
             raise OpenAIError(500, f"the engine core has died: {e}") from None
         if body.stream:
-            lines = _guarded_stream(respond(first, rest, request_id, stream=True))
+            lines = serving.guarded_stream(respond(first, rest, request_id, stream=True))
             return StreamingResponse(lines, media_type="text/event-stream",
                                      background=BackgroundTask(lines.aclose))
         try:
-            return await _cancel_on_disconnect(request, respond(first, rest, request_id, stream=False))
+            return await serving.cancel_on_disconnect(request, respond(first, rest, request_id, stream=False))
         except EngineDeadError as e:
             raise OpenAIError(500, f"the engine core has died: {e}") from None
 

@@ -6,20 +6,27 @@ deltas up per index; a streamed one turns each delta into one SSE chunk
 (`data: {json}\\n\\n`), then the usage chunk if asked, then `data: [DONE]`.
 The first output is awaited before the response starts, so a request the Processor
 refuses (ValueError / TypeError on the first `__anext__`) is still a clean 400, not a
-broken stream. Leaving the generator early (the client went away: Starlette cancels the
-stream) aborts the request in the core. Latencies go to the app's ServerMetrics.
+broken stream. Leaving the generator early aborts the request in the core: a streamed
+response is cancelled by Starlette when the client goes away, a whole one by
+`cancel_on_disconnect`. Latencies go to the app's ServerMetrics.
 vLLM: `vllm/entrypoints/openai/serving_completion.py`, `serving_chat.py`.
 """
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from .async_llm import EngineDeadError
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                        ChatLogProbs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
-                       CompletionLogProbs, CompletionResponse, DeltaMessage, TopLogprob, UsageInfo)
+                       CompletionLogProbs, CompletionResponse, DeltaMessage, TopLogprob, UsageInfo,
+                       error_body)
 
+logger = logging.getLogger("nanopaged.serve")
 _MIN_LOGPROB = -9999.0     # OpenAI's JSON stand-in for -inf (as vLLM clamps)
 
 
@@ -115,6 +122,50 @@ def chat_logprobs(tokenizer, pairs, top_k: int) -> ChatLogProbs:
             top_logprobs=[TopLogprob(token=(t := _token_str(tokenizer, i, lp)), bytes=list(t.encode()),
                                      logprob=max(lp.logprob, _MIN_LOGPROB)) for _, i, lp in ranked]))
     return ChatLogProbs(content=content)
+
+
+# ---- the HTTP side ------------------------------------------------------------
+
+class ClientGone(Exception):
+    """The client disconnected before its response started; nobody reads the answer."""
+
+
+async def cancel_on_disconnect(request: Request, coro):
+    """Run coro; cancel it (which aborts its engine request) if the client disconnects
+    first. As vLLM's `with_cancellation` (vllm/entrypoints/utils.py)."""
+    work = asyncio.ensure_future(coro)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if watch.done() and not watch.cancelled():
+            raise ClientGone() from None
+        raise
+
+
+async def guarded_stream(lines):
+    """The SSE lines; an error after the stream started becomes an error event."""
+    try:
+        async for line in lines:
+            yield line
+    except Exception as e:      # the status line has gone: say it in the stream, as vLLM does
+        logger.exception("error while streaming")
+        status = 500 if isinstance(e, EngineDeadError) else 400
+        yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        await lines.aclose()
 
 
 # ---- whole responses ----------------------------------------------------------
