@@ -6,9 +6,12 @@
 
 `step()` is one turn of that loop:
 
-    core_outputs = self.engine_core.step()                       # tokens out
+    core_outputs = self.core_client.get_output()                 # one core step: tokens out
     processed = self.output_processor.process_outputs(core_outputs)   # text out
-    self.engine_core.stop_sequences(processed.seqs_to_stop)      # a stop string matched
+    self.core_client.stop_sequences(processed.seqs_to_stop)      # a stop string matched
+
+The core sits behind an EngineCoreClient (engine_core_client.py): here the in-process
+one, which calls EngineCore.step(); AsyncLLM's runs the core in a process of its own.
 
 Requests come in with `add_request`, which checks them completely before the core does
 any work for them (a bad request raises and leaves no trace), and leave when they finish
@@ -22,11 +25,11 @@ from typing import Iterable
 
 from .config import EngineConfig
 from .engine_core import EngineCore
+from .engine_core_client import InprocClient
 from .events import Observer, Observers
-from .llama import LlamaConfig
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
-from .processor import Processor, eos_token_ids_of
+from .processor import Processor
 
 
 class LLMEngine:
@@ -42,19 +45,13 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-        from .model_loader import resolve_model
-
         self.config = config
-        self.model_path = resolve_model(config.model)
-        self.model_config = LlamaConfig.from_pretrained(self.model_path)
-        config.resolve(self.model_config.max_position_embeddings)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.eos_token_ids = eos_token_ids_of(self.model_path, self.model_config, self.tokenizer)
-        self.processor = Processor(self.tokenizer, self.model_config.vocab_size, config.max_model_len,
-                                   self.eos_token_ids)
+        self.processor = Processor.from_config(config)
+        self.model_path, self.model_config = self.processor.model_path, self.processor.model_config
+        self.tokenizer, self.eos_token_ids = self.processor.tokenizer, self.processor.eos_token_ids
         self.observers = Observers()
         self.engine_core = EngineCore(config, self.model_path, self.model_config, self.observers)
+        self.core_client = InprocClient(self.engine_core)     # AsyncLLM's runs it in a process
         self.output_processor = OutputProcessor(self.tokenizer)
 
     # the core's parts, for tests, the tracer and the bench
@@ -85,14 +82,14 @@ class LLMEngine:
             TypeError: prompt or sampling_params of the wrong type.
         """
         request, prompt_text = self.processor.process_inputs(request_id, prompt, sampling_params)
-        self.engine_core.add_request(request)
-        self.output_processor.add_request(request, prompt_text, len(self.requests[request_id].seqs))
+        self.core_client.add_request(request)
+        self.output_processor.add_request(request, prompt_text, request.sampling_params.n)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop request(s) wherever they are and free their blocks. Unknown ids are ignored.
         An aborted request gets no final RequestOutput (as vLLM's offline engine)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self.engine_core.abort_requests(ids)
+        self.core_client.abort_requests(ids)
         self.output_processor.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
@@ -104,9 +101,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + forward step. Returns the RequestOutputs of the requests
         that made progress in it, as their SamplingParams.output_kind asks."""
-        processed = self.output_processor.process_outputs(self.engine_core.step())
+        processed = self.output_processor.process_outputs(self.core_client.get_output())
         if processed.seqs_to_stop:
-            self.engine_core.stop_sequences(processed.seqs_to_stop)
+            self.core_client.stop_sequences(processed.seqs_to_stop)
         return processed.request_outputs
 
     def add_observer(self, observer: Observer) -> None:

@@ -246,8 +246,35 @@ class EngineCoreOutput:
 @dataclass
 class EngineCoreOutputs:
     """One step of the core: an output per sequence that advanced or ended, and the ids
-    of requests that are now entirely done (all sequences finished, blocks freed)."""
+    of requests that are now entirely done (all sequences finished, blocks freed).
+
+    A core in its own process (engine_core_client.EngineCoreProc) also fills:
+        scheduler_stats: EngineCore.get_stats() after the step (queue sizes, free
+            blocks, counters), so the front end can report them without asking.
+        rejected_requests: request_id -> message of requests the core refused at
+            add_request (a prompt needing more KV blocks than the whole pool).
+    """
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     finished_requests: set[str] = field(default_factory=set)
+    scheduler_stats: dict[str, int] | None = None
+    rejected_requests: dict[str, str] = field(default_factory=dict)
+
+
+class EngineCoreRequestType(enum.Enum):
+    """What a message from the front end to a core process asks (vLLM's
+    EngineCoreRequestType). The payload of each: ADD an EngineCoreRequest; ABORT a
+    list of request ids; STOP_SEQUENCES a list of (request_id, index); SHUTDOWN None."""
+
+    ADD = "add"
+    ABORT = "abort"
+    STOP_SEQUENCES = "stop_sequences"
+    SHUTDOWN = "shutdown"
+
+
+@dataclass
+class EngineCoreDead:
+    """The last message of a core process that failed: why (its traceback, as text)."""
+
+    reason: str
 

@@ -1,0 +1,201 @@
+"""AsyncLLM: the streaming entry point, for servers and anything built on asyncio.
+
+    engine = AsyncLLM()                                   # starts the EngineCore process
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=16,
+                                     output_kind=RequestOutputKind.DELTA), "req-0"):
+        print(out.outputs[0].text, end="", flush=True)
+
+Three parts run at once (vLLM v1's picture):
+
+    this process                                       the EngineCore process
+    generate() per request: Processor -> add ------->  EngineCoreProc: schedule,
+    output handler task: <--------- EngineCoreOutputs     forward, sample, step after step
+        OutputProcessor (detokenize, stop strings),
+        one asyncio.Queue per request -> generate() yields
+
+Many `generate` calls share one engine: each has its own queue, and one task (the
+output handler) reads every step's outputs and sorts them into the queues. The core
+never waits for the front end, nor the front end for the core.
+
+Leaving a `generate` loop early (break, the task cancelled, an HTTP client gone) aborts
+the request: the core frees its blocks before its next step (field case C23). If the
+core process dies, every waiting `generate` raises `EngineDeadError` at once.
+vLLM: `vllm/v1/engine/async_llm.py`.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import weakref
+from typing import AsyncIterator
+
+from .config import EngineConfig
+from .engine_core_client import AsyncMPClient, EngineDeadError
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput
+from .processor import Processor
+
+__all__ = ["AsyncLLM", "EngineDeadError"]
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """A streaming engine: the front end here, the EngineCore in a child process.
+
+    Args:
+        model: local Hugging Face Llama folder, hub id, or None for the default model.
+        **engine_args: the fields of EngineConfig (as LLM takes them).
+
+    Attributes:
+        tokenizer, config (the EngineConfig, max_model_len resolved), model_path.
+
+    Raises:
+        TypeError / ValueError: a bad engine argument, named with its value.
+        RuntimeError: the core process failed to start (its traceback in the message).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.config = EngineConfig(model=model, **engine_args)
+        self.processor = Processor.from_config(self.config)
+        self.tokenizer, self.model_path = self.processor.tokenizer, self.processor.model_path
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = AsyncMPClient(self.config, self.model_path)
+        self._stats: dict[str, int] = dict(self.engine_core.initial_stats)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._output_handler: asyncio.Task | None = None
+        self._request_counter = itertools.count()
+        self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
+
+    @property
+    def errored(self) -> bool:
+        """True once the core process is gone (every request then fails)."""
+        return self.engine_core.is_dead()
+
+    @property
+    def is_running(self) -> bool:
+        return not self.errored and not self.engine_core._closed
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError if the core process is gone."""
+        if self.errored:
+            raise EngineDeadError(self.engine_core.dead_reason)
+
+    def get_stats(self) -> dict[str, int]:
+        """The core's counters as of its last step or abort (EngineCore.get_stats: free
+        and total KV blocks, running / waiting / swapped requests, preemptions,
+        generated tokens, prefix-cache queries and hits, ...) plus
+        num_unfinished_requests, the requests this front end still follows."""
+        return {**self._stats, "num_unfinished_requests": len(self._queues)}
+
+    async def generate(self, prompt, sampling_params=None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the RequestOutputs of one request, as its output_kind asks (DELTA:
+        only what is new; CUMULATIVE: everything so far; FINAL_ONLY: one at the end).
+        The last output has finished=True.
+
+        Args:
+            prompt: text, a list of token ids, or a chat (a list of {"role", "content"}
+                dicts; the tokenizer's chat template applies).
+            sampling_params: a SamplingParams (default SamplingParams()) or a
+                BeamSearchParams.
+            request_id: unique among running requests; None picks one.
+
+        Raises (from the first iteration, before anything is queued):
+            ValueError / TypeError: a bad prompt or parameter (Processor's messages name
+                the field and value), a request_id in use, a prompt needing more KV
+                blocks than the whole pool.
+            EngineDeadError: the core process is gone (also mid-stream).
+        """
+        await self.check_health()
+        self._start_output_handler()
+        if request_id is None:
+            request_id = f"async-{next(self._request_counter)}"
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request, prompt_text = self.processor.process_inputs(request_id, prompt, sampling_params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.output_processor.add_request(request, prompt_text, request.sampling_params.n)
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self.engine_core.add_request(request)
+            while not finished:
+                out = await queue.get()
+                if out is None:                        # aborted: the core has let it go
+                    finished = True
+                    return
+                if isinstance(out, BaseException):
+                    finished = True                    # nothing of it is left in the core
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            # break, aclose(), cancellation, an exception: the request leaves the core
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort_nowait([request_id])
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort request(s): they leave the core and free their blocks before its next
+        step; their generate loops end without a final output. Unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._abort_nowait(ids)
+        for rid in ids:
+            queue = self._queues.pop(rid, None)
+            if queue is not None:
+                queue.put_nowait(None)
+
+    def _abort_nowait(self, ids: list[str]) -> None:
+        self.output_processor.abort_requests(ids)
+        if not self.errored:
+            self.engine_core.abort_requests(ids)
+
+    # -- the output handler ---------------------------------------------------------------
+
+    def _start_output_handler(self) -> None:
+        if self._output_handler is None or self._output_handler.done():
+            self._output_handler = asyncio.get_running_loop().create_task(self._handle_outputs())
+
+    async def _handle_outputs(self) -> None:
+        """One task for all requests: each step's EngineCoreOutputs -> OutputProcessor
+        -> the requests' queues; stop-string matches go back to the core."""
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                if outputs.scheduler_stats is not None:
+                    self._stats = outputs.scheduler_stats
+                for rid, message in outputs.rejected_requests.items():
+                    self.output_processor.abort_requests([rid])
+                    queue = self._queues.get(rid)
+                    if queue is not None:
+                        queue.put_nowait(ValueError(message))
+                processed = self.output_processor.process_outputs(outputs)
+                for out in processed.request_outputs:
+                    queue = self._queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                if processed.seqs_to_stop:
+                    self.engine_core.stop_sequences(processed.seqs_to_stop)
+        except EngineDeadError as e:
+            logger.error("%s", e)
+            for queue in self._queues.values():
+                queue.put_nowait(e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:                         # a bug here must not hang callers
+            logger.exception("AsyncLLM output handler failed")
+            self.engine_core.dead_reason = f"the AsyncLLM output handler failed: {e!r}"
+            for queue in self._queues.values():
+                queue.put_nowait(EngineDeadError(self.engine_core.dead_reason))
+
+    def shutdown(self) -> None:
+        """Stop the core process (it is gone when this returns) and the output handler.
+        Idempotent; also runs when the AsyncLLM is garbage collected or at exit."""
+        if self._output_handler is not None and not self._output_handler.done():
+            try:
+                self._output_handler.cancel()
+            except RuntimeError:                       # its loop is closed already
+                pass
+        self._finalizer()

@@ -1,0 +1,339 @@
+"""EngineCoreClient: how a front end talks to the EngineCore, here or in another process.
+
+The core (engine_core.py) is tokens in, tokens out, so it can live anywhere. vLLM v1
+gives it two homes, and so do we:
+
+    InprocClient   the core in this process; every call goes straight through. LLMEngine
+                   (and so LLM and the tests) uses it: simple, and one process to debug.
+    AsyncMPClient  the core in a child process (EngineCoreProc), for AsyncLLM and the
+                   server. While the child runs a forward, the parent tokenizes new
+                   requests, detokenizes the last step and serves HTTP: that work no
+                   longer sits between two forwards.
+
+The two processes speak over ZeroMQ sockets on a private ipc:// path (pyzmq, as vLLM):
+
+    front end  --(EngineCoreRequestType, payload)-->  EngineCoreProc     input socket
+    front end  <--EngineCoreOutputs | EngineCoreDead--  EngineCoreProc   output socket
+
+The payloads are the dataclasses of messages.py, pickled (vLLM encodes them with
+msgspec; pickle needs no schema and the socket is private to the two processes).
+
+Failure: if the child dies (an exception in a step, a kill), every caller waiting on it
+gets an `EngineDeadError` at once: the child's last message says why, or a watcher
+thread sees the process end. The child exits when its parent does (it checks its parent
+each second, and on Linux asks the kernel to kill it with the parent), so no core
+process is ever left behind.
+vLLM: `vllm/v1/engine/core_client.py`, `vllm/v1/engine/core.py` (EngineCoreProc).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+
+import zmq
+import zmq.asyncio
+
+from .messages import EngineCoreDead, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+
+_STARTUP_TIMEOUT_S = 600.0        # loading a model and building the kernels, at most
+_SEND_TIMEOUT_MS = 5000           # a send waits this long for the child at most
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore process is gone; no request can finish (vLLM's name). The
+    message says why when the core could tell (its traceback), else its exit code."""
+
+
+class InprocClient:
+    """The core in this process. Args: engine_core: an EngineCore."""
+
+    def __init__(self, engine_core) -> None:
+        self.engine_core = engine_core
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+
+    def stop_sequences(self, seqs: list[tuple[str, int]]) -> None:
+        self.engine_core.stop_sequences(seqs)
+
+    def get_output(self) -> EngineCoreOutputs:
+        """Run one step and return its outputs."""
+        return self.engine_core.step()
+
+    def shutdown(self) -> None:
+        pass
+
+
+# -- the child process --------------------------------------------------------------------
+
+class EngineCoreProc:
+    """The loop of the core's own process: take in what the front end sent, step while
+    there is work, send each step's outputs back (with the core's stats).
+
+    Requests arrive between steps, so a new one joins the very next batch; an abort
+    frees the request's blocks before the next step (field case C23). When idle it
+    blocks on the input socket, waking each second to check that its parent lives.
+    """
+
+    def __init__(self, engine_core, input_address: str, output_address: str, parent_pid: int) -> None:
+        self.engine_core = engine_core
+        self.parent_pid = parent_pid
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(input_address)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.connect(output_address)
+
+    def run(self) -> None:
+        """Serve until SHUTDOWN or the parent's death. Exceptions propagate."""
+        core = self.engine_core
+        while True:
+            rejected, changed = self._process_input(block=not core.has_unfinished_requests())
+            if rejected is None:
+                return                                     # shut down
+            if core.has_unfinished_requests():
+                outputs = core.step()
+            elif changed or rejected:
+                outputs = EngineCoreOutputs()              # only news: stats, rejections
+            else:
+                continue
+            outputs.rejected_requests = rejected
+            outputs.scheduler_stats = core.get_stats()
+            self._send(outputs)
+
+    def _process_input(self, block: bool) -> tuple[dict[str, str] | None, bool]:
+        """Handle every waiting message (waiting for one first if block). Returns the
+        requests refused at add (id -> message) and whether anything changed; None for
+        the first after a SHUTDOWN or the parent's death."""
+        rejected: dict[str, str] = {}
+        changed = False
+        if block:
+            while not self.input.poll(1000):
+                if os.getppid() != self.parent_pid:
+                    return None, False
+        while self.input.poll(0):
+            kind, payload = pickle.loads(self.input.recv())
+            changed = True
+            if kind is EngineCoreRequestType.ADD:
+                try:
+                    self.engine_core.add_request(payload)
+                except (ValueError, TypeError) as e:        # the request's fault, not ours
+                    rejected[payload.request_id] = str(e)
+            elif kind is EngineCoreRequestType.ABORT:
+                self.engine_core.abort_requests(payload)
+            elif kind is EngineCoreRequestType.STOP_SEQUENCES:
+                self.engine_core.stop_sequences(payload)
+            elif kind is EngineCoreRequestType.SHUTDOWN:
+                return None, changed
+        return rejected, changed
+
+    def _send(self, message) -> None:
+        self.output.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+
+    @staticmethod
+    def main() -> None:
+        """The child's entry point (`python -c "...EngineCoreProc.main()"`): read the
+        settings the parent pickled to stdin, build the core, say ready (or why not) on
+        the pipe the parent named, then serve."""
+        _die_with_parent()
+        config, model_path, input_address, output_address, ready_fd = pickle.load(sys.stdin.buffer)
+        parent_pid = os.getppid()
+        proc = None
+        with os.fdopen(ready_fd, "wb") as ready:
+            try:
+                from .engine_core import EngineCore
+                from .llama import LlamaConfig
+
+                core = EngineCore(config, model_path, LlamaConfig.from_pretrained(model_path))
+                proc = EngineCoreProc(core, input_address, output_address, parent_pid)
+                pickle.dump(("ready", core.get_stats()), ready)
+            except BaseException:
+                pickle.dump(("failed", traceback.format_exc()), ready)
+                ready.flush()
+                os._exit(1)
+        exit_code = 0
+        try:
+            proc.run()
+        except BaseException:                  # tell the front end why, then go
+            proc._send(EngineCoreDead(traceback.format_exc()))
+            exit_code = 1
+        proc.input.close(linger=0)
+        proc.output.close(linger=1000)         # up to 1 s to deliver the last message
+        proc.ctx.term()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)                    # skip interpreter teardown (torch's threads)
+
+
+def _die_with_parent() -> None:
+    """On Linux, ask the kernel to SIGKILL this process when its parent dies (the
+    one-second parent check covers other systems)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+# -- the parent's side -----------------------------------------------------------------
+
+class AsyncMPClient:
+    """The core in a child process, for an asyncio front end (AsyncLLM).
+
+    Args:
+        config: a resolved EngineConfig (max_model_len filled in).
+        model_path: the local model folder.
+
+    Sending (add_request, abort_requests, stop_sequences) is synchronous: it queues the
+    message and returns (it waits only while the child's connection is being made, 5 s
+    at most); `get_output_async` awaits the next EngineCoreOutputs.
+
+    Raises:
+        RuntimeError: the child failed to start (its traceback is in the message).
+    """
+
+    def __init__(self, config, model_path) -> None:
+        self._dir = tempfile.mkdtemp(prefix="nanopaged-")
+        input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self.sync_ctx = zmq.Context()              # sending never waits: a plain socket
+        self.input = self.sync_ctx.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        self.input.bind(input_address)
+        self.ctx = zmq.asyncio.Context()           # receiving is awaited
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.bind(output_address)
+        self._output_address = output_address
+        self.dead_reason: str | None = None
+        self._closed = False
+
+        # A fresh interpreter (not fork: torch's threads do not survive it; not
+        # multiprocessing's spawn: it re-runs the user's __main__), told its settings on
+        # stdin; it answers on a pipe of its own once the model is loaded.
+        ready_r, ready_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from nanopaged.engine_core_client import EngineCoreProc; EngineCoreProc.main()"],
+            stdin=subprocess.PIPE, pass_fds=(ready_w,))
+        os.close(ready_w)
+        try:
+            self.proc.stdin.write(pickle.dumps((config, str(model_path), input_address, output_address, ready_w)))
+            self.proc.stdin.close()
+            self.initial_stats = self._wait_ready(ready_r)
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            os.close(ready_r)
+        self._watcher = threading.Thread(target=self._watch, name="EngineCoreWatcher", daemon=True)
+        self._watcher.start()
+
+    def _wait_ready(self, fd: int) -> dict:
+        ready, _, _ = select.select([fd], [], [], _STARTUP_TIMEOUT_S)
+        if not ready:
+            raise RuntimeError(f"the EngineCore process did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            try:
+                status, payload = pickle.load(f)
+            except EOFError:
+                raise RuntimeError("the EngineCore process exited at start "
+                                   f"(exit code {self.proc.wait(5)})") from None
+        if status != "ready":
+            raise RuntimeError(f"the EngineCore process failed to start:\n{payload}")
+        return payload
+
+    def _watch(self) -> None:
+        """Wait for the child to end; if nobody asked it to, wake the output reader with
+        an EngineCoreDead of our own (the child's own message, if any, comes first)."""
+        self.proc.wait()
+        if self._closed:
+            return
+        sock = self.sync_ctx.socket(zmq.PUSH)     # a socket of this thread's own
+        try:
+            sock.connect(self._output_address)
+            reason = f"the EngineCore process (pid {self.proc.pid}) exited with code {self.proc.returncode}"
+            sock.send(pickle.dumps(EngineCoreDead(reason)))
+        finally:
+            sock.close(linger=1000)
+
+    # -- to the core --------------------------------------------------------------------
+
+    def is_dead(self) -> bool:
+        """True once the child is gone without being asked to go (sets dead_reason)."""
+        if self.dead_reason is None and not self._closed and self.proc.poll() is not None:
+            self.dead_reason = f"the EngineCore process (pid {self.proc.pid}) exited with code {self.proc.returncode}"
+        return self.dead_reason is not None
+
+    def _send(self, kind: EngineCoreRequestType, payload) -> None:
+        if self._closed:
+            raise EngineDeadError("the EngineCore process was shut down")
+        if self.is_dead():
+            raise EngineDeadError(self.dead_reason)
+        try:      # waits only while the child's connection is being made (or it is stuck)
+            self.input.send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+        except zmq.Again:
+            if self.is_dead():
+                raise EngineDeadError(self.dead_reason) from None
+            raise RuntimeError(f"the EngineCore process took no message for {_SEND_TIMEOUT_MS} ms; "
+                               "it is stuck") from None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self._closed and not self.is_dead():
+            try:
+                self._send(EngineCoreRequestType.ABORT, list(request_ids))
+            except EngineDeadError:               # died meanwhile: nothing left to abort
+                pass
+
+    def stop_sequences(self, seqs: list[tuple[str, int]]) -> None:
+        self._send(EngineCoreRequestType.STOP_SEQUENCES, list(seqs))
+
+    # -- from the core ------------------------------------------------------------------
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next message from the core. Raises EngineDeadError when the core is gone."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        message = pickle.loads(await self.output.recv())
+        if isinstance(message, EngineCoreDead):
+            self.dead_reason = f"the EngineCore process died: {message.reason}"
+            raise EngineDeadError(self.dead_reason)
+        return message
+
+    def shutdown(self) -> None:
+        """Ask the child to stop, wait up to 5 s, then terminate / kill it; close the
+        sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.proc.poll() is None:
+            try:
+                self.input.send(pickle.dumps((EngineCoreRequestType.SHUTDOWN, None)), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:                 # no peer: the terminate below does it
+                pass
+        for stop in (None, self.proc.terminate, self.proc.kill):
+            if stop is not None and self.proc.poll() is None:
+                stop()
+            try:
+                self.proc.wait(5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self.ctx.term()
+        self.sync_ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,298 @@
+"""AsyncLLM and the EngineCore process (engine_core_client.py): streams equal the
+offline engine, leaving a stream aborts the request (C23), a dead core raises
+EngineDeadError at once, and no core process outlives its AsyncLLM or its parent."""
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.async_llm import AsyncLLM, EngineDeadError
+from nanopaged.messages import EngineCoreRequestType
+from nanopaged.sampling_params import RequestOutputKind
+
+pytestmark = pytest.mark.timeout(180)
+
+DELTA = RequestOutputKind.DELTA
+PROMPTS = ["The capital of France is", "Hello, my name is", "Paged attention splits", "The KV cache"]
+ENGINE_ARGS = dict(num_gpu_blocks=48, block_size=4, max_num_seqs=8)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while pid runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+async def settled(predicate, timeout=5.0):
+    """wait_until, inside the event loop: lets an abandoned generator's aclose() run
+    (asyncio closes an async generator left by `break` from the loop, soon after)."""
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, loop):
+    eng = AsyncLLM(str(tiny_model_dir), **ENGINE_ARGS)
+    yield eng
+    pid = eng.engine_core.proc.pid
+    eng.shutdown()
+    loop.run_until_complete(asyncio.sleep(0))          # let the output handler see its cancel
+    assert not pid_alive(pid), "the EngineCore process outlived shutdown()"
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir):
+    return LLM(str(tiny_model_dir), **ENGINE_ARGS)
+
+
+async def collect(engine, prompt, params, request_id):
+    """(token ids, text, finish_reason) of completion 0 from a DELTA stream."""
+    ids, text, reason = [], "", None
+    async for out in engine.generate(prompt, params, request_id):
+        for c in out.outputs:
+            if c.index == 0:
+                ids += c.token_ids
+                text += c.text
+                reason = c.finish_reason or reason
+    return ids, text, reason
+
+
+def test_concurrent_streams_equal_the_offline_engine(engine, offline, loop):
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True, output_kind=DELTA)
+              for i in range(len(PROMPTS))]
+    params += [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=10, output_kind=DELTA)
+               for i in range(len(PROMPTS))]
+    prompts = PROMPTS * 2
+
+    async def run():
+        return await asyncio.gather(*[collect(engine, p, sp, f"c{i}")
+                                      for i, (p, sp) in enumerate(zip(prompts, params))])
+
+    got = loop.run_until_complete(run())
+    want = offline.generate(prompts, params, use_tqdm=False)
+    for (ids, text, reason), w in zip(got, want):
+        assert ids == w.outputs[0].token_ids
+        assert text == w.outputs[0].text
+        assert reason == w.outputs[0].finish_reason
+    assert loop.run_until_complete(settled(lambda: engine.get_stats()["num_free_gpu_blocks"] == 48))
+
+
+def test_cumulative_and_final_only_kinds(engine, offline, loop):
+    want = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+
+    async def run(kind):
+        return [out async for out in engine.generate(
+            PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind=kind))]
+
+    cumulative = loop.run_until_complete(run(RequestOutputKind.CUMULATIVE))
+    assert len(cumulative) == 6 and cumulative[-1].outputs[0].token_ids == want.token_ids
+    assert [len(o.outputs[0].token_ids) for o in cumulative] == [1, 2, 3, 4, 5, 6]
+    final = loop.run_until_complete(run(RequestOutputKind.FINAL_ONLY))
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].text == want.text
+
+
+def test_stop_string_ends_the_stream(engine, offline, loop):
+    full = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+    stop = full[5:8]
+    want = offline.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                       stop=[stop]), use_tqdm=False)[0].outputs[0]
+    ids, text, reason = loop.run_until_complete(collect(
+        engine, PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
+                                           output_kind=DELTA), "stop"))
+    assert (text, reason) == (want.text, "stop") and stop not in text
+
+
+def test_c23_leaving_a_stream_aborts_the_request(engine, offline, loop):
+    """Field case C23: a long stream left after two deltas leaves the core within one
+    step, gets no more deltas, and returns every block; the next request is unaffected."""
+    start_free = engine.get_stats()["num_total_gpu_blocks"]
+    long = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True, output_kind=DELTA)
+
+    async def leave_after_two():
+        n = 0
+        async for _ in engine.generate(PROMPTS[2], long, "long"):
+            n += 1
+            if n == 2:
+                break
+        return n, await settled(lambda: engine.get_stats()["num_free_gpu_blocks"] == start_free
+                                and engine.get_stats()["num_running"] == 0)
+
+    assert loop.run_until_complete(leave_after_two()) == (2, True)
+    assert engine.get_stats()["num_unfinished_requests"] == 0
+    # a cancelled task (an HTTP client gone) aborts too
+    async def cancel_mid_stream():
+        two_deltas = asyncio.Event()
+
+        async def slow_client():
+            n = 0
+            async for _ in engine.generate(PROMPTS[2], long, "cancelled"):
+                n += 1
+                if n == 2:
+                    two_deltas.set()
+                    await asyncio.sleep(60)
+
+        task = asyncio.ensure_future(slow_client())
+        await two_deltas.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await settled(lambda: engine.get_stats()["num_free_gpu_blocks"] == start_free
+                             and engine.get_stats()["num_running"] == 0)
+
+    assert loop.run_until_complete(cancel_mid_stream())
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=DELTA)
+    ids, _, _ = loop.run_until_complete(collect(engine, PROMPTS[3], params, "after"))
+    assert ids == offline.generate(PROMPTS[3], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_abort_ends_the_stream_quietly(engine, loop):
+    async def run():
+        got = []
+        async for out in engine.generate(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True,
+                                                                    output_kind=DELTA), "to-abort"):
+            got.append(out)
+            if len(got) == 1:
+                await engine.abort("to-abort")
+        return got, await settled(lambda: engine.get_stats()["num_running"] == 0)
+
+    got, settled_ok = loop.run_until_complete(run())
+    assert not got[-1].finished and settled_ok
+
+
+def test_bad_requests_raise_and_the_engine_keeps_serving(engine, loop):
+    async def first(prompt, params, request_id=None):
+        gen = engine.generate(prompt, params, request_id)
+        try:
+            return await gen.__anext__()
+        finally:
+            await gen.aclose()                         # leaves the request: it is aborted
+
+    with pytest.raises(ValueError, match="prompt is empty"):
+        loop.run_until_complete(first("", SamplingParams()))
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        loop.run_until_complete(first(list(range(1, 300)), SamplingParams()))
+    with pytest.raises(TypeError, match="prompt"):
+        loop.run_until_complete(first(3.5, SamplingParams()))
+    # refused by the core itself: more KV blocks than the whole pool (48 blocks of 4)
+    with pytest.raises(ValueError, match="KV cache holds only 48 blocks"):
+        loop.run_until_complete(first(list(range(1, 200)), SamplingParams(), "too-big"))
+
+    async def duplicate():
+        a = engine.generate(PROMPTS[0], SamplingParams(max_tokens=50, output_kind=DELTA), "dup")
+        await a.__anext__()
+        try:
+            with pytest.raises(ValueError, match="already in use"):
+                await first(PROMPTS[1], SamplingParams(), "dup")
+        finally:
+            await a.aclose()
+
+    loop.run_until_complete(duplicate())
+    assert loop.run_until_complete(first(PROMPTS[0], SamplingParams(max_tokens=2))).outputs
+    assert loop.run_until_complete(settled(lambda: engine.get_stats()["num_free_gpu_blocks"] == 48))
+
+
+def test_a_killed_core_fails_every_stream_at_once(tiny_model_dir):
+    eng = AsyncLLM(str(tiny_model_dir), **ENGINE_ARGS)
+    pid = eng.engine_core.proc.pid
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True, output_kind=DELTA)
+
+    async def run():
+        started = [asyncio.Event() for _ in range(3)]
+
+        async def stream(i):
+            async for _ in eng.generate(PROMPTS[i], params):
+                started[i].set()
+        tasks = [asyncio.ensure_future(stream(i)) for i in range(3)]
+        for event in started:
+            await event.wait()
+        os.kill(pid, signal.SIGKILL)                   # mid-stream: each has had a delta
+        t0 = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        return results, time.monotonic() - t0
+
+    loop = asyncio.new_event_loop()
+    try:
+        results, _ = loop.run_until_complete(run())
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert "exited with code" in str(results[0])
+        assert eng.errored
+        with pytest.raises(EngineDeadError):
+            loop.run_until_complete(eng.check_health())
+        with pytest.raises(EngineDeadError):
+            loop.run_until_complete(eng.generate(PROMPTS[0], params).__anext__())
+    finally:
+        eng.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))      # let the output handler see its cancel
+        loop.close()
+    assert not pid_alive(pid)
+
+
+def test_a_core_that_raises_says_why(tiny_model_dir):
+    eng = AsyncLLM(str(tiny_model_dir), **ENGINE_ARGS)
+    loop = asyncio.new_event_loop()
+
+    async def run():
+        gen = eng.generate(PROMPTS[0], SamplingParams(max_tokens=10_000, ignore_eos=True, output_kind=DELTA))
+        await gen.__anext__()
+        eng.engine_core._send(EngineCoreRequestType.STOP_SEQUENCES, None)   # not a list: the core fails
+        async for _ in gen:
+            pass
+
+    try:
+        with pytest.raises(EngineDeadError, match="TypeError"):
+            loop.run_until_complete(asyncio.wait_for(run(), 10))
+    finally:
+        eng.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))      # let the output handler see its cancel
+        loop.close()
+
+
+def test_no_core_process_outlives_its_parent(tiny_model_dir, tmp_path):
+    """The parent is SIGKILLed (no cleanup runs): the core process goes too."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from nanopaged.async_llm import AsyncLLM
+        eng = AsyncLLM({str(tiny_model_dir)!r}, num_gpu_blocks=16)
+        print(eng.engine_core.proc.pid, flush=True)
+        time.sleep(600)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert pid_alive(child)
+        parent.kill()
+        parent.wait(10)
+        assert wait_until(lambda: not pid_alive(child), timeout=10), "orphaned EngineCore process"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
