@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -23,8 +24,11 @@ import psutil
 import pytest
 
 KEY = "sk-test-key"
-TINY_ARGS = ["--block-size", "4", "--num-gpu-blocks", "256", "--attention-backend", "torch"]
-TINY_ENGINE = dict(block_size=4, num_gpu_blocks=256, attention_backend="torch")
+# recompute-only preemption, no swap pool: the start skips measuring swap vs recompute (~5 s)
+TINY_ARGS = ["--block-size", "4", "--num-gpu-blocks", "256", "--attention-backend", "torch",
+             "--preemption-mode", "recompute", "--num-cpu-blocks", "0"]
+TINY_ENGINE = dict(block_size=4, num_gpu_blocks=256, attention_backend="torch",
+                   preemption_mode="recompute", num_cpu_blocks=0)
 PROMPTS = ["Hello, my name is", "The capital of France is", "Paged attention splits"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,14 +47,17 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        # its log goes to a file: a pipe nobody reads would block the server once full
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "nanopaged.serve", "--model", str(model), "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "warning", *args],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+                self.log.seek(0)
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
@@ -365,7 +372,9 @@ def test_zz_dead_engine_is_500_and_health_503(tiny_server, http):
 
 # ---- the default model (slow) ----------------------------------------------------
 
-DEFAULT_ARGS = ["--max-model-len", "512", "--num-gpu-blocks", "128"]
+DEFAULT_ARGS = ["--max-model-len", "512", "--num-gpu-blocks", "128", "--preemption-mode", "recompute",
+                "--num-cpu-blocks", "0"]
+DEFAULT_ENGINE = dict(max_model_len=512, num_gpu_blocks=128, preemption_mode="recompute", num_cpu_blocks=0)
 
 
 @pytest.fixture(scope="module")
@@ -381,7 +390,7 @@ def default_server(default_model_dir):
 def test_default_model_greedy_and_chat_equal_llm(default_server, default_model_dir):
     from openai import OpenAI
     from nanopaged import LLM, SamplingParams
-    llm = LLM(str(default_model_dir), max_model_len=512, num_gpu_blocks=128)
+    llm = LLM(str(default_model_dir), **DEFAULT_ENGINE)
     client = OpenAI(base_url=default_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
     params = SamplingParams(temperature=0, max_tokens=12)
     want = llm.generate(PROMPTS[:2], params)
