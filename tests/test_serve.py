@@ -89,9 +89,11 @@ class Server:
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_dir):
     server = Server(tiny_model_dir, "--api-key", KEY, *TINY_ARGS)
-    assert len(server.children()) >= 1          # the EngineCore process
-    yield server
-    alive = server.stop()
+    try:
+        assert len(server.children()) >= 1          # the EngineCore process
+        yield server
+    finally:
+        alive = server.stop()
     assert server.proc.returncode is not None and not alive, f"left behind: {alive}"
 
 
@@ -359,9 +361,16 @@ def test_disconnect_before_a_whole_response_aborts(tiny_server, http):
 
 @pytest.mark.timeout(60)
 def test_zz_dead_engine_is_500_and_health_503(tiny_server, http):
-    """Runs last: kills the EngineCore process under the server."""
-    for child in tiny_server.children():
-        child.kill()
+    """Runs last: kills the EngineCore process under the server, mid-stream."""
+    with httpx.Client(base_url=tiny_server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 240, "ignore_eos": True,
+                                                        "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            for child in tiny_server.children():
+                child.kill()
+            rest = [line for line in lines if line]
+    assert "server_error" in rest[-2] and rest[-1] == "data: [DONE]"      # said in the stream
     deadline = time.monotonic() + 10
     while http.get("/health").status_code != 503:
         assert time.monotonic() < deadline
@@ -380,8 +389,10 @@ DEFAULT_ENGINE = dict(max_model_len=512, num_gpu_blocks=128, preemption_mode="re
 @pytest.fixture(scope="module")
 def default_server(default_model_dir):
     server = Server(default_model_dir, "--served-model-name", "smol", *DEFAULT_ARGS)
-    yield server
-    alive = server.stop()
+    try:
+        yield server
+    finally:
+        alive = server.stop()
     assert server.proc.returncode is not None and not alive, f"left behind: {alive}"
 
 
