@@ -123,6 +123,11 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
         return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
                             headers=e.headers)
 
+    @app.exception_handler(Exception)
+    async def _bug(_, e: Exception):         # Starlette logs the traceback after this answer
+        return JSONResponse(error_body(500, f"internal server error: {type(e).__name__}: {e}"),
+                            status_code=500)
+
     @app.exception_handler(serving.ClientGone)
     async def _gone(_, e: serving.ClientGone):
         return Response(status_code=499)      # nginx's "client closed request"; nobody reads it
