@@ -107,6 +107,7 @@ class CompletionRequest(_SamplingFields):
         return p
 
     def to_sampling_params(self) -> SamplingParams:
+        """SamplingParams in DELTA mode. Raises ValueError naming a bad field."""
         return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
                               **self._sampling_kwargs())
 
@@ -135,9 +136,12 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
     def chat(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them ({"role", "content"} dicts)."""
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     def to_sampling_params(self) -> SamplingParams:
+        """SamplingParams in DELTA mode (logprobs = top_logprobs, 0 if only logprobs=true).
+        Raises ValueError naming a bad field."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -149,6 +153,7 @@ class ChatCompletionRequest(_SamplingFields):
 # ---- responses ---------------------------------------------------------------
 
 def random_id(prefix: str) -> str:
+    """An id as OpenAI's look: `cmpl-<32 hex>`, `chatcmpl-<32 hex>`."""
     return f"{prefix}-{uuid.uuid4().hex}"
 
 

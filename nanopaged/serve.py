@@ -240,6 +240,8 @@ def _add_engine_flags(ap: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The server's flags and EngineConfig's; an engine flag not given is absent from the
+    namespace. Exits 2 on a bad flag (argparse)."""
     ap = argparse.ArgumentParser(prog="python -m nanopaged.serve", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, metavar="PATH",
                     help="a local Hugging Face Llama folder (default: SmolLM2-135M-Instruct)")

@@ -171,6 +171,7 @@ async def guarded_stream(lines):
 # ---- whole responses ----------------------------------------------------------
 
 async def full_completion(tokenizer, first, rest, request_id: str, model: str, want_logprobs: bool):
+    """The whole CompletionResponse: the deltas added up per completion index."""
     choices: dict[int, _Choice] = {}
     _absorb(choices, first)
     async for out in rest:
@@ -182,6 +183,7 @@ async def full_completion(tokenizer, first, rest, request_id: str, model: str, w
 
 
 async def full_chat(tokenizer, first, rest, request_id: str, model: str, top_logprobs: int | None):
+    """The whole ChatCompletionResponse (top_logprobs None: no logprobs asked for)."""
     choices: dict[int, _Choice] = {}
     _absorb(choices, first)
     async for out in rest:
