@@ -51,10 +51,10 @@ class _EngineCollector:
         yield gauge("kv_cache_blocks_total", "KV blocks in the device pool.", total)
         yield gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use (0..1).",
                     (total - free) / total if total else 0.0)
-        yield gauge("prefix_cache_hit_rate", "Prefix-cache hits / queries since start (0..1).",
+        yield gauge("prefix_cache_hit_rate", "Prefix-cache hit tokens / queried tokens since start (0..1).",
                     hits / queries if queries else 0.0)
-        yield counter("prefix_cache_queries", "Prefix-cache lookups (blocks).", queries)
-        yield counter("prefix_cache_hits", "Prefix-cache hits (blocks).", hits)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
         yield counter("num_preemptions", "Preemptions (swap or recompute).", s["num_preemptions"])
         yield counter("generation_tokens", "Tokens generated.", s["num_generated_tokens"])
 
