@@ -319,7 +319,9 @@ def test_32_concurrent_streams_equal_their_solo_outputs(tiny_server, http):
     assert m["nanopaged:generation_tokens_total"] >= 2 * sum(b["max_tokens"] for b in bodies)
     assert m["nanopaged:time_to_first_token_seconds_count"] >= 64
     assert m["nanopaged:e2e_request_latency_seconds_count"] >= 64
-    assert 0 <= m["nanopaged:prefix_cache_hit_rate"] <= 1
+    assert m["nanopaged:prefix_cache_hits_total"] > 0 and 0 < m["nanopaged:prefix_cache_hit_rate"] < 1
+    assert m["nanopaged:prompt_tokens_total"] > 0 and m["nanopaged:inter_token_latency_seconds_count"] > 0
+    assert m["nanopaged:num_preemptions_total"] >= 0
 
 
 @pytest.mark.timeout(60)
