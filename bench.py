@@ -3,7 +3,7 @@
     python bench.py [--dtype float32|bfloat16] [--num-requests 64] [--profile]
                     [--attention-backend auto|torch|cpu|cuda]
                     [--sections throughput,sampling,prefix,sharing,pressure,memory,kernels]
-                    [--kernels]
+                    [--kernels] [--sections serve --request-rates 0.5,2,inf --serve-requests 32]
 
 throughput: nanopaged vs HF transformers `generate` (below).
 prefix:     one 512-token system prompt shared by 32 short questions, prefix caching on
@@ -20,6 +20,10 @@ memory:     the paper's Fig. 2 under one fixed KV budget: the share of reserved 
 sampling:   the cost of full sampling: the throughput workload greedy vs with
             temperature 0.8, top_p 0.9, min_p 0.05, repetition/presence/frequency
             penalties and logprobs=5 on every request (target: within 10%).
+serve:      (not in the default list: minutes) nanopaged's OpenAI server vs `transformers
+            serve --continuous-batching`, streaming clients with Poisson arrivals at
+            --request-rates: throughput, TTFT and inter-token latency p50/p99, and
+            async scheduling off vs on (bench_serve.py).
 kernels:    (also --kernels) the compiled paged-attention kernel vs the PyTorch
             reference: decode attention alone (64 sequences x 1024 tokens of context,
             fp32 and bf16, the default model's heads), then the throughput workload end
@@ -348,9 +352,17 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
     ap.add_argument("--sections", default="throughput,sampling,prefix,sharing,pressure,memory,kernels")
     ap.add_argument("--kernels", action="store_true", help="only the kernels section")
+    ap.add_argument("--request-rates", default="0.5,2,inf", help="serve: requests per second")
+    ap.add_argument("--serve-requests", type=int, default=32, help="serve: requests per rate")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="serve: threads per server")
     args = ap.parse_args()
     sections = ["kernels"] if args.kernels else args.sections.split(",")
     print(cpu_flags())
+    if "serve" in sections:
+        from bench_serve import bench_serve
+        bench_serve(args.model, args.dtype, args.serve_requests,
+                    [float(r) for r in args.request_rates.split(",")], args.threads,
+                    skip_transformers=args.skip_transformers)
     if "sampling" in sections:
         bench_sampling(args.model, args)
     if "kernels" in sections:

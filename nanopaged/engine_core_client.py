@@ -188,6 +188,12 @@ def _die_with_parent() -> None:
             pass
 
 
+def _exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"it exited with code {returncode}"
+
+
 # -- the parent's side -----------------------------------------------------------------
 
 class AsyncMPClient:
@@ -262,8 +268,7 @@ class AsyncMPClient:
         sock = self.sync_ctx.socket(zmq.PUSH)     # a socket of this thread's own
         try:
             sock.connect(self._output_address)
-            reason = f"the EngineCore process (pid {self.proc.pid}) exited with code {self.proc.returncode}"
-            sock.send(pickle.dumps(EngineCoreDead(reason)))
+            sock.send(pickle.dumps(EngineCoreDead(_exit_reason(self.proc.returncode))))
         finally:
             sock.close(linger=1000)
 
@@ -272,7 +277,7 @@ class AsyncMPClient:
     def is_dead(self) -> bool:
         """True once the child is gone without being asked to go (sets dead_reason)."""
         if self.dead_reason is None and not self._closed and self.proc.poll() is not None:
-            self.dead_reason = f"the EngineCore process (pid {self.proc.pid}) exited with code {self.proc.returncode}"
+            self.dead_reason = self._died(_exit_reason(self.proc.returncode))
         return self.dead_reason is not None
 
     def _send(self, kind: EngineCoreRequestType, payload) -> None:
@@ -309,9 +314,12 @@ class AsyncMPClient:
             raise EngineDeadError(self.dead_reason)
         message = pickle.loads(await self.output.recv())
         if isinstance(message, EngineCoreDead):
-            self.dead_reason = f"the EngineCore process died: {message.reason}"
+            self.dead_reason = self._died(message.reason)
             raise EngineDeadError(self.dead_reason)
         return message
+
+    def _died(self, reason: str) -> str:
+        return f"the EngineCore process (pid {self.proc.pid}) died: {reason}"
 
     def shutdown(self) -> None:
         """Ask the child to stop, wait up to 5 s, then terminate / kill it; close the

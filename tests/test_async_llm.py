@@ -243,7 +243,7 @@ def test_a_killed_core_fails_every_stream_at_once(tiny_model_dir):
     try:
         results, _ = loop.run_until_complete(run())
         assert all(isinstance(r, EngineDeadError) for r in results), results
-        assert "exited with code" in str(results[0])
+        assert f"(pid {pid}) died: killed by SIGKILL" in str(results[0])
         assert eng.errored
         with pytest.raises(EngineDeadError):
             loop.run_until_complete(eng.check_health())
