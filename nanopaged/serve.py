@@ -217,6 +217,15 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     return app
 
 
+def _bool(text: str) -> bool:
+    """An argparse type: true/false, yes/no, on/off, 1/0 (any case)."""
+    value = {"true": True, "yes": True, "on": True, "1": True,
+             "false": False, "no": False, "off": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
 def _add_engine_flags(ap: argparse.ArgumentParser) -> None:
     """One --flag per EngineConfig field (but model), typed from its annotation and
     explained by its docstring's Args entry; a flag not given leaves the field's default."""
@@ -230,9 +239,11 @@ def _add_engine_flags(ap: argparse.ArgumentParser) -> None:
         kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
         flag = "--" + f.name.replace("_", "-")
         text = f"{docs.get(f.name, '')} (default {f.default})".replace("%", "%%")
-        if kinds == [bool]:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=text)
+        if kinds == [bool]:             # --flag, --flag true|false, --no-flag
+            group.add_argument(flag, nargs="?", const=True, type=_bool, default=argparse.SUPPRESS,
+                               metavar="BOOL", help=f"{text}; --no-{flag[2:]} is --{flag[2:]} false")
+            group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false",
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         else:
             kind = next((t for t in (int, float) if t in kinds), str)
             group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),

@@ -138,6 +138,9 @@ def test_every_engine_config_field_is_a_typed_flag():
     assert (args.block_size, args.enable_prefix_caching, args.swap_space, args.max_model_len, args.dtype) == \
         (4, False, 0.5, 64, "float32")
     assert not hasattr(parse_args([]), "block_size")       # not given: EngineConfig's default
+    for argv, value in ((["--enable-chunked-prefill"], True), (["--enable-chunked-prefill", "false"], False),
+                        (["--no-enable-chunked-prefill"], False), (["--enable-chunked-prefill", "on"], True)):
+        assert parse_args(argv).enable_chunked_prefill is value
     assert parse_args([]).host == "127.0.0.1"
 
 
