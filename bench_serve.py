@@ -25,6 +25,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -56,7 +57,8 @@ class Server:
         self.name, self.port = name, free_port()
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         argv = [a.replace("{port}", str(self.port)) for a in argv]
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        self.log = tempfile.NamedTemporaryFile(prefix="bench-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -65,7 +67,8 @@ class Server:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited: {self.proc.stderr.read().decode()[-2000:]}")
+                with open(self.log.name) as f:
+                    raise RuntimeError(f"{self.name} server exited: {f.read()[-2000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     models = httpx.get(self.url + "/v1/models", timeout=10).json()["data"]
@@ -85,6 +88,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        os.unlink(self.log.name)
 
 
 async def one_request(client, server: Server, prompt: str, max_tokens: int) -> dict:
