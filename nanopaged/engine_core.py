@@ -147,6 +147,12 @@ class EngineCore:
         except BaseException:
             self._recover(prev, ahead)
             raise
+        if ahead is not None and ahead.is_empty and not (ahead.blocks_to_copy or ahead.blocks_to_swap_out
+                                                         or ahead.blocks_to_swap_in):
+            # nothing to compute (every sequence is getting its last token now): the
+            # worker is idle, let the runner forget what finished, and step no further
+            self.model_runner.execute_model(ahead)
+            ahead = None
         # Start ahead's forward before taking in prev's output, so that the update and
         # the caller's detokenizing overlap it. It comes only now, after prev succeeded:
         # the runner feeds ahead's decodes with the tokens prev sampled.

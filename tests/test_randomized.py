@@ -120,7 +120,7 @@ def test_random_workload_keeps_invariants_and_outputs(tiny_model_dir, workload):
                 str(tiny_model_dir), r["prompt"], r["kind"], r["n"], r["max_tokens"], r["seed"]), (i, r)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workloads())
 def test_async_scheduling_gives_the_same_outputs(tiny_model_dir, workload):
     """Async scheduling (a step scheduled while the one before runs): each request
