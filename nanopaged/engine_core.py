@@ -137,20 +137,22 @@ class EngineCore:
     def _step_async(self) -> EngineCoreOutputs:
         prev, self._in_flight = self._in_flight, None
         ahead = None
-        if (prev is None or self.scheduler.can_schedule_ahead()) and self.scheduler.has_unfinished_requests():
-            ahead = self.scheduler.schedule()          # overlaps prev's forward
-        if prev is None:
-            self._in_flight = self._submit(ahead)
-            return EngineCoreOutputs()
         try:
+            if (prev is None or self.scheduler.can_schedule_ahead()) and self.scheduler.has_unfinished_requests():
+                ahead = self.scheduler.schedule()      # overlaps prev's forward
+            if prev is None:
+                self._in_flight = self._submit(ahead)
+                return EngineCoreOutputs()
             runner_output = prev.future.result()
-        except BaseException:
-            self._recover(prev, ahead)
+        except BaseException:                          # the forward raised, or Ctrl-C here
+            if prev is not None:
+                self._recover(prev, ahead)
             raise
         if ahead is not None and ahead.is_empty and not (ahead.blocks_to_copy or ahead.blocks_to_swap_out
                                                          or ahead.blocks_to_swap_in):
-            # nothing to compute (every sequence is getting its last token now): the
-            # worker is idle, let the runner forget what finished, and step no further
+            # nothing to compute (say every sequence is getting its last token now):
+            # the worker is idle, so the runner forgets what finished here, and no
+            # empty forward is left in flight
             self.model_runner.execute_model(ahead)
             ahead = None
         # Start ahead's forward before taking in prev's output, so that the update and
