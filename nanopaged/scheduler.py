@@ -27,6 +27,13 @@ sees a Sequence. `update_from_output()` is the other half of the step: it advanc
 num_computed_tokens, names the blocks the forward filled in the prefix cache, appends
 sampled tokens, checks stop conditions, forks the n > 1 siblings and beams, and frees
 what finished. So the scheduler is the only writer of blocks and sequences.
+
+With async scheduling (chapters/16-async-scheduling.md; vLLM v1's AsyncScheduler) the
+next schedule() runs before this step's output is in: a sequence that samples in a
+step gets a placeholder (`num_output_placeholders`) for the token it will have, its
+num_computed_tokens counts the step's positions at once, and update_from_output
+reconciles (appends, or drops the token of a sequence that stopped meanwhile). After a
+step that forks or advances beams, the next schedule() waits (`can_schedule_ahead`).
 vLLM: `vllm/v1/core/sched/scheduler.py`; v0's `vllm/core/scheduler.py` for swapping.
 """
 from __future__ import annotations
