@@ -22,11 +22,12 @@ sampling:   the cost of full sampling: the throughput workload greedy vs with
             penalties and logprobs=5 on every request (target: within 10%).
 overlap:    async scheduling (chapters/16-async-scheduling.md): the throughput workload
             with async_scheduling off vs on (runs off, on, on, off), best of two each: time per
-            engine step (ms) and tokens/s, and the ratio on / off. Measured once on a
+            engine step (ms) and tokens/s, and the ratio on / off. Measured twice on a
             busy shared 2-core AVX2 VM (fp32, --num-requests 16, 127 steps a run):
-            off 13.2 / 19.0 tok/s, on 18.0 / 22.6 tok/s, best of 2: 1.19x (step 490 ->
-            412 ms); the load fell during the run, so read it as "no slower, maybe
-            ~10-20% faster here", not as a precise gain. Not yet measured on a GPU.
+            order off,on,off,on: 13.2, 18.0, 19.0, 22.6 tok/s, best of 2 1.19x;
+            order off,on,on,off: 10.6, 11.9, 23.4, 24.9 tok/s, best of 2 0.94x. The
+            load swung 2x between runs, more than any gain: no measurable difference
+            on this machine. Not yet measured on a GPU.
 kernels:    (also --kernels) the compiled paged-attention kernel vs the PyTorch
             reference: decode attention alone (64 sequences x 1024 tokens of context,
             fp32 and bf16, the default model's heads), then the throughput workload end
