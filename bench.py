@@ -27,7 +27,10 @@ overlap:    async scheduling (chapters/16-async-scheduling.md): the throughput w
             order off,on,off,on: 13.2, 18.0, 19.0, 22.6 tok/s, best of 2 1.19x;
             order off,on,on,off: 10.6, 11.9, 23.4, 24.9 tok/s, best of 2 0.94x. The
             load swung 2x between runs, more than any gain: no measurable difference
-            on this machine. Not yet measured on a GPU.
+            on this machine. What overlap can hide at most, timed by wrapping the calls
+            (8 requests, sync): schedule 0.32 + update_from_output 0.29 + detokenizing
+            0.16 ms a step, against ~1400 ms steps on that (heavily loaded) VM: 0.1%.
+            Not yet measured on a GPU, where steps are ~1000x shorter.
 kernels:    (also --kernels) the compiled paged-attention kernel vs the PyTorch
             reference: decode attention alone (64 sequences x 1024 tokens of context,
             fp32 and bf16, the default model's heads), then the throughput workload end
