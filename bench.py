@@ -2,7 +2,7 @@
 
     python bench.py [--dtype float32|bfloat16] [--num-requests 64] [--profile]
                     [--attention-backend auto|torch|cpu|cuda]
-                    [--sections throughput,sampling,prefix,sharing,pressure,memory,kernels]
+                    [--sections throughput,sampling,overlap,prefix,sharing,pressure,memory,kernels]
                     [--kernels] [--sections serve --request-rates 0.5,2,inf --serve-requests 32]
 
 throughput: nanopaged vs HF transformers `generate` (below).
@@ -24,6 +24,9 @@ serve:      (not in the default list: minutes) nanopaged's OpenAI server vs `tra
             serve --continuous-batching`, streaming clients with Poisson arrivals at
             --request-rates: throughput, TTFT and inter-token latency p50/p99, and
             async scheduling off vs on (bench_serve.py).
+overlap:    async scheduling (chapters/16-async-scheduling.md): the throughput workload
+            with async_scheduling off vs on (runs off, on, on, off), best of two each: time per
+            engine step (ms) and tokens/s, and the ratio on / off.
 kernels:    (also --kernels) the compiled paged-attention kernel vs the PyTorch
             reference: decode attention alone (64 sequences x 1024 tokens of context,
             fp32 and bf16, the default model's heads), then the throughput workload end
@@ -315,6 +318,30 @@ def bench_sampling(model, args) -> None:
           f"({100 * (1 - rates['full'] / rates['greedy']):.1f}% slower; target within 10%)")
 
 
+def bench_overlap(model, args) -> None:
+    """The throughput workload with async scheduling off vs on (the Python work of
+    scheduling and taking in a step overlaps the next forward), runs in the order off,
+    on, on, off, best of two each (a shared VM varies from run to run)."""
+    from nanopaged import LLM
+    llms = {name: LLM(model, dtype=args.dtype, attention_backend=args.attention_backend,
+                      async_scheduling=name == "on") for name in ("off", "on")}
+    prompts, out_lens = workload(args.num_requests, llms["off"].engine.model_config.vocab_size)
+    best = {"off": (0.0, 0.0), "on": (0.0, 0.0)}              # (tok/s, ms per step)
+    for name in ("off", "on"):
+        run_nanopaged(llms[name], prompts[:4], [4] * 4)                    # warm-up
+    for name in ("off", "on", "on", "off"):           # ABBA: a drifting load hits both alike
+        engine = llms[name].engine
+        steps = engine.num_steps
+        secs, tokens = run_nanopaged(llms[name], prompts, out_lens)
+        ms = 1000 * secs / (engine.num_steps - steps)
+        print(f"overlap {name:<3} {tokens / secs:8.1f} tok/s, {ms:6.1f} ms/step "
+              f"({engine.num_steps - steps} steps, {secs:.1f} s)")
+        if tokens / secs > best[name][0]:
+            best[name] = (tokens / secs, ms)
+    print(f"async scheduling on / off (best of 2 each): {best['on'][0] / best['off'][0]:.3f}x tok/s, "
+          f"step {best['off'][1]:.1f} -> {best['on'][1]:.1f} ms")
+
+
 def cpu_flags() -> str:
     """The CPU features that decide our speed, as this machine reports them."""
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -350,7 +377,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
-    ap.add_argument("--sections", default="throughput,sampling,prefix,sharing,pressure,memory,kernels")
+    ap.add_argument("--sections", default="throughput,sampling,overlap,prefix,sharing,pressure,memory,kernels")
     ap.add_argument("--kernels", action="store_true", help="only the kernels section")
     ap.add_argument("--request-rates", default="0.5,2,inf", help="serve: requests per second")
     ap.add_argument("--serve-requests", type=int, default=32, help="serve: requests per rate")
@@ -365,6 +392,8 @@ def main() -> None:
                     skip_transformers=args.skip_transformers)
     if "sampling" in sections:
         bench_sampling(args.model, args)
+    if "overlap" in sections:
+        bench_overlap(args.model, args)
     if "kernels" in sections:
         bench_kernels(args.model, args)
     if "prefix" in sections:

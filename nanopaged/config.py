@@ -56,6 +56,10 @@ class EngineConfig:
         attention_backend: "auto" (the compiled kernel of the device when it builds,
             else the PyTorch reference with a warning), "torch" (the reference), "cpu"
             or "cuda" (that kernel, or an error). See kernels.py.
+        async_scheduling: schedule step t+1 while step t's forward runs in a worker
+            thread (vLLM v1's async scheduling): step() then returns the outputs of the
+            previous forward, one step behind (empty on the first call). Outputs are the
+            same as with it off. See chapters/16-async-scheduling.md.
     """
 
     model: str | os.PathLike | None = None
@@ -74,6 +78,7 @@ class EngineConfig:
     swap_space: float = 4.0
     preemption_mode: str = "auto"
     attention_backend: str = "auto"
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):
@@ -92,7 +97,7 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

@@ -8,6 +8,19 @@ PagedAttention paper §4.5; vLLM v1's `EngineCore.step`):
     runner_output = self.model_runner.execute_model(scheduler_output)   # copy, forward, sample
     return self.scheduler.update_from_output(scheduler_output, runner_output)   # append, stop, free
 
+With `async_scheduling` (vLLM v1's `EngineCore.step_with_batch_queue`) the forward runs
+in a worker thread, and `step()` schedules the next step while it does (torch releases
+the GIL in its ops, so the two really run at once):
+
+    ahead = self.scheduler.schedule()               # step t+1, while t's forward runs
+    runner_output = <wait for step t's forward>
+    <start step t+1's forward>
+    return self.scheduler.update_from_output(<step t>, runner_output)   # t+1 runs meanwhile
+
+so step() returns the outputs of the step before (nothing on the first call). When step
+t decides something step t+1's schedule depends on (Scheduler.can_schedule_ahead), t+1
+is scheduled after t's output instead. chapters/16-async-scheduling.md tells the story.
+
 Everything that enters or leaves is a message of messages.py (EngineCoreRequest in,
 EngineCoreOutputs out), so the core can run in a process of its own behind a client,
 as vLLM's EngineCoreProc does (the serving issue builds that).
@@ -16,6 +29,8 @@ vLLM: `vllm/v1/engine/core.py`.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import torch
 
@@ -24,13 +39,21 @@ from .config import EngineConfig
 from .events import Observers
 from .kernels import get_attn_backend
 from .llama import LlamaConfig, load_model
-from .messages import EngineCoreOutputs, EngineCoreRequest
+from .messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30          # 1 GiB, at most 25% of free memory (see config.py)
+
+
+@dataclass
+class _InFlight:
+    """A step whose forward was handed to the worker thread (async scheduling)."""
+
+    scheduler_output: SchedulerOutput
+    future: Future          # of the ModelRunnerOutput
 
 
 class EngineCore:
@@ -53,15 +76,19 @@ class EngineCore:
                           else int(config.swap_space * (1 << 30)) // per_block)
         self.attn_backend = get_attn_backend(config.attention_backend, config.torch_device)
         self.model_runner = ModelRunner(model, num_gpu_blocks, config.block_size, config.seed,
-                                        num_cpu_blocks, self.attn_backend)
+                                        num_cpu_blocks, self.attn_backend, config.async_scheduling)
         self.observers = Observers() if observers is None else observers
         self.block_manager = BlockManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
                                           num_cpu_blocks, self.observers)
         costs = self.model_runner.measure_preemption_costs() if config.preemption_mode == "auto" else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill,
-                                   config.preemption_mode, costs)
+                                   config.preemption_mode, costs, config.async_scheduling)
         self.num_steps = 0
+        # async scheduling: one worker thread runs the forwards, in the order given
+        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="nanopaged-forward")
+                          if config.async_scheduling else None)
+        self._in_flight: _InFlight | None = None
 
     def _num_blocks_from_memory(self, per_block: int) -> int:
         c = self.config
@@ -92,14 +119,71 @@ class EngineCore:
         self.scheduler.stop_sequences(seqs)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request is unfinished or (async scheduling) a forward is in flight."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, run the model, take in its output (see the module doc)."""
+        """Schedule, run the model, take in its output (see the module doc). With
+        async_scheduling, the outputs are those of the forward before (empty on the
+        first call). An exception in the forward propagates from here, and the engine
+        stays usable (with async scheduling: Scheduler.reset_after_failure)."""
+        if self._executor is not None:
+            return self._step_async()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
         self.num_steps += 1
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_async(self) -> EngineCoreOutputs:
+        prev, self._in_flight = self._in_flight, None
+        ahead = None
+        try:
+            if (prev is None or self.scheduler.can_schedule_ahead()) and self.scheduler.has_unfinished_requests():
+                ahead = self.scheduler.schedule()      # overlaps prev's forward
+            if prev is None:
+                self._in_flight = self._submit(ahead)
+                return EngineCoreOutputs()
+            runner_output = prev.future.result()
+        except BaseException:                          # the forward raised, or Ctrl-C here
+            if prev is not None:
+                self._recover(prev, ahead)
+            raise
+        if ahead is not None and ahead.is_empty and not (ahead.blocks_to_copy or ahead.blocks_to_swap_out
+                                                         or ahead.blocks_to_swap_in):
+            # nothing to compute (say every sequence is getting its last token now):
+            # the worker is idle, so the runner forgets what finished here, and no
+            # empty forward is left in flight
+            self.model_runner.execute_model(ahead)
+            ahead = None
+        # Start ahead's forward before taking in prev's output, so that the update and
+        # the caller's detokenizing overlap it. It comes only now, after prev succeeded:
+        # the runner feeds ahead's decodes with the tokens prev sampled.
+        self._in_flight = self._submit(ahead)
+        outputs = self.scheduler.update_from_output(prev.scheduler_output, runner_output)
+        self.num_steps += 1
+        if ahead is None and self.scheduler.has_unfinished_requests():
+            # prev decided what this step depends on: scheduled after its output (the
+            # fallback of Scheduler.can_schedule_ahead); its forward still overlaps
+            # the caller's work on these outputs
+            self._in_flight = self._submit(self.scheduler.schedule())
+        return outputs
+
+    def _submit(self, scheduler_output: SchedulerOutput | None) -> _InFlight | None:
+        if scheduler_output is None:
+            return None
+        return _InFlight(scheduler_output, self._executor.submit(self.model_runner.execute_model, scheduler_output))
+
+    def _recover(self, failed: _InFlight, ahead: SchedulerOutput | None) -> None:
+        """The forward of `failed` raised (or the wait for it was interrupted): wait
+        until the worker is idle, carry out what `ahead` (never run) asked besides its
+        forward (block copies and swaps, forgetting finished sequences), then send the
+        requests of both steps back to the waiting queue (Scheduler.reset_after_failure)."""
+        wait([failed.future])
+        if ahead is not None:
+            self.model_runner.execute_model(SchedulerOutput(
+                blocks_to_copy=ahead.blocks_to_copy, blocks_to_swap_out=ahead.blocks_to_swap_out,
+                blocks_to_swap_in=ahead.blocks_to_swap_in, finished_seq_ids=ahead.finished_seq_ids))
+        self.scheduler.reset_after_failure([failed.scheduler_output] + ([ahead] if ahead else []))
 
     def get_stats(self) -> dict[str, int]:
         """Counters for monitoring and tests: pool occupancy, queue sizes, work done."""

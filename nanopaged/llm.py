@@ -30,7 +30,7 @@ class LLM:
             model (SmolLM2-135M-Instruct).
         **engine_args: the fields of EngineConfig (dtype, device, block_size,
             num_gpu_blocks, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
-            max_model_len, seed).
+            max_model_len, seed, async_scheduling, ...).
 
     Raises:
         TypeError: an unknown keyword argument (named in the message).

@@ -16,6 +16,9 @@ Each step it:
 4. runs the model over all those tokens at once,
 5. takes the hidden state of each sequence's last token, computes logits only there (in
    fp32), and samples; plus prompt logprobs where a request asked for them.
+6. with async scheduling, appends what it sampled to its own record: the next step was
+   scheduled before these tokens were known, so it feeds them itself (vLLM v1's runner
+   does the same). Without it the scheduler sends each sampled token back next step.
 
 It also owns the KV cache itself: one tensor
     kv_cache: [num_layers, 2 (K, V), num_gpu_blocks, block_size, num_kv_heads, head_size]
@@ -104,12 +107,16 @@ class ModelRunner:
         seed: seed of the generator for requests without their own seed.
         num_cpu_blocks: blocks in the CPU swap pool.
         attn_backend: the attention backend (kernels.py); None = the PyTorch reference.
+        async_scheduling: append each sampled token to the sequence's record at once
+            (step 6 of the module doc); the scheduler then does not send it back.
     """
 
     def __init__(self, model: LlamaForCausalLM, num_gpu_blocks: int, block_size: int,
-                 seed: int = 0, num_cpu_blocks: int = 0, attn_backend: TorchBackend | None = None) -> None:
+                 seed: int = 0, num_cpu_blocks: int = 0, attn_backend: TorchBackend | None = None,
+                 async_scheduling: bool = False) -> None:
         c = model.config
         self.model = model
+        self.async_scheduling = async_scheduling
         self.attn_backend = attn_backend or TorchBackend()
         model.set_attention_backend(self.attn_backend)
         self.block_size = block_size
@@ -250,6 +257,10 @@ class ModelRunner:
         sampled = self.sampler(logits, meta, self.generator)
         out.sampled_token_ids = dict(zip(inp.sampled_seq_ids, sampled.sampled_token_ids.tolist()))
         out.logprobs = {i: lp for i, lp in zip(inp.sampled_seq_ids, sampled.logprobs) if lp is not None}
+        if self.async_scheduling:
+            for seq_id, token in out.sampled_token_ids.items():
+                self.seqs[seq_id].output_token_ids.append(token)
+            self.sampler.append_tokens(list(out.sampled_token_ids), list(out.sampled_token_ids.values()))
         return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput) -> dict[int, Logprobs]:

@@ -27,6 +27,13 @@ sees a Sequence. `update_from_output()` is the other half of the step: it advanc
 num_computed_tokens, names the blocks the forward filled in the prefix cache, appends
 sampled tokens, checks stop conditions, forks the n > 1 siblings and beams, and frees
 what finished. So the scheduler is the only writer of blocks and sequences.
+
+With async scheduling (chapters/16-async-scheduling.md; vLLM v1's AsyncScheduler) the
+next schedule() runs before this step's output is in: a sequence that samples in a
+step gets a placeholder (`num_output_placeholders`) for the token it will have, its
+num_computed_tokens counts the step's positions at once, and update_from_output
+reconciles (appends, or drops the token of a sequence that stopped meanwhile). After a
+step that forks or advances beams, the next schedule() waits (`can_schedule_ahead`).
 vLLM: `vllm/v1/core/sched/scheduler.py`; v0's `vllm/core/scheduler.py` for swapping.
 """
 from __future__ import annotations
@@ -96,11 +103,17 @@ class Scheduler:
             budget over several steps, num_computed_tokens advancing chunk by chunk.
         preemption_mode: "recompute", "swap" or "auto" (the cheaper one, by `costs`).
         costs: measured PreemptionCosts, needed by "auto".
+        async_scheduling: schedule() may run while the previous step's forward does
+            (vLLM v1's AsyncScheduler): a sequence that samples in a step gets a
+            placeholder for that token, and num_computed_tokens counts a step's tokens
+            as soon as it is scheduled; update_from_output reconciles. The runner then
+            appends its own samples, so they are not sent back to it.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
-                 preemption_mode: str = "recompute", costs: PreemptionCosts | None = None) -> None:
+                 preemption_mode: str = "recompute", costs: PreemptionCosts | None = None,
+                 async_scheduling: bool = False) -> None:
         self.block_manager = block_manager
         self.observers = block_manager.observers         # one event stream (events.py)
         self.max_num_seqs = max_num_seqs
@@ -109,6 +122,10 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
         self.costs = costs
+        self.async_scheduling = async_scheduling
+        # the last scheduled step decides something the next schedule() depends on (see
+        # can_schedule_ahead)
+        self._waits_for_output = False
         self.requests: dict[str, SequenceGroup] = {}
         self.waiting: deque[SequenceGroup] = deque()
         self.running: deque[SequenceGroup] = deque()    # kept in arrival order
@@ -154,6 +171,15 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def can_schedule_ahead(self) -> bool:
+        """Async scheduling: may the next schedule() run before the output of the step
+        scheduled last has been taken in? Not when that step forks (the other n - 1
+        samples of a request whose prompt it completes get their blocks from the fork,
+        in update_from_output) or advances a beam search (which tokens the beams keep,
+        and which blocks they share, is decided there too). Then the engine waits for
+        that one step's output before it schedules the next (synchronous for a step)."""
+        return not self._waits_for_output
+
     def abort_requests(self, request_ids) -> None:
         """Remove requests wherever they are and free their blocks; unknown ids are ignored."""
         for rid in request_ids:
@@ -172,6 +198,29 @@ class Scheduler:
                 self._finish_seq(group.seqs[index], SequenceStatus.FINISHED_STOPPED)
                 if group.is_finished():
                     self._remove(group)
+
+    def reset_after_failure(self, lost: list[SchedulerOutput]) -> None:
+        """Async scheduling: a forward raised, so the steps in `lost` (it and any step
+        scheduled after it) produced nothing, and the runner's record of their sequences
+        is stale. Each unfinished request they scheduled goes back to the waiting queue
+        as a recompute preemption would leave it: blocks freed, num_computed_tokens 0,
+        no placeholder, sent to the runner in full when it runs again. Its tokens so far
+        are kept, and no block was named (C39), so it goes on as if nothing happened."""
+        seq_ids = {i for so in lost for i in (*so.num_scheduled_tokens, *so.sample_from)}
+        groups = {self._seqs[i][1] for i in seq_ids if i in self._seqs}
+        for group in groups:
+            for queue in (self.running, self.swapped, self.waiting):
+                if group in queue:
+                    queue.remove(group)
+            for seq in group.seqs:
+                seq.num_output_placeholders = 0
+                self._runner_knows.pop(seq.seq_id, None)
+                if not seq.status.is_finished:
+                    self.block_manager.free(seq)
+                    seq.num_computed_tokens = 0
+                    seq.status = SequenceStatus.WAITING
+        self.waiting = deque(sorted([*self.waiting, *groups], key=lambda g: g.arrival_time))
+        self._waits_for_output = False
 
     def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         if not seq.status.is_finished:
@@ -210,8 +259,12 @@ class Scheduler:
         kept: deque[SequenceGroup] = deque()
         while self.running:
             group = self.running.popleft()
-            seqs = group.seqs_to_compute(SequenceStatus.RUNNING)
-            forks = [s for s in group.get_seqs(SequenceStatus.RUNNING) if s not in seqs]
+            running = [s for s in group.get_seqs(SequenceStatus.RUNNING) if not self._ends_in_flight(s, group)]
+            if not running:                  # each one's last token is being sampled
+                kept.append(group)
+                continue
+            seqs = [s for s in group.seqs_to_compute(SequenceStatus.RUNNING) if s in running]
+            forks = [s for s in running if s not in seqs]
             work = [(s, self._chunk(s.num_uncomputed_tokens, step.budget)) for s in seqs]
             # Out of budget: it keeps its blocks and waits a step. (A request whose n
             # sequences alone exceed the whole budget runs in a step of its own.)
@@ -224,6 +277,10 @@ class Scheduler:
             if not self.block_manager.can_append_slots(seqs, ends):
                 if kept:
                     self._preempt(group, step)   # it is the latest arrival left: itself
+                elif any(s.num_output_placeholders for s in group.seqs):
+                    # async: a sibling may stop with the token in flight and free its
+                    # blocks; whether it fits is decided when that token is known
+                    kept.append(group)
                 else:
                     self._finish_too_long(group)
                 continue
@@ -295,9 +352,12 @@ class Scheduler:
         out = SchedulerOutput(blocks_to_copy=step.blocks_to_copy, blocks_to_swap_out=step.blocks_to_swap_out,
                               blocks_to_swap_in=step.blocks_to_swap_in, finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = set()
+        self._waits_for_output = False
         cached = out.scheduled_cached_reqs
         for s in step.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
+            pending = seq.num_output_placeholders      # tokens steps in flight sample
+            samples = start + s.num_new_tokens >= seq.num_tokens + pending   # not a chunk
             known = self._runner_knows.get(seq.seq_id)
             if known is not None:
                 cached.seq_ids.append(seq.seq_id)
@@ -308,15 +368,25 @@ class Scheduler:
                 cached.num_computed_tokens.append(start)
             else:
                 out.scheduled_new_reqs.append(self._new_request_data(seq, s.seq_group, seq.block_table.block_ids))
-            self._runner_knows[seq.seq_id] = seq.num_tokens
             out.num_scheduled_tokens[seq.seq_id] = s.num_new_tokens
             out.total_num_scheduled_tokens += s.num_new_tokens
-            if start + s.num_new_tokens < seq.num_tokens:
+            if self.async_scheduling:
+                # the runner appends its own samples: it will know the in-flight ones and
+                # this step's; and the step's tokens count as computed from now on
+                self._runner_knows[seq.seq_id] = seq.num_tokens + pending + samples
+                seq.num_computed_tokens += s.num_new_tokens
+                seq.num_output_placeholders += samples
+            else:
+                self._runner_knows[seq.seq_id] = seq.num_tokens
+            if not samples:
                 continue                     # a chunk: nobody samples yet
+            if s.seq_group.beam_state is not None or s.forks:
+                self._waits_for_output = True
             for fork in s.forks:             # samples only: its blocks come when it forks
                 out.scheduled_new_reqs.append(self._new_request_data(fork, s.seq_group, []))
                 out.num_scheduled_tokens[fork.seq_id] = 0
                 out.sample_from[fork.seq_id] = seq.seq_id
+                fork.num_output_placeholders += self.async_scheduling
         return out
 
     @staticmethod
@@ -336,6 +406,14 @@ class Scheduler:
         """Tokens of a prefill computed this step: all of them, or with chunked prefill
         as many as the budget has left (a decode is 1 token: never cut)."""
         return min(num_tokens, max(budget, 0)) if self.enable_chunked_prefill else num_tokens
+
+    def _ends_in_flight(self, seq: Sequence, group: SequenceGroup) -> bool:
+        """Async scheduling: the token a step in flight samples for seq is surely its
+        last (_check_stop's length rules: max_tokens, max_model_len), so it must not be
+        scheduled again (past max_model_len there is not even a position for it)."""
+        k = seq.num_output_placeholders
+        return k > 0 and (len(seq.output_token_ids) + k >= group.sampling_params.max_tokens
+                          or seq.num_tokens + k >= self.max_model_len)
 
     def _preempt(self, group: SequenceGroup, step: _Step) -> None:
         """Free a running request's device blocks by swap or by recompute (see the
@@ -390,14 +468,23 @@ class Scheduler:
         filled in the prefix cache, fork, append tokens, stop, free. Returns an
         EngineCoreOutput per sequence that got a token, prompt logprobs, or finished."""
         result = EngineCoreOutputs()
+        c = scheduler_output.scheduled_cached_reqs      # where each sequence started
+        starts = dict(zip(c.seq_ids, c.num_computed_tokens))
+        starts.update((r.seq_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs)
         for seq_id, n in scheduler_output.num_scheduled_tokens.items():
             if n and seq_id in self._seqs:
-                self._computed(*self._seqs[seq_id], n, runner_output, result)
+                self._computed(*self._seqs[seq_id], starts[seq_id], n, runner_output, result)
         beam_groups = {}
         for seq_id, token in runner_output.sampled_token_ids.items():
             if seq_id not in self._seqs:
                 continue                      # aborted while the step ran
             seq, group = self._seqs[seq_id]
+            if self.async_scheduling:
+                seq.num_output_placeholders -= 1
+            if seq.status.is_finished:
+                # async: it stopped (eos, stop string, a sibling's abort...) after this
+                # step was scheduled: the extra token is discarded, never appended
+                continue
             parent = scheduler_output.sample_from.get(seq_id)
             if parent is not None:            # prefill done: the other n - 1 fork it
                 self.block_manager.fork(self._seqs[parent][0], seq)
@@ -418,14 +505,17 @@ class Scheduler:
                 result.finished_requests.add(group.request_id)
         return result
 
-    def _computed(self, seq: Sequence, group: SequenceGroup, n: int, runner_output: ModelRunnerOutput,
-                  result: EngineCoreOutputs) -> None:
-        """Positions [num_computed_tokens, + n) of seq now have K/V in the cache."""
-        start = seq.num_computed_tokens
+    def _computed(self, seq: Sequence, group: SequenceGroup, start: int, n: int,
+                  runner_output: ModelRunnerOutput, result: EngineCoreOutputs) -> None:
+        """Positions [start, start + n) of seq now have K/V in the cache."""
         num_prompt = len(seq.prompt_token_ids)
         self.num_prompt_tokens_computed += max(0, min(start + n, num_prompt) - start)
-        seq.num_computed_tokens += n
-        self.block_manager.cache_full_blocks(seq, start, start + n)
+        if not self.async_scheduling:
+            seq.num_computed_tokens += n     # (async: counted when it was scheduled)
+        if seq.status == SequenceStatus.RUNNING:
+            # (async: a sequence preempted, stopped or aborted while the step ran has
+            # no blocks of its own in the device pool to name any more)
+            self.block_manager.cache_full_blocks(seq, start, start + n)
         lp = runner_output.prompt_logprobs.get(seq.seq_id)
         if lp is not None:                    # row j: the prompt token at start + 1 + j
             skip = max(0, seq.num_prompt_logprobs - start)     # a recompute repeats rows
@@ -472,6 +562,9 @@ class Scheduler:
                                   self.block_manager.fork)
         for seq_id in forked:
             self._runner_knows.pop(seq_id, None)
+        if self.async_scheduling:            # the runner appended the token it sampled,
+            for seq in beams:                # which a beam may not have kept: resend all
+                self._runner_knows.pop(seq.seq_id, None)
         self.num_generated_tokens += len(beams)
         state = group.beam_state
         if state.done:

@@ -65,6 +65,9 @@ class Sequence:
         status: a SequenceStatus.
         stop_reason: the eos / stop token id that finished it, if one did.
         cumulative_logprob: sum of the logprobs of its output tokens (beam search).
+        num_output_placeholders: with async scheduling, tokens that steps in flight will
+            sample for it (0, 1 or 2); num_computed_tokens then already counts the
+            positions those steps compute (chapters/16-async-scheduling.md).
     No text and no random generator: strings live in the OutputProcessor, generators
     in the model runner (messages.py says why).
     """
@@ -81,6 +84,9 @@ class Sequence:
         self.stop_reason: int | None = None
         self.cumulative_logprob = 0.0
         self.num_prompt_logprobs = 0      # prompt positions whose logprobs were reported
+        # async scheduling: tokens sampled by steps in flight, not yet appended (vLLM v1's
+        # Request.num_output_placeholders); 0 when the engine runs synchronously
+        self.num_output_placeholders = 0
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, num_tokens={self.num_tokens}, "
@@ -105,8 +111,9 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens the next forward pass must compute: the whole prompt on prefill, 1 on decode."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens the next forward pass must compute: the whole prompt on prefill, 1 on
+        decode (with async scheduling, the token a step in flight is sampling counts)."""
+        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,7 +1,15 @@
-"""The block-accounting invariants of ../shared/DESIGN.md, checked against a live engine."""
+"""The block-accounting invariants of ../shared/DESIGN.md, checked against a live engine.
+
+With async scheduling a step may be in flight when they are checked. Two checks differ
+then, legitimately: num_computed_tokens already counts the positions that step computes
+(the last of which may hold a placeholder, a token not sampled yet), so only the known
+tokens are hashed; and the runner's record (read once its forward is done) may run ahead
+of the scheduler's by the tokens that step sampled.
+"""
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import wait
 
 from nanopaged import events as ev
 from nanopaged.block_manager import hash_block_tokens
@@ -35,8 +43,9 @@ def check_block_invariants(engine) -> None:
     for group in sched.running:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             parent = None
+            known = min(seq.num_computed_tokens, seq.num_tokens)      # async: placeholders
             for i, block_id in enumerate(seq.block_table.block_ids):
-                if (i + 1) * bm.block_size > seq.num_computed_tokens:
+                if (i + 1) * bm.block_size > known:
                     break
                 tokens = seq.token_ids_slice(i * bm.block_size, (i + 1) * bm.block_size)
                 parent = hash_block_tokens(parent, tokens)
@@ -61,8 +70,13 @@ def check_runner_state(engine) -> None:
     """The model runner's own record (built from SchedulerOutput messages only) agrees
     with the scheduler's for every sequence the scheduler says the runner knows: the
     same block table, and tokens that are a prefix of the sequence's reaching at least
-    its computed ones (the token sampled last step reaches the runner next step)."""
+    its computed ones (the token sampled last step reaches the runner next step).
+    With async scheduling: once the forward in flight is done, the runner may know the
+    tokens it sampled for the placeholders, beyond the scheduler's."""
     sched, runner = engine.scheduler, engine.model_runner
+    in_flight = getattr(getattr(engine, "engine_core", None), "_in_flight", None)
+    if in_flight is not None:
+        wait([in_flight.future])          # the worker thread writes runner state meanwhile
     for group in sched.running:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             if seq.seq_id not in sched._runner_knows:
@@ -70,8 +84,9 @@ def check_runner_state(engine) -> None:
             state = runner.seqs[seq.seq_id]
             assert state.block_ids == seq.block_table.block_ids, (seq, state.block_ids)
             tokens = state.prompt_token_ids + state.output_token_ids
-            assert seq.num_computed_tokens <= len(tokens) <= seq.num_tokens, (seq, len(tokens))
-            assert tokens == seq.token_ids[:len(tokens)], seq
+            assert seq.num_computed_tokens <= len(tokens) <= seq.num_tokens + seq.num_output_placeholders, \
+                (seq, len(tokens))
+            assert tokens[:seq.num_tokens] == seq.token_ids[:len(tokens)], seq
     live = {s.seq_id for g in sched.requests.values() for s in g.seqs if not s.status.is_finished}
     assert set(runner.seqs) - live <= sched._finished_seq_ids, "runner keeps a finished sequence"
 

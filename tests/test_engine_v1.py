@@ -68,12 +68,14 @@ def test_scheduler_output_sends_a_sequence_in_full_once_then_deltas(tiny_model_d
     assert third.scheduled_cached_reqs.new_block_ids == [[seq.block_table.block_ids[2]]]
 
 
-def test_scheduler_output_survives_a_pickle_round_trip(tiny_model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_scheduler_output_survives_a_pickle_round_trip(tiny_model_dir, async_scheduling):
     """The runner needs nothing but the message: fed a pickled copy of every
     SchedulerOutput (as a worker in another process would be), the engine gives the
     same tokens, under preemption by swap and with n > 1 and beams."""
     def run(pickled):
-        eng = engine(tiny_model_dir, num_gpu_blocks=10, num_cpu_blocks=64, preemption_mode="swap", seed=3)
+        eng = engine(tiny_model_dir, num_gpu_blocks=10, num_cpu_blocks=64, preemption_mode="swap", seed=3,
+                     async_scheduling=async_scheduling)
         if pickled:
             execute = eng.model_runner.execute_model
             eng.model_runner.execute_model = lambda so: execute(pickle.loads(pickle.dumps(so)))
@@ -96,11 +98,12 @@ def test_a_block_enters_the_prefix_cache_only_after_its_forward(tiny_model_dir):
     assert len(eng.block_manager.cached_blocks) == 2
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("layer", [0, 1])
-def test_c39_an_interrupted_forward_leaves_no_named_block(tiny_model_dir, layer):
+def test_c39_an_interrupted_forward_leaves_no_named_block(tiny_model_dir, layer, async_scheduling):
     prompt = list(range(100, 117))                                   # 17 tokens: 4 full blocks of 4
     fresh = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4).generate(prompt, GREEDY)[0]
-    llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4)
+    llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, async_scheduling=async_scheduling)
     target = llm.engine.model_runner.model.layers[layer]
     forward = target.forward
 

@@ -70,6 +70,22 @@ def test_greedy_matches_transformers_alone_and_batched(default_model_dir, chat_p
     assert llm.engine.get_stats()["num_free_gpu_blocks"] == llm.engine.get_stats()["num_total_gpu_blocks"]
 
 
+def test_async_scheduling_greedy_matches_transformers(default_model_dir, chat_prompts, hf_reference):
+    """Async scheduling on: the same ids, batched (eos stops in flight among them), and
+    under preemption in a pool of 24 blocks of 4 with the invariants checked each step."""
+    llm = LLM(str(default_model_dir), dtype="float32", kv_cache_memory_bytes=SMALL_KV, async_scheduling=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    assert [o.outputs[0].token_ids for o in llm.generate(chat_prompts, params)] == hf_reference
+    tight = LLM(str(default_model_dir), dtype="float32", block_size=4, num_gpu_blocks=24, num_cpu_blocks=16,
+                max_num_seqs=4, async_scheduling=True)
+    eng = tight.engine
+    for i, p in enumerate(chat_prompts[:4]):
+        eng.add_request(str(i), p, params)
+    outs = run_checked(eng)
+    assert [outs[str(i)].outputs[0].token_ids for i in range(4)] == hf_reference[:4]
+    assert eng.get_stats()["num_preemptions"] > 0
+
+
 def test_c05_block_boundary_append(default_model_dir, hf_model):
     prompts = [list(range(1000, 1000 + n)) for n in (3, 4, 5, 8)]
     # exactly the blocks the four need: prompt + 8 more tokens get a slot (the 9th is never fed)
@@ -190,8 +206,10 @@ def test_c06_a_request_that_can_never_fit(default_model_dir):
     assert stats["num_free_gpu_blocks"] == 4 and stats["num_free_cpu_blocks"] == 8
 
 
-def test_c23_abort_mid_stream(default_model_dir):
-    llm = LLM(str(default_model_dir), dtype="float32", kv_cache_memory_bytes=SMALL_KV)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_c23_abort_mid_stream(default_model_dir, async_scheduling):
+    llm = LLM(str(default_model_dir), dtype="float32", kv_cache_memory_bytes=SMALL_KV,
+              async_scheduling=async_scheduling)
     eng = llm.engine
     free = eng.get_stats()["num_free_gpu_blocks"]
     eng.add_request("long", "Tell me a story.", SamplingParams(max_tokens=512, ignore_eos=True))
