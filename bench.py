@@ -189,7 +189,7 @@ def bench_memory_pressure(model, dtype) -> None:
 def bench_memory_utilization(model, dtype) -> None:
     """Paged blocks vs reserving max_model_len slots per request, same KV budget."""
     from nanopaged import LLM, SamplingParams
-    from nanopaged.block_manager import BlockManager
+    from nanopaged.core.block_manager import BlockManager
 
     class ContiguousBlockManager(BlockManager):
         """Pre-vLLM systems: a request reserves max_model_len slots when admitted."""
@@ -245,7 +245,7 @@ def _time(fn, repeat: int) -> float:
 
 def decode_batch(num_seqs, context, num_heads, num_kv_heads, head_size, block_size, dtype, device):
     """Random decode inputs with each sequence's blocks scattered over the pool."""
-    from nanopaged.attention import AttentionMetadata
+    from nanopaged.worker.attention import AttentionMetadata
     blocks_per_seq = -(-context // block_size)
     num_blocks = num_seqs * blocks_per_seq
     shape = (num_blocks, block_size, num_kv_heads, head_size)
@@ -264,7 +264,7 @@ def decode_batch(num_seqs, context, num_heads, num_kv_heads, head_size, block_si
 
 def bench_kernels(model, args) -> None:
     """Compiled decode attention vs the reference, then end to end with each backend."""
-    from nanopaged.kernels import TorchBackend, get_attn_backend
+    from nanopaged.worker.kernels import TorchBackend, get_attn_backend
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kernel, ref = get_attn_backend(device, device), TorchBackend()
     heads, kv_heads, head = 9, 3, 64                          # SmolLM2-135M

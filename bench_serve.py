@@ -148,7 +148,7 @@ def bench_serve(model, dtype: str, num_requests: int, rates: list[float], thread
     """Run the serving benchmark and print one line per server and rate, then the
     ratios at each rate (throughput, p50 TTFT)."""
     from transformers import AutoTokenizer
-    from nanopaged.model_loader import resolve_model
+    from nanopaged.model.model_loader import resolve_model
 
     folder = str(resolve_model(model))
     work = text_workload(AutoTokenizer.from_pretrained(folder), num_requests)

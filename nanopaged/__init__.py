@@ -4,12 +4,12 @@ Start at chapters/00-overview.md. The public API mirrors vLLM's offline one:
 
     from nanopaged import LLM, SamplingParams
 """
-from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from .config import EngineConfig
-from .engine import LLMEngine
-from .llm import LLM
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from .core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from .engine.config import EngineConfig
+from .engine.engine import LLMEngine
+from .engine.outputs import CompletionOutput, RequestOutput
+from .engine.sampling_params import SamplingParams
+from .entrypoints.llm import LLM
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
            "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]

@@ -74,5 +74,5 @@ def tiny_hf_model(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from nanopaged.model_loader import ensure_default_model
+    from nanopaged.model.model_loader import ensure_default_model
     return ensure_default_model(progress=False)

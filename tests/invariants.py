@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import Counter
 from concurrent.futures import wait
 
-from nanopaged import events as ev
-from nanopaged.block_manager import hash_block_tokens
-from nanopaged.sequence import SequenceStatus
+from nanopaged.engine import events as ev
+from nanopaged.core.block_manager import hash_block_tokens
+from nanopaged.core.sequence import SequenceStatus
 
 
 def check_block_invariants(engine) -> None:

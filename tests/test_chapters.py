@@ -86,7 +86,7 @@ def test_chapter_snippets_run(chapter, chapter_env):
 
 def test_every_module_appears_in_a_chapter():
     text = "\n".join(p.read_text() for p in CHAPTERS)
-    modules = sorted(p.name for p in (ROOT / "nanopaged").glob("*.py")
+    modules = sorted(p.name for p in (ROOT / "nanopaged").rglob("*.py")
                      if p.stem not in ("__init__", "__main__"))
     missing = [m for m in modules if m not in text]
     assert not missing, f"no chapter mentions {missing}"

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.chat import build_prompt, stream_answer
+from nanopaged.entrypoints.chat import build_prompt, stream_answer
 
 
 def run_chat(stdin: str, *args: str) -> subprocess.CompletedProcess:

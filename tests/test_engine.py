@@ -3,8 +3,8 @@ preemption and block accounting. Fast; the real-model checks are in test_real_mo
 import pytest
 
 from nanopaged import LLM, LLMEngine, EngineConfig, SamplingParams
-from nanopaged.block_manager import BlockManager
-from nanopaged.block_table import BlockTable
+from nanopaged.core.block_manager import BlockManager
+from nanopaged.core.block_table import BlockTable
 
 from invariants import check_block_invariants, run_checked
 
@@ -213,7 +213,7 @@ def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt(tiny_model_
 
 
 def test_c18_streaming_multibyte_text(tiny_model_dir):
-    from nanopaged.detokenizer import IncrementalDetokenizer
+    from nanopaged.engine.detokenizer import IncrementalDetokenizer
     tok = LLM(str(tiny_model_dir), num_gpu_blocks=8).get_tokenizer()
     text = "Café déjà vu. 東京と大阪. 👍🏽 done. "
     ids = tok(text).input_ids

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from nanopaged import LLM, BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
-from nanopaged.messages import CachedRequestData, SchedulerOutput
-from nanopaged.sampling_params import RequestOutputKind
+from nanopaged.engine.messages import CachedRequestData, SchedulerOutput
+from nanopaged.engine.sampling_params import RequestOutputKind
 
 from invariants import run_checked
 
@@ -37,14 +37,15 @@ def imported_modules(path: Path) -> set[str]:
 
 # -- the boundaries -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("module", ["model_runner.py", "sampler.py", "attention.py", "llama.py"])
+@pytest.mark.parametrize("module", ["worker/model_runner.py", "worker/sampler.py", "worker/attention.py",
+                                    "model/llama.py"])
 def test_the_execution_layer_never_imports_the_schedulers_objects(module):
     assert not imported_modules(ROOT / "nanopaged" / module) & {"sequence", "block_manager", "scheduler",
                                                                 "block_table", "engine_core"}
 
 
 def test_the_core_never_imports_a_tokenizer_or_strings_code():
-    for module in ["engine_core.py", "scheduler.py", "block_manager.py", "sequence.py"]:
+    for module in ["engine/engine_core.py", "core/scheduler.py", "core/block_manager.py", "core/sequence.py"]:
         assert not imported_modules(ROOT / "nanopaged" / module) & {"transformers", "tokenizers", "detokenizer",
                                                                     "output_processor", "processor"}
 

@@ -1,4 +1,4 @@
-"""Tests for nanopaged.gguf_convert: GGUF -> Hugging Face folder conversion.
+"""Tests for nanopaged.model.gguf_convert: GGUF -> Hugging Face folder conversion.
 
 The fast tests build a tiny synthetic Llama GGUF (tests/tiny_gguf.py) whose Q/K rows
 are permuted exactly as llama.cpp's ``convert_hf_to_gguf.py`` does, and check that
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from tiny_gguf import HIDDEN, LAYERS, N_HEAD, N_KV, VOCAB, llama_cpp_permute, write_tiny_gguf
 
-from nanopaged import gguf_convert as gc
-from nanopaged.model_loader import resolve_model
+from nanopaged.model import gguf_convert as gc
+from nanopaged.model.model_loader import resolve_model
 
 # --------------------------------------------------------------------------- weight mapping
 

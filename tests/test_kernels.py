@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from nanopaged import LLM, SamplingParams
-from nanopaged import attention, kernels
-from nanopaged.kernels import KernelBackend, KernelBuildError, TorchBackend, get_attn_backend
+from nanopaged.worker import attention, kernels
+from nanopaged.worker.kernels import KernelBackend, KernelBuildError, TorchBackend, get_attn_backend
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanopaged.attention import _decode, write_kv
+from nanopaged.worker.attention import _decode, write_kv
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = ROOT / "kernels" / "paged_attention.cu"
@@ -40,7 +40,7 @@ HAS_GPU = torch.cuda.is_available()
 
 def load_cuda_extension():
     """Build (first time, ~1-3 minutes) and import the extension through the engine's loader."""
-    from nanopaged.kernels import load_kernels
+    from nanopaged.worker.kernels import load_kernels
     return load_kernels("cuda")
 
 

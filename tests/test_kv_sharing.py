@@ -4,8 +4,8 @@ test_kv_sharing_real.py."""
 import pytest
 
 from nanopaged import LLM, BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
-from nanopaged.block_manager import BlockManager
-from nanopaged.sequence import Sequence
+from nanopaged.core.block_manager import BlockManager
+from nanopaged.core.sequence import Sequence
 
 from invariants import run_checked
 

@@ -6,9 +6,9 @@ block tables), so these tests also pin the attention op for prefill and decode.
 import pytest
 import torch
 
-from nanopaged.attention import AttentionMetadata
-from nanopaged.block_table import BlockTable
-from nanopaged.llama import LlamaConfig, load_model, rope_inv_freq
+from nanopaged.worker.attention import AttentionMetadata
+from nanopaged.core.block_table import BlockTable
+from nanopaged.model.llama import LlamaConfig, load_model, rope_inv_freq
 
 from conftest import make_tiny_llama
 

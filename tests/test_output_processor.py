@@ -5,13 +5,13 @@ The tiny tokenizer splits "Hello, my name is nanopaged." into
 """
 import pytest
 
-from nanopaged.beam_search import BeamSearchParams
-from nanopaged.detokenizer import IncrementalDetokenizer, check_stop_strings
-from nanopaged.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+from nanopaged.core.beam_search import BeamSearchParams
+from nanopaged.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from nanopaged.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                 FinishReason, Logprobs)
-from nanopaged.output_processor import OutputProcessor
-from nanopaged.outputs import Logprob
-from nanopaged.sampling_params import RequestOutputKind, SamplingParams
+from nanopaged.engine.output_processor import OutputProcessor
+from nanopaged.engine.outputs import Logprob
+from nanopaged.engine.sampling_params import RequestOutputKind, SamplingParams
 
 from conftest import make_tiny_tokenizer
 

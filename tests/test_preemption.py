@@ -3,7 +3,7 @@ under preemption, and abort from every queue: tiny random Llama, fast."""
 import pytest
 
 from nanopaged import EngineConfig, LLMEngine, SamplingParams
-from nanopaged.scheduler import PreemptionCosts
+from nanopaged.core.scheduler import PreemptionCosts
 
 from invariants import check_block_invariants, run_checked
 

@@ -19,9 +19,9 @@ import torch
 from rich.console import Console
 
 from nanopaged import SamplingParams
-from nanopaged import events as ev
-from nanopaged.scenarios import SCENARIOS, TraceRequest
-from nanopaged.trace import main, run_trace
+from nanopaged.engine import events as ev
+from nanopaged.entrypoints.scenarios import SCENARIOS, TraceRequest
+from nanopaged.entrypoints.trace import main, run_trace
 
 from invariants import EventReplay, check_block_invariants
 

@@ -43,11 +43,11 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..engine.events import Preempted, RequestAdded, RequestFinished, scheduled_events
+from ..engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+                       ModelRunnerOutput, NewRequestData, PreemptionCosts, SchedulerOutput)
 from .beam_search import BeamState, beam_search_step
 from .block_manager import BlockManager
-from .events import Preempted, RequestAdded, RequestFinished, scheduled_events
-from .messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
-                       ModelRunnerOutput, NewRequestData, PreemptionCosts, SchedulerOutput)
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCom
                        CompletionLogProbs, CompletionResponse, DeltaMessage, TopLogprob, UsageInfo,
                        error_body)
 
-logger = logging.getLogger("nanopaged.serve")
+logger = logging.getLogger("nanopaged.entrypoints.serve")
 _MIN_LOGPROB = -9999.0     # OpenAI's JSON stand-in for -inf (as vLLM clamps)
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .messages import Logprobs
+from ..engine.messages import Logprobs
 from .sequence import SequenceGroup, SequenceStatus
 
 

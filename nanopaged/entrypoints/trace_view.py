@@ -33,10 +33,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from . import events as ev
+from ..engine import events as ev
 
 if TYPE_CHECKING:
-    from .engine import LLMEngine
+    from ..engine.engine import LLMEngine
     from .scenarios import History, Scenario
 
 PALETTE = ["green", "magenta", "cyan", "yellow", "bright_blue", "red", "bright_green", "bright_magenta"]

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.messages import Logprobs, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from ..engine.sampling_params import SamplingParams
+from ..model.llama import LlamaForCausalLM
 from .attention import AttentionMetadata
 from .kernels import TorchBackend
-from .llama import LlamaForCausalLM
-from .messages import Logprobs, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
 from .sampler import Sampler, SamplingMetadata, compute_logprobs
-from .sampling_params import SamplingParams
 
 
 @dataclass

@@ -34,14 +34,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_manager import BlockManager
+from ..core.block_manager import BlockManager
+from ..core.scheduler import Scheduler
+from ..model.llama import LlamaConfig, load_model
+from ..worker.kernels import get_attn_backend
+from ..worker.model_runner import ModelRunner
 from .config import EngineConfig
 from .events import Observers
-from .kernels import get_attn_backend
-from .llama import LlamaConfig, load_model
 from .messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
-from .model_runner import ModelRunner
-from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

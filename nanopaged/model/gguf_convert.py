@@ -224,7 +224,7 @@ def convert_gguf_to_hf(
         del state
         _write_tokenizer(src, pre_tokenizer, config, tmp)
         marker = {
-            "converter": "nanopaged.gguf_convert.convert_gguf_to_hf",
+            "converter": "nanopaged.model.gguf_convert.convert_gguf_to_hf",
             "converter_version": CONVERTER_VERSION,
             "source_file": src.name,
             "source_sha256": sha256_file(src),

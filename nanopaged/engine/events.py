@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Union
 
 if TYPE_CHECKING:
-    from .scheduler import ScheduledSequence
+    from ..core.scheduler import ScheduledSequence
 
 
 class Observers(list):

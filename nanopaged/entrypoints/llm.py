@@ -15,11 +15,11 @@ import itertools
 import sys
 from typing import Sequence as Seq
 
-from .config import EngineConfig
-from .engine import LLMEngine
-from .outputs import RequestOutput
-from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from .sampling_params import RequestOutputKind, SamplingParams
+from ..core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from ..engine.config import EngineConfig
+from ..engine.engine import LLMEngine
+from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import enum
 
+from ..engine.messages import EngineCoreRequest
+from ..engine.sampling_params import SamplingParams
 from .block_table import BlockTable
-from .messages import EngineCoreRequest
-from .sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

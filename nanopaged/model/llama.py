@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata
-from .kernels import TorchBackend
+from ..worker.attention import AttentionMetadata
+from ..worker.kernels import TorchBackend
 
 
 @dataclass

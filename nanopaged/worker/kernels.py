@@ -35,7 +35,7 @@ import torch
 from . import attention
 from .attention import AttentionMetadata
 
-KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
 
 
@@ -188,7 +188,7 @@ def build_extension(name: str, source: Path, kind: str):
     """
     from torch.utils import cpp_extension
 
-    from .model_loader import cache_dir
+    from ..model.model_loader import cache_dir
 
     if not source.is_file():
         raise KernelBuildError(f"kernel source {source} not found (nanopaged installed without its "

@@ -12,7 +12,7 @@ import json
 import os
 import time
 
-from .beam_search import BeamSearchParams, num_candidates
+from ..core.beam_search import BeamSearchParams, num_candidates
 from .messages import EngineCoreRequest
 from .sampling_params import SamplingParams
 
@@ -43,8 +43,8 @@ class Processor:
         place. Sets `model_path` and `model_config` (a LlamaConfig) on the result, for
         the core. Raises as EngineConfig.resolve and model_loader.resolve_model."""
         from transformers import AutoTokenizer
-        from .llama import LlamaConfig
-        from .model_loader import resolve_model
+        from ..model.llama import LlamaConfig
+        from ..model.model_loader import resolve_model
 
         model_path = resolve_model(config.model)
         model_config = LlamaConfig.from_pretrained(model_path)

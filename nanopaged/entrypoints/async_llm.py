@@ -30,11 +30,11 @@ import logging
 import weakref
 from typing import AsyncIterator
 
-from .config import EngineConfig
-from .engine_core_client import AsyncMPClient, EngineDeadError
-from .output_processor import OutputProcessor
-from .outputs import RequestOutput
-from .processor import Processor
+from ..engine.config import EngineConfig
+from ..engine.engine_core_client import AsyncMPClient, EngineDeadError
+from ..engine.output_processor import OutputProcessor
+from ..engine.outputs import RequestOutput
+from ..engine.processor import Processor
 
 __all__ = ["AsyncLLM", "EngineDeadError"]
 

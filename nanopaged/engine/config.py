@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import ATTENTION_BACKENDS
+from ..worker.kernels import ATTENTION_BACKENDS
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

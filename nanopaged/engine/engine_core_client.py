@@ -154,7 +154,7 @@ class EngineCoreProc:
         with os.fdopen(ready_fd, "wb") as ready:
             try:
                 from .engine_core import EngineCore
-                from .llama import LlamaConfig
+                from ..model.llama import LlamaConfig
 
                 core = EngineCore(config, model_path, LlamaConfig.from_pretrained(model_path))
                 proc = EngineCoreProc(core, input_address, output_address, parent_pid)
@@ -230,7 +230,7 @@ class AsyncMPClient:
         # stdin; it answers on a pipe of its own once the model is loaded.
         ready_r, ready_w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from nanopaged.engine_core_client import EngineCoreProc; EngineCoreProc.main()"],
+            [sys.executable, "-c", "from nanopaged.engine.engine_core_client import EngineCoreProc; EngineCoreProc.main()"],
             stdin=subprocess.PIPE, pass_fds=(ready_w,))
         os.close(ready_w)
         try:

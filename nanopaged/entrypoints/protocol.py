@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from .sampling_params import RequestOutputKind, SamplingParams
+from ..engine.sampling_params import RequestOutputKind, SamplingParams
 
-logger = logging.getLogger("nanopaged.serve")
+logger = logging.getLogger("nanopaged.entrypoints.serve")
 
 
 class OpenAIBaseModel(BaseModel):

@@ -1,0 +1,150 @@
+"""Chat REPL: `python -m nanopaged.chat`, a multi-turn conversation with the model.
+
+    python -m nanopaged.chat [--model PATH] [--max-tokens N] [--temperature T]
+                             [--top-p P] [--seed S] [--system TEXT]
+
+Each turn renders the whole conversation with the tokenizer's chat template, sends it
+to the engine as one request, and prints the answer as the engine produces it, one
+step at a time (text deltas from the incremental detokenizer, so a multi-byte character
+is never split). Commands: /reset forgets the conversation, /exit (or end of input)
+quits. Ctrl-C while the model is answering stops that answer (the request is aborted
+and its blocks freed) and returns to the prompt. The model's eos ids (all that its
+generation_config lists, e.g. the chat end-of-turn id) end an answer. Works with stdin piped, so it can be
+scripted: `printf 'What is the capital of France?\\n' | python -m nanopaged.chat`.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import signal
+import sys
+
+from ..engine.processor import apply_chat_template
+from ..engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
+    """Token ids of the conversation (chat template + generation prompt).
+
+    Drops the oldest user/assistant turns (never the system message) until the prompt
+    fits in max_prompt_tokens. Raises ValueError if even the last message alone does not.
+    """
+    msgs = list(messages)
+    while True:
+        ids = apply_chat_template(tokenizer, msgs)       # exactly the template's ids (C19)
+        if len(ids) <= max_prompt_tokens:
+            return ids
+        first = 1 if msgs and msgs[0]["role"] == "system" else 0
+        if len(msgs) - first <= 1:
+            raise ValueError(f"message is {len(ids)} tokens; the model takes at most {max_prompt_tokens}")
+        del msgs[first]
+
+
+def stream_answer(engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  out=sys.stdout) -> str:
+    """Run one request to completion, writing its text to `out` as it grows.
+
+    Ctrl-C (SIGINT) stops the answer: it is only noted by a signal handler, and the loop
+    aborts the request between two steps, so a step is never cut in half (which could
+    leave blocks allocated for a request the scheduler no longer tracks). Returns the
+    answer text, partial if stopped.
+    """
+    params = copy.copy(params)
+    params.output_kind = RequestOutputKind.DELTA            # each output: the new text only
+    engine.add_request(request_id, prompt_ids, params)      # may raise ValueError: nothing to undo
+    stop = []
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+    text = ""
+    try:
+        while engine.has_unfinished_requests():
+            if stop:
+                engine.abort_request(request_id)
+                out.write(" [stopped]")
+                break
+            for output in engine.step():
+                if output.request_id == request_id and output.outputs:
+                    delta = output.outputs[0].text
+                    out.write(delta)
+                    out.flush()
+                    text += delta
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    out.write("\n")
+    out.flush()
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m nanopaged.chat", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="local HF Llama folder or hub id (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
+    ap.add_argument("--temperature", type=float, default=0.2, help="0 = greedy (default 0.2, SmolLM2's advice)")
+    ap.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed (default 0: reproducible answers)")
+    ap.add_argument("--system", default=None, help="system message (default: the template's own)")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args(argv)
+
+    from rich.console import Console
+    err = Console(stderr=True)
+    try:
+        # fail on bad sampling flags before loading anything
+        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                       seed=args.seed)
+        with err.status("loading the model ..."):
+            from .llm import LLM
+            engine = LLM(args.model, dtype=args.dtype).engine
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        err.print(f"[red]error:[/red] {e}")
+        return 1
+    except KeyboardInterrupt:            # Ctrl-C while loading: just leave
+        return 130
+
+    tokenizer = engine.tokenizer
+    interactive = sys.stdin.isatty()
+    if interactive:
+        err.print(f"[dim]nanopaged chat - {engine.model_path.name}. /reset clears the "
+                  "conversation, /exit quits, Ctrl-C stops an answer.[/dim]")
+    # leave room for at least one answer token, in the model and in the KV pool
+    bm = engine.block_manager
+    max_prompt_tokens = min(engine.config.max_model_len, bm.num_gpu_blocks * bm.block_size) - 1
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    for turn in itertools.count():
+        try:
+            line = input(">>> ") if interactive else sys.stdin.readline()
+        except KeyboardInterrupt:
+            print()
+            continue
+        except EOFError:
+            if interactive:
+                print()                  # leave the shell prompt on a line of its own
+            line = ""
+        if not line:                      # end of input
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            messages = list(system)
+            err.print("[dim](conversation cleared)[/dim]")
+            continue
+        messages.append({"role": "user", "content": line})
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, seed=args.seed + turn)
+        try:
+            prompt_ids = build_prompt(tokenizer, messages, max_prompt_tokens)
+            answer = stream_answer(engine, f"chat-{turn}", prompt_ids, params)
+        except ValueError as e:            # too long for the model or for the KV pool
+            err.print(f"[red]error:[/red] {e}")
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": answer})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""An OpenAI-compatible HTTP server: `python -m nanopaged.serve`, on FastAPI + uvicorn.
+
+    python -m nanopaged.serve [--model PATH] [--host 127.0.0.1] [--port 8000]
+        [--api-key KEY] [--served-model-name NAME] [--max-body-bytes N]
+        [every EngineConfig field as a flag: --block-size 16 --max-model-len N ...]
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as
+server-sent events with "stream": true), GET /health (200, or 503 once the engine core
+is dead), GET /metrics (Prometheus text, metrics.py). The server only turns HTTP into
+`AsyncLLM.generate` calls and back (serving.py); the engine core runs in its own
+process, so the event loop never waits for a forward pass. Errors are OpenAI's JSON
+body {"error": {"message", "type", "param", "code"}}: 400 for a bad request (pydantic's
+validation, SamplingParams' and the Processor's checks, invalid JSON), 401 for a
+missing or wrong key when --api-key is set (/health and /metrics stay open, as in
+vLLM), 404 for an unknown model, 413 for a body over --max-body-bytes, 500 when the
+engine died. A client that disconnects aborts its request in the core.
+vLLM: `vllm/entrypoints/openai/api_server.py`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import re
+import sys
+import typing
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.config import EngineConfig
+from . import serving
+from .async_llm import AsyncLLM, EngineDeadError
+from .metrics import ServerMetrics
+from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIError,
+                       error_body, random_id)
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"   # what model=None serves
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+logger = logging.getLogger("nanopaged.entrypoints.serve")
+
+
+async def _send_error(send, status: int, message: str, code: str) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _Guard:
+    """ASGI middleware: the API key (on /v1/ paths) and the body size limit (413).
+
+    The body is read here, up to max_body_bytes, and replayed to the app, so a client
+    that declares no Content-Length (chunked) cannot get past the limit either.
+    """
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.api_key.encode()):
+                return await _send_error(send, 401, "Incorrect or missing API key "
+                                                    "(send 'Authorization: Bearer KEY')", "invalid_api_key")
+        declared = headers.get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await _send_error(send, 413, f"request body is {int(declared)} bytes, more than "
+                                                f"the server's limit of {self.max_body_bytes}",
+                                     "request_too_large")
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":          # disconnected while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_body_bytes:
+                return await _send_error(send, 413, f"request body is more than the server's "
+                                                    f"limit of {self.max_body_bytes} bytes",
+                                         "request_too_large")
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()                      # waits for http.disconnect
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def build_app(engine, served_model_name: str, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving `engine` (an AsyncLLM) under the name `served_model_name`.
+
+    Args:
+        api_key: if set, every /v1/ request must send `Authorization: Bearer <api_key>`.
+        max_body_bytes: larger request bodies get a 413.
+    """
+    app = FastAPI(title="nanopaged", docs_url=None, redoc_url=None)
+    metrics = ServerMetrics(engine, served_model_name)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_, e: OpenAIError):
+        return JSONResponse(error_body(e.status, e.message, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException):      # bytes that are not JSON, 404, 405
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
+                            headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(_, e: Exception):         # Starlette logs the traceback after this answer
+        return JSONResponse(error_body(500, f"internal server error: {type(e).__name__}: {e}"),
+                            status_code=500)
+
+    @app.exception_handler(serving.ClientGone)
+    async def _gone(_, e: serving.ClientGone):
+        return Response(status_code=499)      # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        errors = e.errors()
+        bad_json = next((err for err in errors if err.get("type") == "json_invalid"), None)
+        if bad_json is not None:
+            reason = bad_json.get("ctx", {}).get("error", "")
+            return JSONResponse(error_body(400, f"the body is not valid JSON: {reason}"), status_code=400)
+        loc = [str(x) for x in errors[0].get("loc", ())[1:]] if errors else []
+        message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ())[1:]) or 'body'}: {err.get('msg')}"
+                            for err in errors)
+        return JSONResponse(error_body(400, message, ".".join(loc) or None), status_code=400)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise OpenAIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+    async def run(request: Request, body, prompt, params_fn, prefix: str, respond):
+        """Start the request (400/500 before any byte is sent), then answer it."""
+        check_model(body.model)
+        if engine.errored:
+            raise OpenAIError(500, "the engine core has died")
+        request_id = random_id(prefix)
+        try:
+            first, rest = await serving.cancel_on_disconnect(
+                request, serving.start(engine, metrics, prompt(), params_fn(), request_id))
+        except (ValueError, TypeError) as e:
+            raise OpenAIError(400, str(e)) from None
+        except EngineDeadError as e:
+            raise OpenAIError(500, f"the engine core has died: {e}") from None
+        if body.stream:
+            lines = serving.guarded_stream(respond(first, rest, request_id, stream=True))
+            return StreamingResponse(lines, media_type="text/event-stream",
+                                     background=BackgroundTask(lines.aclose))
+        try:
+            return await serving.cancel_on_disconnect(request, respond(first, rest, request_id, stream=False))
+        except EngineDeadError as e:
+            raise OpenAIError(500, f"the engine core has died: {e}") from None
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        """OpenAI's completions (vLLM: serving_completion.py)."""
+        usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def respond(first, rest, rid, stream):
+            if stream:
+                return serving.stream_completion(engine.tokenizer, first, rest, rid, served_model_name,
+                                                 body.logprobs is not None, usage)
+            return serving.full_completion(engine.tokenizer, first, rest, rid, served_model_name,
+                                           body.logprobs is not None)
+        return await run(request, body, body.single_prompt, body.to_sampling_params, "cmpl", respond)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        """OpenAI's chat completions; the chat template makes the prompt (vLLM: serving_chat.py)."""
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        top = (body.top_logprobs or 0) if body.logprobs else None
+
+        def respond(first, rest, rid, stream):
+            if stream:
+                return serving.stream_chat(engine.tokenizer, first, rest, rid, served_model_name,
+                                           body.n, top, usage)
+            return serving.full_chat(engine.tokenizer, first, rest, rid, served_model_name, top)
+        return await run(request, body, body.chat, body.to_sampling_params, "chatcmpl", respond)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return ModelList(data=[ModelCard(id=served_model_name, root=str(engine.model_path),
+                                         max_model_len=engine.config.max_model_len)])
+
+    @app.get("/health")
+    async def health():
+        try:
+            await engine.check_health()
+        except EngineDeadError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def get_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app
+
+
+def _bool(text: str) -> bool:
+    """An argparse type: true/false, yes/no, on/off, 1/0 (any case)."""
+    value = {"true": True, "yes": True, "on": True, "1": True,
+             "false": False, "no": False, "off": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
+def _add_engine_flags(ap: argparse.ArgumentParser) -> None:
+    """One --flag per EngineConfig field (but model), typed from its annotation and
+    explained by its docstring's Args entry; a flag not given leaves the field's default."""
+    hints = typing.get_type_hints(EngineConfig)
+    docs = {m[1]: " ".join(m[2].split()) for m in
+            re.finditer(r"^ {8}(\w+): (.*?)(?=^ {8}\w+: |\Z)", EngineConfig.__doc__, re.M | re.S)}
+    group = ap.add_argument_group("engine", "EngineConfig fields (nanopaged/engine/config.py)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
+        flag = "--" + f.name.replace("_", "-")
+        text = f"{docs.get(f.name, '')} (default {f.default})".replace("%", "%%")
+        if kinds == [bool]:             # --flag, --flag true|false, --no-flag
+            group.add_argument(flag, nargs="?", const=True, type=_bool, default=argparse.SUPPRESS,
+                               metavar="BOOL", help=f"{text}; --no-{flag[2:]} is --{flag[2:]} false")
+            group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false",
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        else:
+            kind = next((t for t in (int, float) if t in kinds), str)
+            group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
+                               help=text)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The server's flags and EngineConfig's; an engine flag not given is absent from the
+    namespace. Exits 2 on a bad flag (argparse)."""
+    ap = argparse.ArgumentParser(prog="python -m nanopaged.serve", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, metavar="PATH",
+                    help="a local Hugging Face Llama folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the name clients send as 'model' (default: --model, or "
+                         f"{DEFAULT_MODEL_NAME} for the default model)")
+    ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                    help="larger request bodies get a 413")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_engine_flags(ap)
+    return ap.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Start the engine core, then serve until SIGINT / SIGTERM; the core is shut down after."""
+    import uvicorn
+
+    own = {"model", "host", "port", "api_key", "served_model_name", "max_body_bytes", "log_level"}
+    engine_args = {k: v for k, v in vars(args).items() if k not in own}
+    engine = AsyncLLM(model=args.model, **engine_args)
+    try:
+        name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+        app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=5)
+        await uvicorn.Server(config).serve()
+    finally:
+        engine.shutdown()
+
+
+def main(argv=None) -> int:
+    """Entry point of `python -m nanopaged.serve` and `nanopaged-serve`. Returns 0, or 1
+    if the engine could not start (bad config or a failed start; the error is printed)."""
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except (ValueError, TypeError, RuntimeError) as e:
+        print(f"nanopaged.entrypoints.serve: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
