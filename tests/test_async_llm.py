@@ -296,3 +296,31 @@ def test_no_core_process_outlives_its_parent(tiny_model_dir, tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_async_scheduling_in_the_core_process(tiny_model_dir, offline):
+    """The core process with async scheduling on (chapter 16): the same streams, and a
+    stream left early still frees its blocks."""
+    eng = AsyncLLM(str(tiny_model_dir), async_scheduling=True, **ENGINE_ARGS)
+    loop = asyncio.new_event_loop()
+    params = [SamplingParams(temperature=0, max_tokens=5 + 4 * i, ignore_eos=True, output_kind=DELTA)
+              for i in range(len(PROMPTS))]
+
+    async def run():
+        got = await asyncio.gather(*[collect(eng, p, sp, f"o{i}")
+                                     for i, (p, sp) in enumerate(zip(PROMPTS, params))])
+        gen = eng.generate(PROMPTS[0], SamplingParams(max_tokens=150, ignore_eos=True, output_kind=DELTA))
+        await gen.__anext__()
+        await gen.aclose()
+        return got, await settled(lambda: eng.get_stats()["num_free_gpu_blocks"] == 48
+                                  and eng.get_stats()["num_running"] == 0)
+
+    try:
+        got, freed = loop.run_until_complete(run())
+    finally:
+        eng.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+    want = offline.generate(PROMPTS, params, use_tqdm=False)
+    assert [g[0] for g in got] == [w.outputs[0].token_ids for w in want]
+    assert freed
