@@ -276,22 +276,29 @@ def test_a_core_that_raises_says_why(tiny_model_dir):
         loop.close()
 
 
-def test_no_core_process_outlives_its_parent(tiny_model_dir, tmp_path):
-    """The parent is SIGKILLed (no cleanup runs): the core process goes too."""
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_no_core_process_outlives_its_parent(tiny_model_dir, tmp_path, how):
+    """The parent exits without calling shutdown() (cleanup at exit), or is SIGKILLed
+    (no cleanup runs at all): either way the core process goes too."""
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(f"""
-        import time
+        import sys
         from nanopaged.entrypoints.async_llm import AsyncLLM
         eng = AsyncLLM({str(tiny_model_dir)!r}, num_gpu_blocks=16)
         print(eng.engine_core.proc.pid, flush=True)
-        time.sleep(600)
+        sys.stdin.readline()                      # until the test says go
     """))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
         assert pid_alive(child)
-        parent.kill()
-        parent.wait(10)
+        if how == "kill":
+            parent.kill()
+        else:
+            parent.stdin.write("go\n")
+            parent.stdin.flush()
+        parent.wait(30)
         assert wait_until(lambda: not pid_alive(child), timeout=10), "orphaned EngineCore process"
     finally:
         if parent.poll() is None:
