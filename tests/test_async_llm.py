@@ -20,7 +20,9 @@ pytestmark = pytest.mark.timeout(180)
 
 DELTA = RequestOutputKind.DELTA
 PROMPTS = ["The capital of France is", "Hello, my name is", "Paged attention splits", "The KV cache"]
-ENGINE_ARGS = dict(num_gpu_blocks=48, block_size=4, max_num_seqs=8)
+# recompute, no swap pool: an engine starts without measuring preemption costs (~4 s less)
+ENGINE_ARGS = dict(num_gpu_blocks=48, block_size=4, max_num_seqs=8, preemption_mode="recompute",
+                   num_cpu_blocks=0)
 
 
 def pid_alive(pid: int) -> bool:
@@ -284,7 +286,7 @@ def test_no_core_process_outlives_its_parent(tiny_model_dir, tmp_path, how):
     script.write_text(textwrap.dedent(f"""
         import sys
         from nanopaged.entrypoints.async_llm import AsyncLLM
-        eng = AsyncLLM({str(tiny_model_dir)!r}, num_gpu_blocks=16)
+        eng = AsyncLLM({str(tiny_model_dir)!r}, num_gpu_blocks=16, preemption_mode="recompute")
         print(eng.engine_core.proc.pid, flush=True)
         sys.stdin.readline()                      # until the test says go
     """))
