@@ -23,7 +23,7 @@ is scheduled after t's output instead. chapters/16-async-scheduling.md tells the
 
 Everything that enters or leaves is a message of messages.py (EngineCoreRequest in,
 EngineCoreOutputs out), so the core can run in a process of its own behind a client,
-as vLLM's EngineCoreProc does (the serving issue builds that).
+as vLLM's EngineCoreProc does (engine_core_client.py).
 vLLM: `vllm/v1/engine/core.py`.
 """
 from __future__ import annotations
