@@ -60,6 +60,14 @@ class EngineConfig:
             thread (vLLM v1's async scheduling): step() then returns the outputs of the
             previous forward, one step behind (empty on the first call). Outputs are the
             same as with it off. See chapters/16-async-scheduling.md.
+        tensor_parallel_size: ranks the model is split over, Megatron-style (each holds
+            1/tp of the heads and MLP rows, and KV blocks for its own KV heads). The
+            heads must split by vLLM's GQA rules; checked against the model before any
+            process starts. See chapters/17-tensor-parallelism.md.
+        distributed_executor_backend: None (= "uni" at tp=1, else "mp"), "uni" (one
+            worker in this process), "mp" (one process per rank, torch.distributed
+            gloo on the CPU or NCCL on CUDA) or "external_launcher" (the ranks are
+            processes started by torchrun, each running the whole engine).
     """
 
     model: str | os.PathLike | None = None
@@ -79,6 +87,8 @@ class EngineConfig:
     preemption_mode: str = "auto"
     attention_backend: str = "auto"
     async_scheduling: bool = False
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):
@@ -106,6 +116,14 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        backends = (None, "uni", "mp", "external_launcher")
+        if self.distributed_executor_backend not in backends:
+            raise ValueError(f"distributed_executor_backend must be one of {backends}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one worker, but "
+                             f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp'")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but torch sees no CUDA device")
 
@@ -114,6 +132,13 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def executor_backend(self) -> str:
+        """distributed_executor_backend with None resolved: "uni" at tp=1, else "mp"."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -119,6 +119,11 @@ class LLMEngine:
         """Stop calling observer. Raises ValueError if it was not added."""
         self.observers.remove(observer)
 
+    def shutdown(self) -> None:
+        """Stop the core's workers (tensor-parallel processes, if any). Idempotent; the
+        engine cannot step afterwards. Also happens on garbage collection and exit."""
+        self.core_client.shutdown()
+
     def get_stats(self) -> dict[str, int]:
         """Counters for monitoring and tests: pool occupancy, queue sizes, work done."""
         return self.engine_core.get_stats()

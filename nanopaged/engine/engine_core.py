@@ -1,11 +1,12 @@
 """EngineCore: the engine's inner loop, tokens in and tokens out.
 
-It owns the scheduler (with the block manager) and the model runner, and nothing else:
-no tokenizer, no strings. One `step()` is one forward pass over one batch (the
+It owns the scheduler (with the block manager) and the executor (the workers, each
+with its model runner: one in this process, or one process per tensor-parallel rank),
+and nothing else: no tokenizer, no strings. One `step()` is one forward pass over one batch (the
 PagedAttention paper §4.5; vLLM v1's `EngineCore.step`):
 
     scheduler_output = self.scheduler.schedule()                    # who runs, which blocks
-    runner_output = self.model_runner.execute_model(scheduler_output)   # copy, forward, sample
+    runner_output = self.executor.execute_model(scheduler_output)   # copy, forward, sample
     return self.scheduler.update_from_output(scheduler_output, runner_output)   # append, stop, free
 
 With `async_scheduling` (vLLM v1's `EngineCore.step_with_batch_queue`) the forward runs
@@ -36,7 +37,9 @@ import torch
 
 from ..core.block_manager import BlockManager
 from ..core.scheduler import Scheduler
-from ..model.llama import LlamaConfig, load_model
+from ..model.llama import LlamaConfig, check_tensor_parallel
+from ..model.parallel_layers import shard_heads
+from ..worker.executor import Executor
 from ..worker.kernels import get_attn_backend
 from ..worker.model_runner import ModelRunner
 from .config import EngineConfig
@@ -69,18 +72,23 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model_path, model_config: LlamaConfig,
                  observers: Observers | None = None) -> None:
         self.config = config
-        model = load_model(model_path, config.torch_dtype, config.torch_device, config.max_model_len)
-        per_block = ModelRunner.kv_cache_bytes_per_block(model_config, config.block_size, config.torch_dtype)
+        check_tensor_parallel(model_config, config.tensor_parallel_size)
+        # the KV budget is per rank: a rank's block holds its own KV heads only
+        num_kv_heads = shard_heads(model_config.num_attention_heads, model_config.num_key_value_heads,
+                                   config.tensor_parallel_size).num_kv_heads
+        per_block = ModelRunner.kv_cache_bytes_per_block(model_config, config.block_size, config.torch_dtype,
+                                                         num_kv_heads)
         num_gpu_blocks = config.num_gpu_blocks or self._num_blocks_from_memory(per_block)
         num_cpu_blocks = (config.num_cpu_blocks if config.num_cpu_blocks is not None
                           else int(config.swap_space * (1 << 30)) // per_block)
         self.attn_backend = get_attn_backend(config.attention_backend, config.torch_device)
-        self.model_runner = ModelRunner(model, num_gpu_blocks, config.block_size, config.seed,
-                                        num_cpu_blocks, self.attn_backend, config.async_scheduling)
+        self.executor = Executor.create(config, model_path, model_config, num_gpu_blocks, num_cpu_blocks,
+                                        self.attn_backend)
+        num_gpu_blocks = self.executor.num_gpu_blocks      # the ranks agreed on it (torchrun)
         self.observers = Observers() if observers is None else observers
         self.block_manager = BlockManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
                                           num_cpu_blocks, self.observers)
-        costs = self.model_runner.measure_preemption_costs() if config.preemption_mode == "auto" else None
+        costs = self.executor.measure_preemption_costs() if config.preemption_mode == "auto" else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill,
                                    config.preemption_mode, costs, config.async_scheduling)
@@ -89,6 +97,20 @@ class EngineCore:
         self._executor = (ThreadPoolExecutor(1, thread_name_prefix="nanopaged-forward")
                           if config.async_scheduling else None)
         self._in_flight: _InFlight | None = None
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The ModelRunner, when it lives in this process (tensor_parallel_size 1 or
+        torchrun). Raises AttributeError when the runners are in worker processes."""
+        worker = getattr(self.executor, "driver_worker", None)
+        if worker is None:
+            raise AttributeError("the model runners live in the worker processes "
+                                 f"(tensor_parallel_size={self.config.tensor_parallel_size}, 'mp')")
+        return worker.model_runner
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (idempotent); the core cannot step afterwards."""
+        self.executor.shutdown()
 
     def _num_blocks_from_memory(self, per_block: int) -> int:
         c = self.config
@@ -130,7 +152,7 @@ class EngineCore:
         if self._executor is not None:
             return self._step_async()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         self.num_steps += 1
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
@@ -153,7 +175,7 @@ class EngineCore:
             # nothing to compute (say every sequence is getting its last token now):
             # the worker is idle, so the runner forgets what finished here, and no
             # empty forward is left in flight
-            self.model_runner.execute_model(ahead)
+            self.executor.execute_model(ahead)
             ahead = None
         # Start ahead's forward before taking in prev's output, so that the update and
         # the caller's detokenizing overlap it. It comes only now, after prev succeeded:
@@ -171,7 +193,7 @@ class EngineCore:
     def _submit(self, scheduler_output: SchedulerOutput | None) -> _InFlight | None:
         if scheduler_output is None:
             return None
-        return _InFlight(scheduler_output, self._executor.submit(self.model_runner.execute_model, scheduler_output))
+        return _InFlight(scheduler_output, self._executor.submit(self.executor.execute_model, scheduler_output))
 
     def _recover(self, failed: _InFlight, ahead: SchedulerOutput | None) -> None:
         """The forward of `failed` raised (or the wait for it was interrupted): wait
@@ -179,8 +201,8 @@ class EngineCore:
         forward (block copies and swaps, forgetting finished sequences), then send the
         requests of both steps back to the waiting queue (Scheduler.reset_after_failure)."""
         wait([failed.future])
-        if ahead is not None:
-            self.model_runner.execute_model(SchedulerOutput(
+        if ahead is not None and getattr(self.executor, "dead_reason", None) is None:
+            self.executor.execute_model(SchedulerOutput(
                 blocks_to_copy=ahead.blocks_to_copy, blocks_to_swap_out=ahead.blocks_to_swap_out,
                 blocks_to_swap_in=ahead.blocks_to_swap_in, finished_seq_ids=ahead.finished_seq_ids))
         self.scheduler.reset_after_failure([failed.scheduler_output] + ([ahead] if ahead else []))

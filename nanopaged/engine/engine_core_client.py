@@ -73,7 +73,7 @@ class InprocClient:
         return self.engine_core.step()
 
     def shutdown(self) -> None:
-        pass
+        self.engine_core.shutdown()
 
 
 # -- the child process --------------------------------------------------------------------
@@ -147,7 +147,7 @@ class EngineCoreProc:
         """The child's entry point (`python -c "...EngineCoreProc.main()"`): read the
         settings the parent pickled to stdin, build the core, say ready (or why not) on
         the pipe the parent named, then serve."""
-        _die_with_parent()
+        die_with_parent()
         config, model_path, input_address, output_address, ready_fd = pickle.load(sys.stdin.buffer)
         parent_pid = os.getppid()
         proc = None
@@ -169,6 +169,7 @@ class EngineCoreProc:
         except BaseException:                  # tell the front end why, then go
             proc._send(EngineCoreDead(traceback.format_exc()))
             exit_code = 1
+        core.shutdown()                        # tensor-parallel workers, if any
         proc.input.close(linger=0)
         proc.output.close(linger=1000)         # up to 1 s to deliver the last message
         proc.ctx.term()
@@ -177,7 +178,7 @@ class EngineCoreProc:
         os._exit(exit_code)                    # skip interpreter teardown (torch's threads)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """On Linux, ask the kernel to SIGKILL this process when its parent dies (the
     one-second parent check covers other systems)."""
     if sys.platform.startswith("linux"):
@@ -188,7 +189,7 @@ def _die_with_parent() -> None:
             pass
 
 
-def _exit_reason(returncode: int) -> str:
+def exit_reason(returncode: int) -> str:
     if returncode < 0:
         return f"killed by {signal.Signals(-returncode).name}"
     return f"it exited with code {returncode}"
@@ -268,7 +269,7 @@ class AsyncMPClient:
         sock = self.sync_ctx.socket(zmq.PUSH)     # a socket of this thread's own
         try:
             sock.connect(self._output_address)
-            sock.send(pickle.dumps(EngineCoreDead(_exit_reason(self.proc.returncode))))
+            sock.send(pickle.dumps(EngineCoreDead(exit_reason(self.proc.returncode))))
         finally:
             sock.close(linger=1000)
 
@@ -277,7 +278,7 @@ class AsyncMPClient:
     def is_dead(self) -> bool:
         """True once the child is gone without being asked to go (sets dead_reason)."""
         if self.dead_reason is None and not self._closed and self.proc.poll() is not None:
-            self.dead_reason = self._died(_exit_reason(self.proc.returncode))
+            self.dead_reason = self._died(exit_reason(self.proc.returncode))
         return self.dead_reason is not None
 
     def _send(self, kind: EngineCoreRequestType, payload) -> None:

@@ -30,7 +30,8 @@ class LLM:
             model (SmolLM2-135M-Instruct).
         **engine_args: the fields of EngineConfig (dtype, device, block_size,
             num_gpu_blocks, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
-            max_model_len, seed, async_scheduling, ...).
+            max_model_len, seed, async_scheduling, tensor_parallel_size,
+            distributed_executor_backend, ...).
 
     Raises:
         TypeError: an unknown keyword argument (named in the message).
@@ -44,6 +45,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor_parallel_size > 1). Idempotent; the
+        LLM cannot generate afterwards. `del llm` and interpreter exit do it too."""
+        self.engine.shutdown()
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -33,6 +33,8 @@ from torch import nn
 
 from ..worker.attention import AttentionMetadata
 from ..worker.kernels import TorchBackend
+from .parallel_layers import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
+                              _check_shape, shard_heads)
 
 
 @dataclass
@@ -141,14 +143,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """Self-attention over this rank's heads: qkv_proj column-parallel by heads,
+    o_proj row-parallel (its all-reduce joins the heads of all ranks)."""
+
+    def __init__(self, config: LlamaConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.scale = self.head_dim ** -0.5
+        d = config.head_dim
+        shard = shard_heads(config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank)
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        kv_rows = config.num_key_value_heads * d
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, {
+            "q_proj": (config.num_attention_heads * d, shard.first_head * d, self.q_size),
+            "k_proj": (kv_rows, shard.first_kv_head * d, self.kv_size),
+            "v_proj": (kv_rows, shard.first_kv_head * d, self.kv_size)}, tp)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp)
+        self.scale = d ** -0.5
         self.attn_backend = TorchBackend()     # the reference; see set_attention_backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -167,10 +177,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """SwiGLU MLP: gate_up_proj column-parallel by intermediate rows, down_proj
+    row-parallel (one all-reduce)."""
+
+    def __init__(self, config: LlamaConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter, n = config.intermediate_size, config.intermediate_size // tp.size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {
+            "gate_proj": (inter, tp.rank * n, n), "up_proj": (inter, tp.rank * n, n)}, tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -178,39 +193,63 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(self, x, cos, sin, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def check_tensor_parallel(config: LlamaConfig, tp_size: int) -> None:
+    """Raise ValueError (naming the sizes and tp) unless the model splits over tp_size
+    ranks: the heads by vLLM's GQA rules (parallel_layers.shard_heads), and the
+    intermediate size evenly."""
+    shard_heads(config.num_attention_heads, config.num_key_value_heads, tp_size)
+    if config.intermediate_size % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} must divide intermediate_size="
+                         f"{config.intermediate_size}")
+
+
 class LlamaForCausalLM(nn.Module):
-    """Llama over a flat token batch with a paged KV cache.
+    """Llama over a flat token batch with a paged KV cache, this rank's shard of it.
+
+    Args:
+        config: the LlamaConfig.
+        tp: this rank's TPGroup (default: one rank, the whole model, no communication).
 
     forward(input_ids [num_tokens] int64, positions [num_tokens] int64,
-            kv_caches [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim],
-            meta: AttentionMetadata) -> hidden states [num_tokens, hidden_size].
-    compute_logits(hidden [n, hidden_size]) -> [n, vocab_size] float32.
+            kv_caches [num_layers, 2, num_blocks, block_size, num_local_kv_heads, head_dim],
+            meta: AttentionMetadata) -> hidden states [num_tokens, hidden_size]
+            (the whole hidden state on every rank).
+    compute_logits(hidden [n, hidden_size]) -> [n, vocab_size] float32 (every rank).
+
+    Raises:
+        ValueError: the model does not split over tp.size ranks (check_tensor_parallel).
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.tp = tp = tp or TPGroup()
+        check_tensor_parallel(config, tp.size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rope_cos = self.rope_sin = None
-        self._head_fp32 = None     # float32 copy of the LM head (compute_logits)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this rank holds, so its KV cache holds (all of them at tp=1)."""
+        return self.layers[0].self_attn.num_kv_heads
 
     def init_rope(self, max_positions: int) -> None:
         """Precompute cos/sin for positions 0..max_positions-1: [max_positions, head_dim]."""
@@ -236,30 +275,19 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.attn_backend = backend
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden_size] -> logits [n, vocab_size] float32, summed in float32.
-
-        In bf16 a logit near 30 can only be a multiple of 0.125, so rounding the head's
-        output to bf16 (as transformers does) turns near-ties into ties and flips argmaxes.
-        The products of a bf16 hidden and a bf16 weight are exact in float32, so we keep
-        the head in float32 (a copy, made once: 113 MB for SmolLM2's 49152 x 576) and
-        get the logits to float32 precision. The fp32 matmul costs what the bf16 one does
-        on our 2-core CPU (45 ms a row, measured); upcasting the weight on every call
-        instead took 280 ms.
-        """
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if weight.dtype != torch.float32:
-            if self._head_fp32 is None:
-                self._head_fp32 = weight.float()
-            weight = self._head_fp32
-        return F.linear(hidden.float(), weight)
+        """hidden [n, hidden_size] -> logits [n, vocab_size] float32, summed in float32
+        (VocabParallelEmbedding.logits says why); the embedding is the head when tied."""
+        return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     # -- loading -------------------------------------------------------------------------
 
     def load_weights(self, folder: str | os.PathLike) -> None:
         """Copy weights from the folder's safetensors (one file or sharded) into the model.
 
-        q/k/v and gate/up are stacked into qkv_proj and gate_up_proj. With tied
-        embeddings a stored lm_head.weight is ignored (transformers does the same).
+        Each tensor is opened as a slice and only this rank's rows or columns are read
+        (a tp rank reads about 1/tp of the file). q/k/v and gate/up go into their
+        slices of qkv_proj and gate_up_proj. With tied embeddings a stored
+        lm_head.weight is ignored (transformers does the same).
 
         Raises:
             FileNotFoundError: no *.safetensors in the folder.
@@ -269,13 +297,12 @@ class LlamaForCausalLM(nn.Module):
         from safetensors import safe_open
 
         files = _safetensors_files(Path(folder))
-        params = dict(self.named_parameters())
         loaded: set[str] = set()
         for file in files:
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in f.keys():
-                        key = self._load_one(name, f.get_tensor(name), params, file)
+                        key = self._load_one(name, f.get_slice(name), file)
                         if key:
                             loaded.add(key)
             except Exception as e:      # safetensors raises its own SafetensorError
@@ -284,49 +311,49 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"could not read safetensors file {str(file)!r}: {e}") from e
         # every parameter, or every part of a stacked one, must have come from a file
         expected = set()
-        for name in params:
-            fused = name.split(".")[-2]
-            parts = [p for p, (f, _) in _STACKED.items() if f == fused]
-            expected |= {f"{name}#{p}" for p in parts} if parts else {name}
-        self._head_fp32 = None          # new weights: compute_logits makes a new copy
+        for name, module in self.named_modules():
+            for pname, _ in module.named_parameters(recurse=False):
+                key = f"{name}.{pname}" if name else pname
+                parts = getattr(module, "parts", None)
+                expected |= {f"{key}#{p}" for p in parts} if parts else {key}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"model folder {str(folder)!r} lacks weights for {missing[:5]}"
                              f"{' ...' if len(missing) > 5 else ''}")
 
-    def _load_one(self, name: str, tensor: torch.Tensor, params: dict, file: Path) -> str | None:
-        """Copy one stored tensor into its (slice of a) parameter; returns what it filled."""
-        name = name.removeprefix("model.")
+    def _load_one(self, name: str, src, file: Path) -> str | None:
+        """Copy this rank's share of one stored tensor (a safetensors slice) into its
+        parameter; returns the key it filled ("param#part" for a stacked one)."""
+        stored, name = name, name.removeprefix("model.")
         if name.startswith("lm_head.") and self.lm_head is None or "rotary_emb" in name:
             return None                # tied head, or a buffer we recompute
-        part = name.split(".")
-        if len(part) > 2 and part[-2] in _STACKED:
-            fused, index = _STACKED[part[-2]]
-            target = ".".join(part[:-2] + [fused, part[-1]])
-            sizes = _stack_sizes(self.config, fused)
-            start = sum(sizes[:index])
-            dst, key = params[target].data[start:start + sizes[index]], f"{target}#{part[-2]}"
-        elif name in params:
-            dst, key = params[name].data, name
-        else:
-            raise ValueError(f"{str(file)!r}: unexpected tensor {name!r} for a Llama model")
-        if tuple(tensor.shape) != tuple(dst.shape):
-            raise ValueError(f"{str(file)!r}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(dst.shape)}")
-        dst.copy_(tensor)
-        return key
+        *path, matrix, leaf = ["", *name.split(".")] if name.count(".") == 0 else name.split(".")
+        fused = _STACKED.get(matrix)
+        try:
+            try:
+                module = self.get_submodule(".".join(path)) if path else self
+            except AttributeError:
+                raise ValueError(f"unexpected tensor {stored!r} for a Llama model") from None
+            if fused and leaf == "weight" and hasattr(module, fused):
+                getattr(module, fused).load(matrix, src, stored)          # a slice of a stacked weight
+                return f"{'.'.join(path + [fused, leaf])}#{matrix}"
+            target = getattr(module, matrix, None)
+            if leaf == "weight" and hasattr(target, "load"):
+                target.load(src, stored)                                   # row-parallel or vocab
+            elif isinstance(getattr(target, leaf, None), nn.Parameter):
+                param = getattr(target, leaf)
+                _check_shape(stored, src, tuple(param.shape))
+                param.data.copy_(src[:])                                   # replicated: norms
+            else:
+                raise ValueError(f"unexpected tensor {stored!r} for a Llama model")
+        except ValueError as e:
+            raise ValueError(f"{str(file)!r}: {e}") from None
+        return f"{'.'.join(path + [matrix])}.{leaf}"
 
 
-# HF's separate projections -> (our stacked parameter, index of the part in it)
-_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
-def _stack_sizes(config: LlamaConfig, fused: str) -> list[int]:
-    if fused == "qkv_proj":
-        kv = config.num_key_value_heads * config.head_dim
-        return [config.num_attention_heads * config.head_dim, kv, kv]
-    return [config.intermediate_size, config.intermediate_size]
+# HF's separate projections -> our stacked parameter holding them
+_STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+            "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -345,15 +372,16 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def load_model(folder: str | os.PathLike, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> LlamaForCausalLM:
-    """Build a LlamaForCausalLM from a Hugging Face folder, weights in `dtype` on `device`.
+               max_positions: int, tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """Build a LlamaForCausalLM (this rank's shard under `tp`) from a Hugging Face
+    folder, weights in `dtype` on `device`.
 
     The module is created on the meta device (no random init of 100M+ numbers), then
     materialized and filled from safetensors. RoPE tables cover `max_positions` tokens.
     """
     config = LlamaConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         model.load_weights(folder)

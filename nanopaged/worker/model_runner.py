@@ -22,6 +22,7 @@ Each step it:
 
 It also owns the KV cache itself: one tensor
     kv_cache: [num_layers, 2 (K, V), num_gpu_blocks, block_size, num_kv_heads, head_size]
+(with tensor parallelism, num_kv_heads is this rank's share: worker.py)
 zero-filled once at start (zeros, not garbage: padded block-table entries are read and
 then masked, and 0 * NaN would still be NaN).
 
@@ -122,13 +123,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
+        num_kv_heads = model.num_local_kv_heads          # this rank's (all of them at tp=1)
         self.kv_cache = torch.zeros(c.num_hidden_layers, 2, num_gpu_blocks, block_size,
-                                    c.num_key_value_heads, c.head_dim, dtype=self.dtype,
-                                    device=self.device)
+                                    num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
         # The swap pool: host memory (pinned on CUDA for fast copies). Never read where
         # it was not written, so it needs no zeroing.
         self.cpu_kv_cache = torch.empty((c.num_hidden_layers, 2, num_cpu_blocks, block_size,
-                                         c.num_key_value_heads, c.head_dim), dtype=self.dtype,
+                                         num_kv_heads, c.head_dim), dtype=self.dtype,
                                         pin_memory=self.device.type == "cuda")
         self.sampler = Sampler(c.vocab_size, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -138,9 +139,12 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
 
     @staticmethod
-    def kv_cache_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes across all layers, K and V."""
-        return (2 * model_config.num_hidden_layers * block_size * model_config.num_key_value_heads
+    def kv_cache_bytes_per_block(model_config, block_size: int, dtype: torch.dtype,
+                                 num_kv_heads: int | None = None) -> int:
+        """Bytes one block takes across all layers, K and V, holding num_kv_heads heads
+        (default: all of the model's; a tensor-parallel rank holds its own share)."""
+        num_kv_heads = model_config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        return (2 * model_config.num_hidden_layers * block_size * num_kv_heads
                 * model_config.head_dim * torch.empty((), dtype=dtype).element_size())
 
     # -- the runner's own state ---------------------------------------------------------------

@@ -1,0 +1,383 @@
+"""Executors: how the EngineCore reaches its workers (one per tensor-parallel rank).
+
+The EngineCore calls `executor.execute_model(scheduler_output)` once a step and gets
+one ModelRunnerOutput back, whatever the number of ranks (vLLM v1's Executor,
+`vllm/v1/executor/`). Three kinds:
+
+- UniProcExecutor: one Worker in this process (tensor_parallel_size=1, the default).
+- MultiprocExecutor: one process per rank. Each step the SchedulerOutput is pickled
+  once and pushed to every rank over a pyzmq socket (vLLM pushes it through a
+  shared-memory queue; bench.py --sections tp measures ours against a broadcast over
+  the process group). The ranks run the same step SPMD-style and meet only in the
+  model's collectives over torch.distributed (gloo on the CPU, NCCL on CUDA); rank 0
+  answers with the output, the others with their sampled ids (checked equal).
+- ExternalLauncherExecutor: for `torchrun` (vLLM's "external_launcher"): torchrun
+  starts N copies of the user's script, each a whole engine with one Worker; they join
+  torchrun's process group. Every copy schedules the same requests the same way, so
+  nothing needs to be sent; this is how a run spans several machines.
+
+Faults: a worker that raises or dies, or a step with no answer within
+NANOPAGED_EXECUTE_MODEL_TIMEOUT_S (300 s, vLLM's default), ends every worker and
+raises EngineDeadError naming the rank and why. A collective waiting on a dead rank
+raises after NANOPAGED_COLLECTIVE_TIMEOUT_S (worker.py). Workers also die with the
+engine process (PR_SET_PDEATHSIG, plus a parent check each second while idle).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+
+import torch
+import zmq
+
+from ..engine.engine_core_client import EngineDeadError, die_with_parent, exit_reason
+from ..engine.messages import ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from .worker import Worker, init_process_group
+
+EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("NANOPAGED_EXECUTE_MODEL_TIMEOUT_S", "300"))
+_STARTUP_TIMEOUT_S = 600.0      # loading a shard and building the kernels, at most
+_SEND_TIMEOUT_MS = 5000
+
+EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
+
+
+class Executor:
+    """Runs the model on the workers. Subclasses give collective_rpc.
+
+    Attributes:
+        num_gpu_blocks: the KV pool size the workers allocated (blocks per rank).
+    """
+
+    num_gpu_blocks: int
+
+    @staticmethod
+    def create(config, model_path, model_config, num_gpu_blocks: int, num_cpu_blocks: int,
+               attn_backend) -> "Executor":
+        """The executor config.distributed_executor_backend names, its workers started
+        with KV pools of num_gpu_blocks / num_cpu_blocks blocks per rank."""
+        kind = {"uni": UniProcExecutor, "mp": MultiprocExecutor,
+                "external_launcher": ExternalLauncherExecutor}[config.executor_backend]
+        return kind(config, model_path, model_config, num_gpu_blocks, num_cpu_blocks, attn_backend)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """Call Worker.<method>(*args) on every rank; their results in rank order."""
+        raise NotImplementedError
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on every rank; rank 0's ModelRunnerOutput."""
+        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+
+    def measure_preemption_costs(self) -> PreemptionCosts:
+        """Rank 0's measurement (every rank runs it: the timed forward is collective)."""
+        return self.collective_rpc("measure_preemption_costs")[0]
+
+    def get_comm_stats(self) -> list[dict]:
+        """Per rank: seconds in collectives and their count (plus, with processes, the
+        seconds spent receiving control messages and executing steps)."""
+        return self.collective_rpc("get_comm_stats")
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+
+
+class UniProcExecutor(Executor):
+    """One Worker in this process: the whole model, no communication.
+
+    Attributes:
+        driver_worker: the Worker (its model_runner is the engine's).
+    """
+
+    def __init__(self, config, model_path, model_config, num_gpu_blocks, num_cpu_blocks, attn_backend,
+                 rank: int = 0, world_size: int = 1, process_group=None) -> None:
+        self.driver_worker = Worker(config, model_path, model_config, rank, world_size, process_group)
+        self.num_gpu_blocks = num_gpu_blocks
+        self.driver_worker.initialize_cache(num_gpu_blocks, num_cpu_blocks, attn_backend)
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        return [getattr(self.driver_worker, method)(*args)]
+
+
+class ExternalLauncherExecutor(UniProcExecutor):
+    """One Worker per process, the processes started by torchrun (vLLM's
+    "external_launcher"): rank and size from torchrun's RANK and WORLD_SIZE.
+
+    Every process runs the whole engine with the same inputs; anything measured (the
+    KV pool from free memory, the preemption costs) is agreed on first, so that all
+    copies schedule the same way.
+
+    Raises:
+        ValueError: not under torchrun, or WORLD_SIZE != tensor_parallel_size.
+    """
+
+    def __init__(self, config, model_path, model_config, num_gpu_blocks, num_cpu_blocks, attn_backend) -> None:
+        import torch.distributed as dist
+
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise ValueError("distributed_executor_backend='external_launcher' runs under torchrun "
+                             "(RANK and WORLD_SIZE are not set)")
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world != config.tensor_parallel_size:
+            raise ValueError(f"torchrun started WORLD_SIZE={world} processes but "
+                             f"tensor_parallel_size={config.tensor_parallel_size}")
+        device = config.torch_device
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        group = dist.group.WORLD if dist.is_initialized() else init_process_group(rank, world, "env://", device)
+        agreed = torch.tensor([num_gpu_blocks, num_cpu_blocks], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        self.group = group
+        super().__init__(config, model_path, model_config, int(agreed[0]), int(agreed[1]), attn_backend,
+                         rank, world, group)
+
+    def measure_preemption_costs(self) -> PreemptionCosts:
+        import torch.distributed as dist
+
+        costs = [self.driver_worker.measure_preemption_costs()]
+        dist.broadcast_object_list(costs, src=0, group=self.group)      # rank 0's, everywhere
+        return costs[0]
+
+
+class MultiprocExecutor(Executor):
+    """One process per rank (a fresh interpreter each, as the EngineCore process of
+    engine_core_client.py: no fork, no re-run of the user's __main__).
+
+    Args:
+        config, model_path, model_config: the engine's.
+        num_gpu_blocks, num_cpu_blocks: KV pool sizes per rank.
+        attn_backend: the backend the engine resolved; each rank builds the same by name.
+
+    Raises:
+        RuntimeError: a worker failed to start (its traceback is in the message).
+    """
+
+    def __init__(self, config, model_path, model_config, num_gpu_blocks, num_cpu_blocks, attn_backend) -> None:
+        self.world_size = n = config.tensor_parallel_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.dead_reason: str | None = None
+        self._dir = tempfile.mkdtemp(prefix="nanopaged-tp-")
+        self.ctx = zmq.Context()
+        self.inputs = []
+        for rank in range(n):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+            sock.bind(f"ipc://{self._dir}/rank{rank}")
+            self.inputs.append(sock)
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.bind(f"ipc://{self._dir}/output")
+        self.procs: list[subprocess.Popen] = []
+        # Ends the workers on shutdown(), on `del llm` and at interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.inputs, self.output,
+                                           self.ctx, self._dir)
+        self.send_seconds = 0.0          # pickling + pushing control messages (the bench)
+        threads = None if "OMP_NUM_THREADS" in os.environ else max(1, len(os.sched_getaffinity(0)) // n)
+        settings = dict(config=config, model_path=str(model_path), world_size=n,
+                        init_method=f"file://{self._dir}/rendezvous", num_gpu_blocks=num_gpu_blocks,
+                        num_cpu_blocks=num_cpu_blocks, attn_backend=getattr(attn_backend, "name", "torch"),
+                        output_address=f"ipc://{self._dir}/output", num_threads=threads)
+        ready_fds = []
+        try:
+            for rank in range(n):
+                ready_r, ready_w = os.pipe()
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", "from nanopaged.worker.executor import WorkerProc; WorkerProc.main()"],
+                    stdin=subprocess.PIPE, pass_fds=(ready_w,))
+                os.close(ready_w)
+                self.procs.append(proc)
+                ready_fds.append(ready_r)
+                proc.stdin.write(pickle.dumps(dict(settings, rank=rank, ready_fd=ready_w,
+                                                   input_address=f"ipc://{self._dir}/rank{rank}")))
+                proc.stdin.close()
+            self._wait_ready(ready_fds)
+        except BaseException:
+            self.shutdown()
+            raise
+        finally:
+            for fd in ready_fds:
+                os.close(fd)
+
+    def _wait_ready(self, fds: list[int]) -> None:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        waiting = dict(zip(fds, range(len(fds))))
+        while waiting:
+            ready, _, _ = select.select(list(waiting), [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RuntimeError(f"tensor-parallel workers {sorted(waiting.values())} did not start "
+                                   f"within {_STARTUP_TIMEOUT_S:.0f} s")
+            for fd in ready:
+                rank = waiting.pop(fd)
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    try:
+                        status, payload = pickle.load(f)
+                    except EOFError:
+                        raise RuntimeError(f"tensor-parallel worker rank {rank} exited at start "
+                                           f"({exit_reason(self.procs[rank].wait(5))})") from None
+                if status != "ready":
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start:\n{payload}")
+
+    def collective_rpc(self, method: str, args: tuple = (), timeout: float = EXECUTE_MODEL_TIMEOUT_S) -> list:
+        """Send (method, args) to every rank, wait for all answers.
+
+        Raises:
+            EngineDeadError: a rank raised or died, no answer came within `timeout`
+                seconds, or the ranks sampled different tokens; every worker is ended.
+        """
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        start = time.perf_counter()
+        data = pickle.dumps((method, args, time.monotonic()), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, sock in enumerate(self.inputs):
+            try:
+                sock.send(data, copy=False)
+            except zmq.Again:
+                self._fail(self._dead_rank_reason() or f"worker rank {rank} took no message for "
+                           f"{_SEND_TIMEOUT_MS} ms")
+        self.send_seconds += time.perf_counter() - start
+        results, pending = [None] * self.world_size, set(range(self.world_size))
+        deadline = time.monotonic() + timeout
+        while pending:
+            if self.output.poll(100):
+                rank, ok, result = pickle.loads(self.output.recv())
+                if not ok:
+                    self._fail(f"tensor-parallel worker rank {rank} raised in {method}:\n{result}")
+                results[rank] = result
+                pending.discard(rank)
+            elif reason := self._dead_rank_reason():
+                self._fail(reason)
+            elif time.monotonic() > deadline:
+                self._fail(f"tensor-parallel workers {sorted(pending)} gave no answer to {method} "
+                           f"within {timeout:.0f} s")
+        if method == "execute_model":
+            sampled = results[0].sampled_token_ids
+            for rank in range(1, self.world_size):
+                if results[rank] != sampled:
+                    self._fail(f"tensor-parallel rank {rank} sampled {results[rank]}, rank 0 {sampled}")
+        return results
+
+    def _dead_rank_reason(self) -> str | None:
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                return f"tensor-parallel worker rank {rank} (pid {proc.pid}) died: {exit_reason(proc.returncode)}"
+        return None
+
+    def _fail(self, reason: str) -> None:
+        self.dead_reason = reason
+        self.shutdown()
+        raise EngineDeadError(reason)
+
+    def shutdown(self) -> None:
+        """Ask every worker to stop, wait up to 5 s, then terminate / kill; close the
+        sockets. Idempotent."""
+        self._finalizer()
+
+
+def _stop_workers(procs, inputs, output, ctx, folder) -> None:
+    for proc, sock in zip(procs, inputs):
+        if proc.poll() is None:
+            try:
+                sock.send(pickle.dumps(("shutdown", (), 0.0)), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+    for stop in (None, "terminate", "kill"):
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:
+            if stop:
+                getattr(p, stop)()
+        end = time.monotonic() + 5
+        for p in alive:
+            try:
+                p.wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        if all(p.poll() is not None for p in procs):
+            break
+    for sock in [*inputs, output]:
+        sock.close(linger=0)
+    ctx.term()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class WorkerProc:
+    """A worker process's loop: take (method, args) messages, call the Worker, answer."""
+
+    def __init__(self, worker: Worker, rank: int, input_address: str, output_address: str,
+                 parent_pid: int) -> None:
+        self.worker, self.rank, self.parent_pid = worker, rank, parent_pid
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(input_address)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.connect(output_address)
+        self.recv_seconds = 0.0        # from the engine's send to the unpickled message
+        self.execute_seconds = 0.0     # in execute_model
+
+    def run(self) -> None:
+        """Serve until told to shut down or the engine process is gone."""
+        while True:
+            if not self.input.poll(1000):
+                if os.getppid() != self.parent_pid:
+                    return
+                continue
+            method, args, sent_at = pickle.loads(self.input.recv())
+            if method == "shutdown":
+                return
+            start = time.monotonic()
+            self.recv_seconds += start - sent_at
+            try:
+                if method == "get_comm_stats":
+                    result = dict(self.worker.get_comm_stats(), recv_seconds=self.recv_seconds,
+                                  execute_seconds=self.execute_seconds)
+                else:
+                    result = getattr(self.worker, method)(*args)
+                if method == "execute_model" and self.rank != 0:
+                    result = result.sampled_token_ids     # for the check that ranks agree
+                ok = True
+            except BaseException:
+                result, ok = traceback.format_exc(), False
+            if method == "execute_model":
+                self.execute_seconds += time.monotonic() - start
+            self.output.send(pickle.dumps((self.rank, ok, result), protocol=pickle.HIGHEST_PROTOCOL))
+            if not ok:
+                return      # the group's collectives are out of step now: the engine ends us all
+
+    @staticmethod
+    def main() -> None:
+        """Entry point of `python -c "...WorkerProc.main()"`: read the settings from
+        stdin, join the process group, load this rank's shard, say ready, serve."""
+        die_with_parent()
+        s = pickle.load(sys.stdin.buffer)
+        if s["num_threads"]:
+            torch.set_num_threads(s["num_threads"])
+        parent_pid, proc, exit_code = os.getppid(), None, 0
+        with os.fdopen(s["ready_fd"], "wb") as ready:
+            try:
+                from ..model.llama import LlamaConfig
+
+                config = s["config"]
+                group = init_process_group(s["rank"], s["world_size"], s["init_method"], config.torch_device)
+                worker = Worker(config, s["model_path"], LlamaConfig.from_pretrained(s["model_path"]),
+                                s["rank"], s["world_size"], group)
+                worker.initialize_cache(s["num_gpu_blocks"], s["num_cpu_blocks"], s["attn_backend"])
+                proc = WorkerProc(worker, s["rank"], s["input_address"], s["output_address"], parent_pid)
+                pickle.dump(("ready", None), ready)
+            except BaseException:
+                pickle.dump(("failed", traceback.format_exc()), ready)
+                ready.flush()
+                os._exit(1)
+        try:
+            proc.run()
+        except BaseException:
+            exit_code = 1
+        proc.input.close(linger=0)
+        proc.output.close(linger=1000)
+        proc.ctx.term()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)          # skip interpreter teardown (torch's and gloo's threads)

@@ -1,0 +1,114 @@
+"""Worker: one tensor-parallel rank. Its device, its place in the process group, its
+shard of the model, its KV cache (only its own KV heads) and its model runner.
+
+Every rank gets the same SchedulerOutput each step and runs the same code on it: the
+same tokens, the same block tables, the same slot_mapping. What differs is only which
+heads (and which MLP rows and vocabulary rows) its matrices hold, so each rank's KV
+cache holds K/V of its own KV heads, in the same blocks the central scheduler chose.
+The ranks meet only in the model's collectives (parallel_layers.py): two all-reduces
+per layer, one all-reduce for the embedding, one all-gather for the logits. Every rank
+then samples with the same generators from the same gathered logits, so every rank
+knows the sampled tokens without another message (chapter 17 says why we chose this).
+
+The worker decides nothing: block copies, swaps and the KV budget come from the
+EngineCore (executor.py carries them here).
+vLLM: `vllm/v1/worker/gpu_worker.py`, `cpu_worker.py`.
+"""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+
+from ..engine.messages import ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from ..model.llama import LlamaConfig, load_model
+from ..model.parallel_layers import TPGroup
+from .kernels import TorchBackend, get_attn_backend
+from .model_runner import ModelRunner
+
+# Seconds a collective may wait for the other ranks before it raises (gloo and NCCL):
+# a rank that died or hangs turns into an error here, not an endless wait.
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("NANOPAGED_COLLECTIVE_TIMEOUT_S", "60"))
+
+
+def init_process_group(rank: int, world_size: int, init_method: str, device: torch.device):
+    """Join the torch.distributed group of the tensor-parallel ranks (gloo on the CPU,
+    NCCL on CUDA) and return it. `init_method`: "env://" under torchrun, else a
+    "tcp://127.0.0.1:PORT" or "file://PATH" rendezvous the executor chose."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "gloo" and init_method != "env://":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")    # one machine: the loopback
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return dist.group.WORLD
+
+
+class Worker:
+    """One rank: model shard, KV cache and ModelRunner.
+
+    Args:
+        config: the resolved EngineConfig.
+        model_path, model_config: the model folder and its LlamaConfig.
+        rank, world_size: this rank of tensor_parallel_size ranks.
+        process_group: the group's torch.distributed ProcessGroup (None at world_size 1).
+
+    Raises:
+        ValueError: the model does not split over world_size ranks.
+    """
+
+    def __init__(self, config, model_path, model_config: LlamaConfig, rank: int = 0,
+                 world_size: int = 1, process_group=None) -> None:
+        self.config, self.rank, self.world_size = config, rank, world_size
+        device = config.torch_device
+        if device.type == "cuda" and world_size > 1:
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        self.device = device
+        self.tp = TPGroup(rank, world_size, process_group)
+        self.model = load_model(model_path, config.torch_dtype, device, config.max_model_len, self.tp)
+        self.model_runner: ModelRunner | None = None       # made by initialize_cache
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one KV block takes on this rank (its KV heads only), all layers, K and V."""
+        return ModelRunner.kv_cache_bytes_per_block(self.model.config, self.config.block_size,
+                                                    self.config.torch_dtype, self.model.num_local_kv_heads)
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int,
+                         attn_backend: TorchBackend | str) -> None:
+        """Allocate this rank's KV cache and swap pool and build its ModelRunner.
+        `attn_backend`: a backend object, or the name of one the engine resolved."""
+        if isinstance(attn_backend, str):
+            attn_backend = get_attn_backend(attn_backend, self.device)
+        self.model_runner = ModelRunner(self.model, num_gpu_blocks, self.config.block_size, self.config.seed,
+                                        num_cpu_blocks, attn_backend, self.config.async_scheduling)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on this rank (every rank computes the same ModelRunnerOutput)."""
+        return self.model_runner.execute_model(scheduler_output)
+
+    def measure_preemption_costs(self) -> PreemptionCosts:
+        """ModelRunner.measure_preemption_costs on this rank (every rank must run it:
+        its timed prefill goes through the collectives)."""
+        return self.model_runner.measure_preemption_costs()
+
+    def time_group_broadcast(self, message, iters: int = 20) -> float:
+        """Seconds per broadcast of `message` from rank 0 to every rank over the process
+        group (torch.distributed.broadcast_object_list): the other way to deliver the
+        control message, measured by bench.py --sections tp against the executor's
+        pyzmq push. Every rank must call it."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self.tp.process_group)
+        start = time.perf_counter()
+        for _ in range(iters):
+            box = [message if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0, group=self.tp.process_group)
+        return (time.perf_counter() - start) / iters
+
+    def get_comm_stats(self) -> dict[str, float]:
+        """Seconds and count of this rank's collectives so far (the bench)."""
+        return {"comm_seconds": self.tp.comm_seconds, "num_collectives": self.tp.num_collectives}
