@@ -225,3 +225,26 @@ def test_c23_abort_mid_stream(default_model_dir, async_scheduling):
     fresh = LLM(str(default_model_dir), dtype="float32", kv_cache_memory_bytes=SMALL_KV)
     assert fresh.generate("The capital of France is",
                           SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_tensor_parallel_3_matches_transformers(default_model_dir, chat_prompts, hf_reference):
+    """SmolLM2 (9 heads, 3 KV heads) split over 3 worker processes: the greedy ids of
+    transformers (which tp=1 matches above), with a prefix-cache hit and preemption by
+    swap and by recompute in a tight pool; seeded n=2 samples equal tp=1's."""
+    kw = dict(dtype="float32", block_size=4, max_num_seqs=4)
+    llm = LLM(str(default_model_dir), tensor_parallel_size=3, num_gpu_blocks=28, num_cpu_blocks=16,
+              preemption_mode="swap", **kw)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    first = [o.outputs[0].token_ids for o in llm.generate(chat_prompts[:1], greedy)]
+    rest = [o.outputs[0].token_ids for o in llm.generate(chat_prompts[1:5], greedy)]
+    assert first + rest == hf_reference[:5]
+    stats = llm.engine.get_stats()
+    assert stats["prefix_cache_hits"] > 0                 # the chat template's system prompt
+    assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0
+    sampled = SamplingParams(temperature=1.0, n=2, seed=1, max_tokens=16)
+    ref = LLM(str(default_model_dir), kv_cache_memory_bytes=SMALL_KV, **kw)
+    assert ([[c.token_ids for c in o.outputs] for o in llm.generate(chat_prompts[:2], sampled)]
+            == [[c.token_ids for c in o.outputs] for o in ref.generate(chat_prompts[:2], sampled)])
+    stats = llm.engine.get_stats()
+    assert stats["num_copy_on_write"] > 0 and stats["num_free_gpu_blocks"] == 28      # n=2 forks
+    llm.shutdown()

@@ -246,7 +246,7 @@ class MultiprocExecutor(Executor):
             if self.output.poll(100):
                 rank, ok, result = pickle.loads(self.output.recv())
                 if not ok:
-                    self._fail(f"tensor-parallel worker rank {rank} raised in {method}:\n{result}")
+                    self._fail_with_errors(method, {rank: result})
                 results[rank] = result
                 pending.discard(rank)
             elif reason := self._dead_rank_reason():
@@ -261,9 +261,23 @@ class MultiprocExecutor(Executor):
                     self._fail(f"tensor-parallel rank {rank} sampled {results[rank]}, rank 0 {sampled}")
         return results
 
-    def _dead_rank_reason(self) -> str | None:
+    def _fail_with_errors(self, method: str, errors: dict[int, str]) -> None:
+        """A rank raised: collect what the others say for a moment, then fail naming the
+        root cause (a rank that died makes the others raise in their collectives)."""
+        end = time.monotonic() + 0.2
+        while time.monotonic() < end:
+            if self.output.poll(50):
+                rank, ok, result = pickle.loads(self.output.recv())
+                if not ok:
+                    errors[rank] = result
+        first = min(errors)
+        dead = self._dead_rank_reason(exclude=set(errors))     # those exit after reporting
+        self._fail(f"{dead}; rank {first} then failed in {method}: {errors[first].strip().splitlines()[-1]}"
+                   if dead else f"tensor-parallel worker rank {first} raised in {method}:\n{errors[first]}")
+
+    def _dead_rank_reason(self, exclude=()) -> str | None:
         for rank, proc in enumerate(self.procs):
-            if proc.poll() is not None:
+            if rank not in exclude and proc.poll() is not None:
                 return f"tensor-parallel worker rank {rank} (pid {proc.pid}) died: {exit_reason(proc.returncode)}"
         return None
 
@@ -344,8 +358,8 @@ class WorkerProc:
             if method == "execute_model":
                 self.execute_seconds += time.monotonic() - start
             self.output.send(pickle.dumps((self.rank, ok, result), protocol=pickle.HIGHEST_PROTOCOL))
-            if not ok:
-                return      # the group's collectives are out of step now: the engine ends us all
+            if not ok:      # the group's collectives are out of step now: the engine ends us all
+                raise SystemExit(1)
 
     @staticmethod
     def main() -> None:
