@@ -274,6 +274,25 @@ def test_killed_worker_ends_the_engine(tp_model_dir):
         eng.step()
 
 
+def test_stuck_worker_times_out_instead_of_hanging(tp_model_dir, monkeypatch):
+    """SIGSTOP rank 1: rank 0 waits in its all-reduce until the collective timeout (3 s
+    here, NANOPAGED_COLLECTIVE_TIMEOUT_S), raises, and the engine ends every worker
+    (SIGKILL reaches a stopped process)."""
+    monkeypatch.setenv("NANOPAGED_COLLECTIVE_TIMEOUT_S", "3")     # read by each worker process
+    llm = LLM(str(tp_model_dir), num_gpu_blocks=64, block_size=4, tensor_parallel_size=2,
+              preemption_mode="recompute")
+    eng, pids = llm.engine, worker_pids(llm)
+    eng.add_request("a", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    eng.step()
+    os.kill(pids[1], signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 0 raised in execute_model"):
+        for _ in range(1000):
+            eng.step()
+    assert time.monotonic() - start < 60
+    assert not wait_gone(pids)
+
+
 def test_raising_worker_ends_the_engine(tp_model_dir):
     llm = LLM(str(tp_model_dir), num_gpu_blocks=64, block_size=4, tensor_parallel_size=2,
               preemption_mode="recompute")

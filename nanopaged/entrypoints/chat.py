@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0: reproducible answers)")
     ap.add_argument("--system", default=None, help="system message (default: the template's own)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="split the model over this many worker processes (chapter 17; default 1)")
     args = ap.parse_args(argv)
 
     from rich.console import Console
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                        seed=args.seed)
         with err.status("loading the model ..."):
             from .llm import LLM
-            engine = LLM(args.model, dtype=args.dtype).engine
+            engine = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size).engine
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         err.print(f"[red]error:[/red] {e}")
         return 1

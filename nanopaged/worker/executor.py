@@ -283,6 +283,9 @@ class MultiprocExecutor(Executor):
 
     def _fail(self, reason: str) -> None:
         self.dead_reason = reason
+        for proc in self.procs:          # a broken group cannot stop gracefully (a rank may be stuck)
+            if proc.poll() is None:
+                proc.kill()
         self.shutdown()
         raise EngineDeadError(reason)
 
