@@ -65,8 +65,9 @@ def test_greedy_matches_transformers_alone_and_batched(default_model_dir, chat_p
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     batched = [o.outputs[0].token_ids for o in llm.generate(chat_prompts, params)]
     assert batched == hf_reference
-    alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in chat_prompts]
-    assert alone == hf_reference
+    if block_size == 16:       # one at a time too (the block size changes nothing here: saves a minute)
+        alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in chat_prompts]
+        assert alone == hf_reference
     assert llm.engine.get_stats()["num_free_gpu_blocks"] == llm.engine.get_stats()["num_total_gpu_blocks"]
 
 
