@@ -4,6 +4,7 @@
                     [--attention-backend auto|torch|cpu|cuda]
                     [--sections throughput,sampling,overlap,prefix,sharing,pressure,memory,kernels]
                     [--kernels] [--sections serve --request-rates 0.5,2,inf --serve-requests 32]
+                    [--sections tp]
 
 throughput: nanopaged vs HF transformers `generate` (below).
 prefix:     one 512-token system prompt shared by 32 short questions, prefix caching on
@@ -24,6 +25,12 @@ serve:      (not in the default list: minutes) nanopaged's OpenAI server vs `tra
             serve --continuous-batching`, streaming clients with Poisson arrivals at
             --request-rates: throughput, TTFT and inter-token latency p50/p99, and
             async scheduling off vs on (bench_serve.py).
+tp:         (not in the default list: a few minutes) tensor parallelism
+            (chapters/17-tensor-parallelism.md): tp=1 vs tp=2 on a random Llama with even
+            heads and tp=1 vs tp=3 on the default model: tokens/s, the share of the
+            generate spent in collectives and in delivering the control message, and
+            our pyzmq push of it vs a broadcast over the process group (bench_tp.py;
+            fp32 and its own two models whatever --model and --dtype say).
 overlap:    async scheduling (chapters/16-async-scheduling.md): the throughput workload
             with async_scheduling off vs on (runs off, on, on, off), best of two each: time per
             engine step (ms) and tokens/s, and the ratio on / off.
@@ -390,6 +397,9 @@ def main() -> None:
         bench_serve(args.model, args.dtype, args.serve_requests,
                     [float(r) for r in args.request_rates.split(",")], args.threads,
                     skip_transformers=args.skip_transformers)
+    if "tp" in sections:
+        from bench_tp import bench_tp
+        bench_tp()
     if "sampling" in sections:
         bench_sampling(args.model, args)
     if "overlap" in sections:

@@ -19,7 +19,7 @@ def paged_logits(model, tokens: list[int], block_size: int, prefill: int) -> tor
     whose physical blocks are deliberately scattered (reversed)."""
     c = model.config
     num_blocks = -(-len(tokens) // block_size) + 2
-    kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+    kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, block_size, model.num_local_kv_heads, c.head_dim)
     table = BlockTable(block_size)
     for b in reversed(range(num_blocks)):
         table.append_block(b)

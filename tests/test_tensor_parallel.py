@@ -22,13 +22,12 @@ import torch
 import torch.distributed as dist
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.core.block_table import BlockTable
 from nanopaged.engine.engine_core_client import EngineDeadError
 from nanopaged.model.llama import load_model
 from nanopaged.model.parallel_layers import TPGroup, shard_heads
-from nanopaged.worker.attention import AttentionMetadata
 
 from conftest import make_tiny_llama
+from test_llama_tiny import paged_logits
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -92,7 +91,8 @@ def sharded_logits(folder, tp_size: int, tokens: list[int], block_size: int = 4)
             pg = (dist.ProcessGroupGloo(dist.FileStore(str(store_path), tp_size), rank, tp_size)
                   if tp_size > 1 else None)
             model = load_model(folder, torch.float32, torch.device("cpu"), 64, TPGroup(rank, tp_size, pg))
-            results[rank] = paged_logits(model, tokens, block_size, len(tokens) - 3)
+            with torch.inference_mode():
+                results[rank] = paged_logits(model, tokens, block_size, len(tokens) - 3)
         except BaseException as e:          # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -103,24 +103,6 @@ def sharded_logits(folder, tp_size: int, tokens: list[int], block_size: int = 4)
         t.join(120)
     assert not errors, errors
     return results
-
-
-def paged_logits(model, tokens, block_size, prefill):
-    c = model.config
-    num_blocks = -(-len(tokens) // block_size) + 1
-    kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, block_size, model.num_local_kv_heads, c.head_dim)
-    table = BlockTable(block_size)
-    for b in reversed(range(num_blocks)):
-        table.append_block(b)
-    out = []
-    for start, end in [(0, prefill)] + [(p, p + 1) for p in range(prefill, len(tokens))]:
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(table.slots(start, end)), block_tables=torch.tensor([table.block_ids]),
-            seq_lens=torch.tensor([end]), query_start_loc=torch.tensor([0, end - start]),
-            num_decodes=int(end - start == 1), seq_lens_list=[end], query_start_loc_list=[0, end - start])
-        with torch.inference_mode():
-            out.append(model.compute_logits(model(torch.tensor(tokens[start:end]), torch.arange(start, end), kv, meta)))
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("folder_name, tp_size", [("tp_model_dir", 2), ("tp_model_dir", 4), ("gqa2_model_dir", 4)])

@@ -34,7 +34,7 @@ from torch import nn
 from ..worker.attention import AttentionMetadata
 from ..worker.kernels import TorchBackend
 from .parallel_layers import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
-                              _check_shape, shard_heads)
+                              _check_shape, shard_heads, valid_tp_size)
 
 
 @dataclass
@@ -206,13 +206,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def check_tensor_parallel(config: LlamaConfig, tp_size: int) -> None:
-    """Raise ValueError (naming the sizes and tp) unless the model splits over tp_size
-    ranks: the heads by vLLM's GQA rules (parallel_layers.shard_heads), and the
-    intermediate size evenly."""
-    shard_heads(config.num_attention_heads, config.num_key_value_heads, tp_size)
-    if config.intermediate_size % tp_size:
-        raise ValueError(f"tensor_parallel_size={tp_size} must divide intermediate_size="
-                         f"{config.intermediate_size}")
+    """Raise ValueError (naming the sizes, tp, and the sizes that would split this
+    model) unless the model splits over tp_size ranks: the heads by vLLM's GQA rules
+    (parallel_layers.shard_heads), and the intermediate size evenly."""
+    heads, kv_heads, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    try:
+        shard_heads(heads, kv_heads, tp_size)
+        if inter % tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} must divide intermediate_size={inter}")
+    except ValueError as e:
+        fits = [t for t in range(1, heads + 1) if valid_tp_size(heads, kv_heads, t) and inter % t == 0]
+        raise ValueError(f"{e}; try one of {fits}") from None
 
 
 class LlamaForCausalLM(nn.Module):

@@ -117,12 +117,10 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp_size: int, rank: int = 0) 
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
     if num_heads % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} must divide num_attention_heads={num_heads} "
-                         f"(num_key_value_heads={num_kv_heads}); try one of "
-                         f"{[t for t in range(1, num_heads + 1) if valid_tp_size(num_heads, num_kv_heads, t)]}")
+                         f"(num_key_value_heads={num_kv_heads})")
     if num_kv_heads % tp_size and tp_size % num_kv_heads:
         raise ValueError(f"tensor_parallel_size={tp_size} must divide num_key_value_heads={num_kv_heads} "
-                         f"or be a multiple of it (num_attention_heads={num_heads}); try one of "
-                         f"{[t for t in range(1, num_heads + 1) if valid_tp_size(num_heads, num_kv_heads, t)]}")
+                         f"or be a multiple of it (num_attention_heads={num_heads})")
     heads = num_heads // tp_size
     if num_kv_heads >= tp_size:
         kv = num_kv_heads // tp_size

@@ -131,7 +131,8 @@ class ExternalLauncherExecutor(UniProcExecutor):
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         group = dist.group.WORLD if dist.is_initialized() else init_process_group(rank, world, "env://", device)
-        agreed = torch.tensor([num_gpu_blocks, num_cpu_blocks], dtype=torch.int64)
+        # on the rank's device: an NCCL group takes CUDA tensors only
+        agreed = torch.tensor([num_gpu_blocks, num_cpu_blocks], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         self.group = group
         super().__init__(config, model_path, model_config, int(agreed[0]), int(agreed[1]), attn_backend,
@@ -231,6 +232,11 @@ class MultiprocExecutor(Executor):
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if reason := self._dead_rank_reason():
+            # A rank that died since the last call is the cause. Checked first: a push
+            # to it would wait _SEND_TIMEOUT_MS, while the live ranks fail in their
+            # collectives and exit, and the lowest of those would then be blamed.
+            self._fail(reason)
         start = time.perf_counter()
         data = pickle.dumps((method, args, time.monotonic()), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, sock in enumerate(self.inputs):
