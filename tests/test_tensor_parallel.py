@@ -192,6 +192,23 @@ def tp1_reference(tp_model_dir):
     return run_workload(llm)
 
 
+class _InterruptOnce:
+    """A socket whose first poll raises KeyboardInterrupt (a Ctrl-C mid-step)."""
+
+    def __init__(self, sock):
+        self.sock, self.fired = sock, False
+
+    def poll(self, timeout):
+        if not self.fired:
+            self.fired = True
+            time.sleep(0.2)               # the ranks' answers are on their way
+            raise KeyboardInterrupt
+        return self.sock.poll(timeout)
+
+    def recv(self):
+        return self.sock.recv()
+
+
 @pytest.mark.parametrize("tp_size", [2, 4])      # 4 > this machine's 2 cores: slower, not an error
 def test_engine_at_tp_equals_tp1(tp_model_dir, tp1_reference, tp_size):
     llm = LLM(str(tp_model_dir), num_gpu_blocks=64, block_size=4, tensor_parallel_size=tp_size)
@@ -212,6 +229,15 @@ def test_engine_at_tp_equals_tp1(tp_model_dir, tp1_reference, tp_size):
         llm.shutdown()
         assert not wait_gone(pids)
         return
+    # Ctrl-C while the engine waits for the ranks' answers: that step's late answers are
+    # dropped, and the engine goes on serving the same tokens
+    executor = llm.engine.engine_core.executor
+    executor.output = _InterruptOnce(executor.output)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    executor.output = executor.output.sock
+    again = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref_greedy]
     # a worker that raises ends the engine: the error names the rank, every worker goes
     with pytest.raises(EngineDeadError, match="rank 0 raised in execute_model"):
         llm.engine.engine_core.executor.execute_model("not a SchedulerOutput")

@@ -178,6 +178,7 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.inputs, self.output,
                                            self.ctx, self._dir)
         self.send_seconds = 0.0          # pickling + pushing control messages (the bench)
+        self._call_id = 0
         threads = None if "OMP_NUM_THREADS" in os.environ else max(1, len(os.sched_getaffinity(0)) // n)
         settings = dict(config=config, model_path=str(model_path), world_size=n,
                         init_method=f"file://{self._dir}/rendezvous", num_gpu_blocks=num_gpu_blocks,
@@ -238,7 +239,8 @@ class MultiprocExecutor(Executor):
             # collectives and exit, and the lowest of those would then be blamed.
             self._fail(reason)
         start = time.perf_counter()
-        data = pickle.dumps((method, args, time.monotonic()), protocol=pickle.HIGHEST_PROTOCOL)
+        self._call_id += 1          # answers to an earlier call (cut short by Ctrl-C) are dropped
+        data = pickle.dumps((self._call_id, method, args, time.monotonic()), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, sock in enumerate(self.inputs):
             try:
                 sock.send(data, copy=False)
@@ -250,7 +252,9 @@ class MultiprocExecutor(Executor):
         deadline = time.monotonic() + timeout
         while pending:
             if self.output.poll(100):
-                rank, ok, result = pickle.loads(self.output.recv())
+                call_id, rank, ok, result = pickle.loads(self.output.recv())
+                if call_id != self._call_id:
+                    continue
                 if not ok:
                     self._fail_with_errors(method, {rank: result})
                 results[rank] = result
@@ -273,7 +277,7 @@ class MultiprocExecutor(Executor):
         end = time.monotonic() + 0.2
         while time.monotonic() < end:
             if self.output.poll(50):
-                rank, ok, result = pickle.loads(self.output.recv())
+                _, rank, ok, result = pickle.loads(self.output.recv())
                 if not ok:
                     errors[rank] = result
         first = min(errors)
@@ -297,7 +301,9 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         """Ask every worker to stop, wait up to 5 s, then terminate / kill; close the
-        sockets. Idempotent."""
+        sockets. Idempotent; later calls raise EngineDeadError."""
+        if self.dead_reason is None:
+            self.dead_reason = "the tensor-parallel workers were shut down"
         self._finalizer()
 
 
@@ -305,7 +311,7 @@ def _stop_workers(procs, inputs, output, ctx, folder) -> None:
     for proc, sock in zip(procs, inputs):
         if proc.poll() is None:
             try:
-                sock.send(pickle.dumps(("shutdown", (), 0.0)), flags=zmq.NOBLOCK)
+                sock.send(pickle.dumps((0, "shutdown", (), 0.0)), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
     for stop in (None, "terminate", "kill"):
@@ -348,7 +354,7 @@ class WorkerProc:
                 if os.getppid() != self.parent_pid:
                     return
                 continue
-            method, args, sent_at = pickle.loads(self.input.recv())
+            call_id, method, args, sent_at = pickle.loads(self.input.recv())
             if method == "shutdown":
                 return
             start = time.monotonic()
@@ -366,7 +372,7 @@ class WorkerProc:
                 result, ok = traceback.format_exc(), False
             if method == "execute_model":
                 self.execute_seconds += time.monotonic() - start
-            self.output.send(pickle.dumps((self.rank, ok, result), protocol=pickle.HIGHEST_PROTOCOL))
+            self.output.send(pickle.dumps((call_id, self.rank, ok, result), protocol=pickle.HIGHEST_PROTOCOL))
             if not ok:      # the group's collectives are out of step now: the engine ends us all
                 raise SystemExit(1)
 
