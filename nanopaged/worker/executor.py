@@ -130,13 +130,22 @@ class ExternalLauncherExecutor(UniProcExecutor):
         device = config.torch_device
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        group = dist.group.WORLD if dist.is_initialized() else init_process_group(rank, world, "env://", device)
+        owns_group = not dist.is_initialized()
+        group = init_process_group(rank, world, "env://", device) if owns_group else dist.group.WORLD
+        # Leave the group before the interpreter ends (shutdown, `del llm` or exit): a
+        # gloo group still alive at exit can abort the process (SIGABRT) after its work.
+        self._finalizer = weakref.finalize(self, dist.destroy_process_group) if owns_group else None
         # on the rank's device: an NCCL group takes CUDA tensors only
         agreed = torch.tensor([num_gpu_blocks, num_cpu_blocks], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
         self.group = group
         super().__init__(config, model_path, model_config, int(agreed[0]), int(agreed[1]), attn_backend,
                          rank, world, group)
+
+    def shutdown(self) -> None:
+        """Leave torchrun's process group, if this executor joined it (idempotent)."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     def measure_preemption_costs(self) -> PreemptionCosts:
         import torch.distributed as dist
