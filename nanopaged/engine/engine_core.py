@@ -94,7 +94,7 @@ class EngineCore:
                                    config.preemption_mode, costs, config.async_scheduling)
         self.num_steps = 0
         # async scheduling: one worker thread runs the forwards, in the order given
-        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="nanopaged-forward")
+        self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="nanopaged-forward")
                           if config.async_scheduling else None)
         self._in_flight: _InFlight | None = None
 
@@ -149,7 +149,7 @@ class EngineCore:
         async_scheduling, the outputs are those of the forward before (empty on the
         first call). An exception in the forward propagates from here, and the engine
         stays usable (with async scheduling: Scheduler.reset_after_failure)."""
-        if self._executor is not None:
+        if self._forward_thread is not None:
             return self._step_async()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
@@ -193,7 +193,7 @@ class EngineCore:
     def _submit(self, scheduler_output: SchedulerOutput | None) -> _InFlight | None:
         if scheduler_output is None:
             return None
-        return _InFlight(scheduler_output, self._executor.submit(self.executor.execute_model, scheduler_output))
+        return _InFlight(scheduler_output, self._forward_thread.submit(self.executor.execute_model, scheduler_output))
 
     def _recover(self, failed: _InFlight, ahead: SchedulerOutput | None) -> None:
         """The forward of `failed` raised (or the wait for it was interrupted): wait
