@@ -46,7 +46,6 @@ EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("NANOPAGED_EXECUTE_MODEL_TIMEOUT_
 _STARTUP_TIMEOUT_S = 600.0      # loading a shard and building the kernels, at most
 _SEND_TIMEOUT_MS = 5000
 
-EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher")
 
 
 class Executor:
