@@ -47,7 +47,6 @@ _STARTUP_TIMEOUT_S = 600.0      # loading a shard and building the kernels, at m
 _SEND_TIMEOUT_MS = 5000
 
 
-
 class Executor:
     """Runs the model on the workers. Subclasses give collective_rpc.
 
