@@ -192,6 +192,7 @@ def test_streamed_text_has_no_broken_characters(smol):
     assert "\ufffd" not in texts[-1]
 
 
+@pytest.mark.timeout(300)       # the bug loops forever; 300 s leaves room for the model's setup
 def test_c06_a_request_that_can_never_fit(default_model_dir):
     llm = LLM(str(default_model_dir), dtype="float32", block_size=4, num_gpu_blocks=4, max_model_len=64,
               num_cpu_blocks=8)
@@ -207,6 +208,7 @@ def test_c06_a_request_that_can_never_fit(default_model_dir):
     assert stats["num_free_gpu_blocks"] == 4 and stats["num_free_cpu_blocks"] == 8
 
 
+@pytest.mark.timeout(300)       # an abort that is lost streams 512 tokens, or hangs
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_c23_abort_mid_stream(default_model_dir, async_scheduling):
     llm = LLM(str(default_model_dir), dtype="float32", kv_cache_memory_bytes=SMALL_KV,

@@ -24,6 +24,9 @@ import httpx
 import psutil
 import pytest
 
+# every test may hang on a server that stopped answering: 120 s each unless marked longer
+pytestmark = pytest.mark.timeout(120)
+
 KEY = "sk-test-key"
 # recompute-only preemption, no swap pool: the start skips measuring swap vs recompute (~5 s)
 TINY_ARGS = ["--block-size", "4", "--num-gpu-blocks", "256", "--attention-backend", "torch",
@@ -144,7 +147,6 @@ def test_every_engine_config_field_is_a_typed_flag():
     assert parse_args([]).host == "127.0.0.1"
 
 
-@pytest.mark.timeout(120)
 def test_bad_engine_flag_exits_1_naming_the_field(tiny_model_dir, capsys):
     from nanopaged.entrypoints.serve import main
     assert main(["--model", str(tiny_model_dir), "--block-size", "0"]) == 1
@@ -153,12 +155,10 @@ def test_bad_engine_flag_exits_1_naming_the_field(tiny_model_dir, capsys):
 
 # ---- the openai client ------------------------------------------------------------
 
-@pytest.mark.timeout(120)
 def test_models_lists_the_served_name(client, tiny_model_dir):
     assert [m.id for m in client.models.list().data] == [str(tiny_model_dir)]
 
 
-@pytest.mark.timeout(120)
 def test_completion_greedy_equals_llm_generate(client, tiny_llm, tiny_model_dir):
     for prompt in PROMPTS:
         want = _greedy(tiny_llm, prompt, 12)
@@ -175,7 +175,6 @@ def test_completion_greedy_equals_llm_generate(client, tiny_llm, tiny_model_dir)
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
 
 
-@pytest.mark.timeout(120)
 def test_completion_token_prompt_stop_and_logprobs(client, tiny_llm, tiny_model_dir):
     ids = tiny_llm.get_tokenizer()(PROMPTS[0]).input_ids
     want = _greedy(tiny_llm, ids, 8, logprobs=2)
@@ -195,7 +194,6 @@ def test_completion_token_prompt_stop_and_logprobs(client, tiny_llm, tiny_model_
     assert stop not in got.choices[0].text
 
 
-@pytest.mark.timeout(120)
 def test_chat_stream_and_not_n2_logprobs(client, tiny_llm, tiny_model_dir):
     from nanopaged import SamplingParams
     messages = [{"role": "user", "content": "Hello, my name is"}]
@@ -231,7 +229,6 @@ def _post(http, path, body, **kw):
     return http.post(path, content=body, headers={"content-type": "application/json"}, **kw)
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize("path, body, status, words", [
     ("/v1/completions", b"\x00\xff\x13garbage\xfe", 400, ["body"]),
     ("/v1/completions", b'{"prompt": "hi", ', 400, ["JSON"]),
@@ -257,7 +254,6 @@ def test_bad_request_is_an_openai_error(http, path, body, status, words):
     assert all(w in err["message"] for w in words), err["message"]
 
 
-@pytest.mark.timeout(120)
 def test_over_size_body_is_413_declared_or_chunked(http):
     big = json.dumps({"prompt": "a" * (1 << 20)}).encode()
     r = _post(http, "/v1/completions", big)
@@ -267,7 +263,6 @@ def test_over_size_body_is_413_declared_or_chunked(http):
     assert r.status_code == 413
 
 
-@pytest.mark.timeout(120)
 def test_api_key_needed_on_v1_only(tiny_server):
     body = {"prompt": "hi", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -281,7 +276,6 @@ def test_api_key_needed_on_v1_only(tiny_server):
     assert httpx.get(tiny_server.url + "/metrics").status_code == 200
 
 
-@pytest.mark.timeout(120)
 def test_unknown_fields_are_ignored(http):
     r = _post(http, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "best_of_everything": 3, "user": "u"})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
@@ -299,7 +293,6 @@ async def _stream_text(client: httpx.AsyncClient, body: dict) -> str:
     return text
 
 
-@pytest.mark.timeout(120)
 def test_32_concurrent_streams_equal_their_solo_outputs(tiny_server, http):
     bodies = [{"prompt": PROMPTS[i % 3] + " " * (i // 3 % 2), "max_tokens": 4 + i % 9, "temperature": 0,
                "ignore_eos": True} for i in range(32)]
@@ -328,7 +321,6 @@ def test_32_concurrent_streams_equal_their_solo_outputs(tiny_server, http):
     assert m["nanopaged:num_preemptions_total"] >= 0
 
 
-@pytest.mark.timeout(120)
 def test_c23_disconnect_mid_stream_aborts(tiny_server, http):
     """C23 through the server: close the stream after two chunks."""
     after = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
@@ -352,7 +344,6 @@ def test_c23_disconnect_mid_stream_aborts(tiny_server, http):
     assert http.post("/v1/completions", json=after).json()["choices"][0]["text"] == before_text
 
 
-@pytest.mark.timeout(120)
 def test_disconnect_before_a_whole_response_aborts(tiny_server, http):
     """A non-streamed request whose client gives up is aborted too (vLLM's with_cancellation)."""
     generated = _metrics(http)["nanopaged:generation_tokens_total"]
@@ -367,7 +358,6 @@ def test_disconnect_before_a_whole_response_aborts(tiny_server, http):
     assert m["nanopaged:generation_tokens_total"] - generated < 240
 
 
-@pytest.mark.timeout(120)
 def test_zz_dead_engine_is_500_and_health_503(tiny_server, http):
     """Runs last: kills the EngineCore process under the server, mid-stream."""
     with httpx.Client(base_url=tiny_server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
