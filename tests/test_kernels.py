@@ -12,10 +12,12 @@ The CUDA kernel's tests are in test_kernels_cuda.py.
 """
 from __future__ import annotations
 
+import shutil
 import warnings
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.worker import attention, kernels
@@ -27,6 +29,14 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 @pytest.fixture(scope="module")
 def ops():
     return kernels.load_kernels("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_kernel_state():
+    """No loaded kernel, remembered build failure or fallback warning leaks between tests."""
+    kernels.forget_kernel_builds()
+    yield
+    kernels.forget_kernel_builds()
 
 
 def random_paged_kv(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=0):
@@ -144,10 +154,52 @@ def test_auto_falls_back_to_the_reference_with_a_warning(monkeypatch):
         get_attn_backend("cpu", "cpu")
 
 
-def test_a_missing_compiler_is_a_clear_build_error(monkeypatch):
+def test_a_missing_compiler_is_a_clear_build_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path))          # no cached build to load
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(KernelBuildError, match="'no-such-compiler' is not on PATH"):
-        kernels.load_kernels.__wrapped__("cpu")
+        kernels.load_kernels("cpu")
+
+
+def test_a_cached_build_loads_without_compiler_or_ninja(ops, monkeypatch):
+    """The `ops` fixture left a build in the cache; a new process (here: forgotten caches)
+    on a machine with neither c++ nor ninja imports it without calling either."""
+    kernels.forget_kernel_builds()
+    monkeypatch.setattr(shutil, "which", lambda *a, **k: None)
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("cpp_extension.load was called"))
+    loaded = kernels.load_kernels("cpu")
+    assert get_attn_backend("auto", "cpu").name == "cpu"
+    kc, vc, tables = random_paged_kv([5], 2, 64, 4, torch.float32)
+    query, out = torch.randn(1, 4, 64), torch.empty(1, 4, 64)
+    loaded.paged_attention_decode(out, query, kc, vc, tables, torch.tensor([5]), 0.125)
+    ref = attention._decode(query, kc, vc, tables, torch.tensor([5]), 0.125)
+    torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=0)
+
+
+def test_a_broken_cached_library_is_not_loaded(tmp_path):
+    """A .so cut short (a build killed while linking) means "build again", not a crash."""
+    (tmp_path / "nanopaged_cpu_x.so").write_bytes(b"\x7fELF cut short")
+    assert kernels._load_cached_build("nanopaged_cpu_x", tmp_path / "nanopaged_cpu_x.so") is None
+
+
+def test_a_failed_build_is_tried_once_and_auto_warns_once_at_the_callers_line(monkeypatch):
+    builds = []
+
+    def failing_build(name, source, kind):
+        builds.append(name)
+        raise KernelBuildError("no C++ compiler ('nope' is not on PATH)")
+    monkeypatch.setattr(kernels, "build_extension", failing_build)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backends = [get_attn_backend("auto", "cpu"), get_attn_backend("auto", "cpu")]
+    assert [b.name for b in backends] == ["torch", "torch"]
+    assert builds == ["nanopaged_cpu"]
+    assert len(caught) == 1 and "PyTorch reference" in str(caught[0].message)
+    assert caught[0].filename == __file__                      # this file, not nanopaged's
+    with pytest.raises(KernelBuildError, match="'nope' is not on PATH"):
+        get_attn_backend("cpu", "cpu")                          # the same error, no new build
+    assert builds == ["nanopaged_cpu"]
 
 
 def test_greedy_output_is_identical_whichever_backend_runs(tiny_model_dir):
@@ -169,5 +221,7 @@ def test_auto_engine_serves_with_the_reference_when_the_build_fails(tiny_model_d
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llm = LLM(str(tiny_model_dir), num_gpu_blocks=32, block_size=4)
-    assert llm.engine.attn_backend.name == "torch" and any("PyTorch reference" in str(w.message) for w in caught)
+    assert llm.engine.attn_backend.name == "torch"
+    fallback = [w for w in caught if "PyTorch reference" in str(w.message)]
+    assert len(fallback) == 1 and fallback[0].filename == __file__     # the LLM(...) line above
     assert llm.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].finished

@@ -10,12 +10,15 @@ An attention backend is the four KV-cache operations the engine needs:
 `TorchBackend` is plain PyTorch (attention.py); `KernelBackend` calls the hand-written
 kernels, `kernels/paged_attention.cu` on a GPU and its C++ twin
 `kernels/paged_attention_cpu.cpp` on the CPU, compiled on first use by ninja through
-`torch.utils.cpp_extension.load` and cached under the nanopaged cache folder. The
-kernels cover decode (one query per sequence, most of a serving step's attention);
-prefill rows, which bring many queries, stay on the reference path.
+`torch.utils.cpp_extension.load` and cached under the nanopaged cache folder (a cached
+build loads without ninja or a compiler). The kernels cover decode (one query per
+sequence, most of a serving step's attention); prefill rows, which bring many queries,
+stay on the reference path. An installed package carries the sources in
+nanopaged/_kernels/ (pyproject.toml), a checkout in kernels/.
 
 `get_attn_backend("auto" | "torch" | "cpu" | "cuda", device)` picks one; "auto" takes the
-kernel of the device when it builds and otherwise warns and falls back to the reference.
+kernel of the device when it builds and otherwise warns (once per process, at the user's
+line that made the engine) and falls back to the reference. A process tries each build once.
 Each model layer holds its backend (`LlamaForCausalLM.set_attention_backend`), as vLLM's
 Attention layer holds its `impl`. vLLM: `vllm/attention/selector.py`,
 `vllm/attention/backends/abstract.py`, `csrc/attention/`, `csrc/cpu/attention.cpp`.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -35,12 +39,38 @@ import torch
 from . import attention
 from .attention import AttentionMetadata
 
-KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels"
+PACKAGE_DIR = Path(__file__).parents[1]     # nanopaged/, as its frames spell it (_user_stacklevel)
+
+
+def _kernels_dir() -> Path:
+    """The kernel sources: nanopaged/_kernels/ in an installed package (pyproject.toml
+    copies kernels/ there), else the checkout's kernels/ beside the package."""
+    installed = PACKAGE_DIR / "_kernels"
+    return installed if installed.is_dir() else PACKAGE_DIR.parent / "kernels"
+
+
+KERNELS_DIR = _kernels_dir()
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
+KERNEL_SOURCES = {"cpu": "paged_attention_cpu.cpp", "cuda": "paged_attention.cu"}
 
 
 class KernelBuildError(RuntimeError):
     """The compiled kernels could not be built or loaded (no compiler, no ninja, ...)."""
+
+
+# A process tries each kernel build once. load_kernels' cache keeps a built module, but
+# functools.cache keeps no exceptions, so the failures are kept here (kind -> error) and
+# every later LLM() gets the same error at once instead of another build. _warned_kinds:
+# the kinds "auto" has already warned about falling back from.
+_build_errors: dict[str, KernelBuildError] = {}
+_warned_kinds: set[str] = set()
+
+
+def forget_kernel_builds() -> None:
+    """Forget loaded kernels, failed builds and warnings: the next load tries again (tests)."""
+    load_kernels.cache_clear()
+    _build_errors.clear()
+    _warned_kinds.clear()
 
 
 class TorchBackend:
@@ -141,10 +171,25 @@ def get_attn_backend(name: str, device: torch.device | str) -> TorchBackend:
     except KernelBuildError as e:
         if name != "auto":
             raise
-        warnings.warn(f"nanopaged: the {kind} paged-attention kernel is not available ({e}); "
-                      "using the PyTorch reference attention instead (same results, slower).",
-                      stacklevel=2)
+        if kind not in _warned_kinds:
+            _warned_kinds.add(kind)
+            warnings.warn(f"nanopaged: the {kind} paged-attention kernel is not available ({e}); "
+                          "using the PyTorch reference attention instead (same results, slower).",
+                          stacklevel=_user_stacklevel())
         return TorchBackend()
+
+
+def _user_stacklevel() -> int:
+    """The warnings.warn stacklevel, for a warning raised by our caller, that names the
+    first frame outside the nanopaged package: the user's line that made the LLM or
+    engine, not the engine internals in between (Python 3.12's warn(skip_file_prefixes=)
+    does the same). Our caller is level 1. When every frame is nanopaged's (python -m
+    nanopaged.serve), the outermost one is named.
+    """
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(str(PACKAGE_DIR) + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _cpu_flags() -> list[str]:
@@ -163,20 +208,27 @@ def load_kernels(kind: str):
 
     kind: "cpu" (kernels/paged_attention_cpu.cpp) or "cuda" (kernels/paged_attention.cu).
     Returns the extension module: paged_attention_decode, reshape_and_cache, copy_blocks,
-    swap_blocks.
+    swap_blocks. A failed build is not retried in this process (forget_kernel_builds).
 
     Raises:
-        KernelBuildError: sources missing, no ninja, no C++ compiler / nvcc, or the build failed.
+        ValueError: kind is not "cpu" or "cuda".
+        KernelBuildError: sources missing, no ninja, no C++ compiler / nvcc, or the build
+            failed (now, or earlier in this process).
     """
-    if kind == "cpu":
-        return build_extension("nanopaged_cpu", KERNELS_DIR / "paged_attention_cpu.cpp", "cpu")
-    if kind == "cuda":
-        return build_extension("nanopaged_cuda", KERNELS_DIR / "paged_attention.cu", "cuda")
-    raise ValueError(f"kind={kind!r}: expected 'cpu' or 'cuda'")
+    if kind not in KERNEL_SOURCES:
+        raise ValueError(f"kind={kind!r}: expected 'cpu' or 'cuda'")
+    if kind in _build_errors:
+        raise _build_errors[kind].with_traceback(None)
+    try:
+        return build_extension(f"nanopaged_{kind}", KERNELS_DIR / KERNEL_SOURCES[kind], kind)
+    except KernelBuildError as e:
+        _build_errors[kind] = e
+        raise
 
 
 def build_extension(name: str, source: Path, kind: str):
-    """Compile one kernel source with ninja (torch.utils.cpp_extension.load) and import it.
+    """Compile one kernel source with ninja (torch.utils.cpp_extension.load) and import it,
+    or import the build cached for exactly this source and flags (no ninja, no compiler).
 
     The build folder is <nanopaged cache>/kernels/<name>-<python>-<torch>-<hash of the
     source's path, contents and flags>, so a build is reused only for exactly this source.
@@ -184,7 +236,8 @@ def build_extension(name: str, source: Path, kind: str):
     and use OpenMP, torch's own thread pool.
 
     Raises:
-        KernelBuildError: source missing, no ninja, no compiler, or the build failed.
+        KernelBuildError: source missing, or no cached build and no ninja, no compiler, or
+            the build failed.
     """
     from torch.utils import cpp_extension
 
@@ -200,18 +253,21 @@ def build_extension(name: str, source: Path, kind: str):
         flags = dict(extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])   # __expf is explicit: no fast-math
         if torch.version.cuda is None:
             raise KernelBuildError(f"torch {torch.__version__} is a CPU build: no CUDA kernels")
-        if cpp_extension.CUDA_HOME is None:
-            raise KernelBuildError("nvcc not found (set CUDA_HOME)")
-    if not cpp_extension.is_ninja_available():
-        raise KernelBuildError("ninja not found (pip install ninja)")
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        raise KernelBuildError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)")
     # One folder per python and torch version (an extension only loads into the torch it
     # was built for) and per source file, contents and flags: two checkouts, or an edited
     # kernel, never rebuild over each other, and a missing .so means a build is coming.
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     key = hashlib.sha256(f"{source.resolve()}\n{sorted(flags.items())}\n".encode() + source.read_bytes())
     build_dir = cache_dir() / "kernels" / f"{name}-{py}-torch{torch.__version__}-{key.hexdigest()[:12]}"
+    cached = _load_cached_build(name, build_dir / f"{name}{cpp_extension.LIB_EXT}")
+    if cached is not None:
+        return cached
+    if kind == "cuda" and cpp_extension.CUDA_HOME is None:
+        raise KernelBuildError("nvcc not found (set CUDA_HOME)")
+    if not cpp_extension.is_ninja_available():
+        raise KernelBuildError("ninja not found (pip install ninja)")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise KernelBuildError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)")
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         print(f"nanopaged: building {source.name} (once, about a minute; cached in {build_dir})",
@@ -221,3 +277,24 @@ def build_extension(name: str, source: Path, kind: str):
                                   verbose=False, **flags)
     except Exception as e:       # compiler errors arrive as RuntimeError, CalledProcessError, ...
         raise KernelBuildError(f"building {source.name} failed: {str(e)[-2000:]}") from e
+
+
+def _load_cached_build(name: str, library: Path):
+    """Import the extension module `name` from a finished build's `library` (the .so), as
+    cpp_extension.load's last step does; None if there is none to load.
+
+    cpp_extension.load itself runs ninja (and the compiler's version check) in every new
+    process, even when nothing changed; our build folder's name already pins the source,
+    flags, python and torch, so a .so there is the right one. A lock file means a build
+    is writing it (cpp_extension.load then waits for that build); a .so that does not
+    import (a build killed halfway) is rebuilt.
+    """
+    if not library.is_file() or (library.parent / "lock").exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    try:
+        module = importlib.util.module_from_spec(spec)      # dlopen and the module's init
+        spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    return module
