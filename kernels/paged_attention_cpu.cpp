@@ -1,8 +1,8 @@
-// Paged attention for decode on the CPU: the C++ twin of paged_attention.cu.
+// Paged attention on the CPU (prefill and decode rows), the C++ twin of paged_attention.cu
+// (which has decode rows only so far), plus the other kernels of a CPU step.
 //
-// Same arguments, same results as the CUDA kernel and as the PyTorch reference
-// (nanopaged/attention.py): each sequence's one new query attends to the first seq_len
-// tokens of its K/V, which live scattered in a block pool
+// Same results as the PyTorch reference (nanopaged/worker/attention.py): each query of a
+// sequence attends causally to that sequence's K/V, which live scattered in a block pool
 //
 //     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
 //
@@ -11,102 +11,191 @@
 //
 // The reference gathers every sequence's blocks into a fresh contiguous tensor and then
 // calls SDPA: it copies the whole KV cache of the batch once per layer per step. Here
-// nothing is copied. Work is split over (sequence, kv_head) pairs with at::parallel_for
-// (OpenMP underneath, torch's own thread pool), and each pair does, in fp32:
+// nothing is copied. Work is split over (sequence, tile of up to 16 queries) with
+// at::parallel_for (OpenMP underneath, torch's own thread pool), and each item does, in
+// fp32, walking the block table a block at a time:
 //
-//   1. logits[g][t] = scale * q_g . k_t   for the G query heads g that share this kv_head
-//      (GQA: K is read once for the whole group, not once per query head),
-//   2. softmax over t for each g (max-subtracted, as always),
-//   3. out_g = sum_t p[g][t] * v_t, then one division by the sum.
+//   1. logits[r][h][t] = scale * q_rh . k_t for its rows r and every head h; a slot's row
+//      (all KV heads, contiguous) is read once for the whole tile (GQA: head h reads KV
+//      head h / group),
+//   2. softmax over each row's own keys (max-subtracted, as always),
+//   3. out_rh = sum_t p[r][h][t] * v_t, then one division by the sum.
 //
 // Inner loops over head_size are plain loops the compiler vectorizes (`omp simd`,
-// -O3 with the machine's vector flags, see nanopaged/kernels.py); bf16 and fp16 rows are
-// widened to fp32 one row at a time. Also here: the cache ops the engine needs
-// (reshape_and_cache, copy_blocks, swap_blocks), so the CPU backend has the same four
-// functions as the CUDA one.
+// -O3 with the machine's vector flags, see nanopaged/worker/kernels.py); bf16 and fp16
+// blocks are widened to fp32 a block at a time. Also here: the cache ops the engine needs
+// (reshape_and_cache, copy_blocks, swap_blocks), the Llama layer's elementwise ops fused
+// (rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding) and a matmul for
+// decode-sized batches (linear). chapters/12-kernels.md, "Performance", has the numbers.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
 
-// One K or V row (head_size elements) widened to fp32.
+// n consecutive cache elements (a block's slot rows) as fp32: fp32 is read in place,
+// bf16 and fp16 are widened into buf.
 template <typename scalar_t>
-inline void load_row(const scalar_t* src, float* dst, int64_t n) {
+inline const float* rows_ptr(const scalar_t* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return src;
+  } else {
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+    for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(src[d]);
+    return buf;
+  }
 }
 
+// exp(x) within 2 ulp of std::exp, written so that `omp simd` vectorizes it (std::exp is
+// a libm call per element; in the softmax it was the largest share of prefill attention).
+// Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n put
+// straight into the exponent bits. x is clamped to [-87.3, 88.3] (the normal floats);
+// below -87.3 the result is 0.
+#pragma omp declare simd notinbranch
+inline float fast_exp(float x) {
+  const float clamped = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  float r = clamped - n * 0.693359375f;             // ln2 split in two for precision
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.f;
+  const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.3f ? 0.f : e * two_n;
+}
+
+// Queries per work item in a prefill: they share every K/V row the item reads.
+constexpr int64_t kQueryTile = 16;
+
+// Attention for every query row of the batch. Sequence s owns query rows
+// [query_start_loc[s], query_start_loc[s + 1]), the last q_len of its seq_len positions,
+// so its j-th query attends to keys 0 .. seq_len - q_len + j (causal). A decode is the
+// case q_len = 1. Work items are (sequence, tile of up to kQueryTile queries); an item
+// walks the sequence's block table once for K and once for V, and each slot's row (all
+// KV heads, one contiguous run of memory) serves every query and head of the tile.
+// Each query row is computed alone, in the same order whatever the tile: a prompt's
+// rows come out bit-identical whether it is computed in one step or after a prefix hit.
 template <typename scalar_t>
-void decode_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cache,
-                   const scalar_t* value_cache, const int64_t* block_tables,
-                   const int64_t* seq_lens, int64_t num_seqs, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_size, int64_t block_size,
-                   int64_t max_blocks, float scale) {
+void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_cache,
+                      const scalar_t* value_cache, const int64_t* block_tables,
+                      const int64_t* seq_lens, const int64_t* query_start_loc, int64_t num_seqs,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                      int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;                 // query heads per kv head
   const int64_t slot_stride = num_kv_heads * head_size;           // elements per slot (token)
-  // Grain 1: a (sequence, kv_head) pair already walks a whole context.
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_size), acc(group * head_size), row(head_size), logits, sum(group);
+  const int64_t q_stride = num_heads * head_size;                 // elements per query row
+  std::vector<int64_t> kv_offset(num_heads);                      // GQA: head h reads kv head h / group
+  for (int64_t h = 0; h < num_heads; ++h) kv_offset[h] = h / group * head_size;
+  std::vector<int64_t> item_seq, item_first;                      // the work items
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t j = query_start_loc[s]; j < query_start_loc[s + 1]; j += kQueryTile) {
+      item_seq.push_back(s);
+      item_first.push_back(j);
+    }
+  at::parallel_for(0, static_cast<int64_t>(item_seq.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q, acc, block(block_size * slot_stride), logits, sum;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t seq_len = seq_lens[s];
+      const int64_t s = item_seq[item], first = item_first[item];
+      const int64_t last = std::min(first + kQueryTile, query_start_loc[s + 1]);   // rows [first, last)
+      const int64_t nq = last - first, seq_len = seq_lens[s];
+      // query row r (r = 0..nq-1) sees keys [0, base + r]; the item reads keys [0, len)
+      const int64_t base = seq_len - (query_start_loc[s + 1] - first), len = base + nq;
       const int64_t* table = block_tables + s * max_blocks;
-      // The group's queries, pre-scaled: q_g . k * scale == (scale * q_g) . k.
-      for (int64_t g = 0; g < group; ++g) {
-        const scalar_t* src = query + (s * num_heads + kv_head * group + g) * head_size;
-        for (int64_t d = 0; d < head_size; ++d) q[g * head_size + d] = scale * static_cast<float>(src[d]);
-      }
-      logits.resize(group * seq_len);
+      q.resize(nq * q_stride);
+      for (int64_t i = 0; i < nq * q_stride; ++i)   // pre-scaled: (scale * q) . k
+        q[i] = scale * static_cast<float>(query[first * q_stride + i]);
+      logits.resize(nq * num_heads * len);          // [row][head][key]
+      sum.assign(nq * num_heads, 0.f);
 
-      // 1. logits, walking the block table: token t = b * block_size + o is slot
-      //    table[b] * block_size + o, so a block's tokens are consecutive slots.
-      for (int64_t b = 0, t = 0; t < seq_len; ++b) {
-        const scalar_t* k = key_cache + table[b] * block_size * slot_stride + kv_head * head_size;
-        for (int64_t o = 0; o < block_size && t < seq_len; ++o, ++t) {
-          load_row(k + o * slot_stride, row.data(), head_size);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q.data() + g * head_size;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_size; ++d) dot += qg[d] * row[d];
-            logits[g * seq_len + t] = dot;
+      // 1. logits, a block at a time: token t = b * block_size + o is slot
+      //    table[b] * block_size + o, so a block's tokens are consecutive rows of memory.
+      //    Four keys per pass over a query head: four independent sums keep both FMA
+      //    units busy (one sum is a chain of dependent adds, latency-bound).
+      for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+        const int64_t nt = std::min(block_size, len - t0);          // tokens of this block in range
+        const float* kb = rows_ptr(key_cache + table[b] * block_size * slot_stride, block.data(),
+                                   nt * slot_stride);
+        for (int64_t r = std::max<int64_t>(0, t0 - base); r < nq; ++r) {
+          const int64_t seen = std::min(nt, base + r + 1 - t0);    // causal: keys <= base + r
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float* qh = q.data() + r * q_stride + h * head_size;
+            const float* k0 = kb + kv_offset[h];
+            float* lg = logits.data() + (r * num_heads + h) * len + t0;
+            // a short last group repeats its last key and drops those sums: every
+            // logit comes from this one loop, so block size never changes a bit
+            for (int64_t o = 0; o < seen; o += 4) {
+              const float* ka = k0 + o * slot_stride;
+              const float* kb1 = k0 + std::min(o + 1, seen - 1) * slot_stride;
+              const float* kc = k0 + std::min(o + 2, seen - 1) * slot_stride;
+              const float* kd = k0 + std::min(o + 3, seen - 1) * slot_stride;
+              float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+              for (int64_t d = 0; d < head_size; ++d) {
+                d0 += qh[d] * ka[d];
+                d1 += qh[d] * kb1[d];
+                d2 += qh[d] * kc[d];
+                d3 += qh[d] * kd[d];
+              }
+              const float dots[4] = {d0, d1, d2, d3};
+              for (int64_t i = 0; i < 4 && o + i < seen; ++i) lg[o + i] = dots[i];
+            }
           }
         }
       }
-      // 2. softmax numerators, max-subtracted so exp never overflows.
-      std::fill(sum.begin(), sum.end(), 0.f);
-      for (int64_t g = 0; g < group; ++g) {
-        float* lg = logits.data() + g * seq_len;
-        float max = lg[0];
-        for (int64_t t = 1; t < seq_len; ++t) max = std::max(max, lg[t]);
-        for (int64_t t = 0; t < seq_len; ++t) {
-          lg[t] = std::exp(lg[t] - max);
-          sum[g] += lg[t];
+      // 2. softmax numerators over each row's own keys, max-subtracted.
+      for (int64_t r = 0; r < nq; ++r)
+        for (int64_t h = 0; h < num_heads; ++h) {
+          float* lg = logits.data() + (r * num_heads + h) * len;
+          const int64_t n = base + r + 1;
+          float max = lg[0];
+#pragma omp simd reduction(max : max)
+          for (int64_t t = 1; t < n; ++t) max = std::max(max, lg[t]);
+          float total = 0.f;
+#pragma omp simd reduction(+ : total)
+          for (int64_t t = 0; t < n; ++t) {
+            lg[t] = fast_exp(lg[t] - max);
+            total += lg[t];
+          }
+          sum[r * num_heads + h] = total;
         }
-      }
-      // 3. weighted sum of V rows, again reading each row once for the whole group.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0, t = 0; t < seq_len; ++b) {
-        const scalar_t* v = value_cache + table[b] * block_size * slot_stride + kv_head * head_size;
-        for (int64_t o = 0; o < block_size && t < seq_len; ++o, ++t) {
-          load_row(v + o * slot_stride, row.data(), head_size);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = logits[g * seq_len + t];
-            float* ag = acc.data() + g * head_size;
+      // 3. weighted sum of V rows, a block at a time, each row read once for the tile.
+      acc.assign(nq * q_stride, 0.f);
+      for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
+        const int64_t nt = std::min(block_size, len - t0);
+        const float* vb = rows_ptr(value_cache + table[b] * block_size * slot_stride, block.data(),
+                                   nt * slot_stride);
+        for (int64_t r = std::max<int64_t>(0, t0 - base); r < nq; ++r) {
+          const int64_t seen = std::min(nt, base + r + 1 - t0);
+          for (int64_t h = 0; h < num_heads; ++h) {
+            const float* p = logits.data() + (r * num_heads + h) * len + t0;
+            const float* v0 = vb + kv_offset[h];
+            float* ah = acc.data() + r * q_stride + h * head_size;
+            for (int64_t o = 0; o < seen; ++o) {
+              const float* v = v0 + o * slot_stride;
 #pragma omp simd
-            for (int64_t d = 0; d < head_size; ++d) ag[d] += p * row[d];
+              for (int64_t d = 0; d < head_size; ++d) ah[d] += p[o] * v[d];
+            }
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dst = out + (s * num_heads + kv_head * group + g) * head_size;
-        const float inv = 1.f / sum[g];
-        for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<scalar_t>(acc[g * head_size + d] * inv);
-      }
+      for (int64_t r = 0; r < nq; ++r)
+        for (int64_t h = 0; h < num_heads; ++h) {
+          scalar_t* dst = out + (first + r) * q_stride + h * head_size;
+          const float* ah = acc.data() + r * q_stride + h * head_size;
+          const float inv = 1.f / sum[r * num_heads + h];
+          for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<scalar_t>(ah[d] * inv);
+        }
     }
   });
 }
@@ -120,23 +209,25 @@ void check_cache(const torch::Tensor& cache, const char* name) {
 
 }  // namespace
 
-// out, query: [num_seqs, num_heads, head_size]; caches: [num_blocks, block_size,
-// num_kv_heads, head_size]; block_tables: [num_seqs, max_blocks] int64; seq_lens:
-// [num_seqs] int64, each in [1, max_blocks * block_size]. Writes out.
-void paged_attention_decode(torch::Tensor out, const torch::Tensor& query,
-                            const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                            double scale) {
+// out, query: [num_tokens, num_heads, head_size], the query rows of all sequences end to
+// end; caches: [num_blocks, block_size, num_kv_heads, head_size], already holding this
+// step's K/V; block_tables: [num_seqs, max_blocks] int64; seq_lens: [num_seqs] int64, each
+// in [q_len, max_blocks * block_size]; query_start_loc: [num_seqs + 1] int64, sequence s's
+// rows are [query_start_loc[s], query_start_loc[s + 1]), its last q_len positions.
+// Writes out (causal attention: prefill, chunked prefill and decode rows alike).
+void paged_attention(torch::Tensor out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                     const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                     const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale) {
   check_cache(key_cache, "key_cache");
   check_cache(value_cache, "value_cache");
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous "
-              "[num_seqs, num_heads, head_size] tensor, got ", query.sizes());
+              "[num_tokens, num_heads, head_size] tensor, got ", query.sizes());
   TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), "out must be contiguous and shaped "
               "like query ", query.sizes(), ", got ", out.sizes());
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type()
               && value_cache.scalar_type() == query.scalar_type(), "query, out and the caches must share "
               "one dtype, got ", query.scalar_type(), " and ", key_cache.scalar_type());
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_seqs = seq_lens.numel(), num_heads = query.size(1), head_size = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_size, "key_cache head_size ", key_cache.size(3),
               " != query head_size ", head_size);
@@ -148,19 +239,42 @@ void paged_attention_decode(torch::Tensor out, const torch::Tensor& query,
               block_tables.size(0) == num_seqs && block_tables.is_contiguous(),
               "block_tables must be contiguous int64 [num_seqs=", num_seqs, ", max_blocks], got ",
               block_tables.scalar_type(), " ", block_tables.sizes());
-  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.numel() == num_seqs &&
-              seq_lens.is_contiguous(), "seq_lens must be contiguous int64 [num_seqs=", num_seqs, "]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int64 [num_seqs]");
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt64 && query_start_loc.is_contiguous() &&
+              query_start_loc.numel() == num_seqs + 1, "query_start_loc must be contiguous int64 "
+              "[num_seqs + 1 = ", num_seqs + 1, "], got ", query_start_loc.sizes());
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t s = 0; s < num_seqs; ++s)
-    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "seq_lens[", s, "] = ", lens[s],
-                " is outside [1, max_blocks * block_size = ", max_blocks * block_size, "]");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_decode", [&] {
-    decode_kernel<scalar_t>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(),
-                            key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
-                            block_tables.data_ptr<int64_t>(), lens, num_seqs, num_heads, num_kv_heads,
-                            head_size, block_size, max_blocks, static_cast<float>(scale));
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == query.size(0), "query_start_loc must run from 0 to "
+              "num_tokens = ", query.size(0), ", got ", qsl[0], " .. ", qsl[num_seqs]);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = qsl[s + 1] - qsl[s];
+    TORCH_CHECK(q_len >= 0, "query_start_loc must not decrease (sequence ", s, ")");
+    TORCH_CHECK(lens[s] >= std::max<int64_t>(q_len, 1) && lens[s] <= max_blocks * block_size, "seq_lens[",
+                s, "] = ", lens[s], " is outside [max(q_len, 1) = ", std::max<int64_t>(q_len, 1),
+                ", max_blocks * block_size = ", max_blocks * block_size, "]");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention", [&] {
+    attention_kernel<scalar_t>(out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(),
+                               key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
+                               block_tables.data_ptr<int64_t>(), lens, qsl, num_seqs, num_heads,
+                               num_kv_heads, head_size, block_size, max_blocks, static_cast<float>(scale));
   });
+}
+
+// Decode only: one query per sequence. out, query: [num_seqs, num_heads, head_size];
+// the rest as paged_attention. The same kernel with query_start_loc = 0, 1, ..., num_seqs.
+void paged_attention_decode(torch::Tensor out, const torch::Tensor& query,
+                            const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                            double scale) {
+  TORCH_CHECK(query.dim() == 3 && seq_lens.numel() == query.size(0), "decode: query must be "
+              "[num_seqs, num_heads, head_size] with num_seqs = seq_lens.numel() = ", seq_lens.numel(),
+              ", got ", query.sizes());
+  paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                  torch::arange(query.size(0) + 1, seq_lens.options().dtype(torch::kInt64)), scale);
 }
 
 // key, value: [num_tokens, num_kv_heads, head_size] (rows may be strided: a view of a fused
@@ -243,9 +357,223 @@ void swap_blocks(const torch::Tensor& src_cache, torch::Tensor dst_cache, const 
   copy_planes(src_cache, dst_cache, src, dst);
 }
 
+// ---- The Llama layer's elementwise ops, fused ------------------------------------------
+// In PyTorch each of these is 4-7 ops, every one a pass over memory and a trip through the
+// dispatcher (~10 us each, which is what a batch-1 decode step is mostly made of). One
+// loop each here, in fp32, rounding to the model's dtype where transformers rounds.
+// vLLM: csrc/cpu/layernorm.cpp, activation.cpp, pos_encoding.cpp.
+
+namespace {
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 && t.device().is_cpu(), name,
+              " must be a CPU [num_tokens, n] tensor with dense rows, got ", t.sizes(), " strides ", t.strides());
+}
+}  // namespace
+
+namespace {
+// RMSNorm (transformers' LlamaRMSNorm) of each row, see rms_norm and fused_add_rms_norm.
+void rms_norm_impl(torch::Tensor out, torch::Tensor x, std::optional<torch::Tensor> residual,
+                   const torch::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(weight.numel() == hidden && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden = ", hidden, "] in x's dtype");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(), "out must be shaped like x");
+  if (residual) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "residual must be shaped like x ", x.sizes(), ", got ", residual->sizes());
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = residual ? xp : out.data_ptr<scalar_t>();
+    scalar_t* rp = residual ? residual->data_ptr<scalar_t>() : nullptr;
+    const int64_t xs = x.stride(0), os = residual ? xs : out.stride(0), rs = residual ? residual->stride(0) : 0;
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(hidden);
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* src = xp + i * xs;
+        if (rp) {
+          scalar_t* res = rp + i * rs;
+          for (int64_t d = 0; d < hidden; ++d) {
+            res[d] = static_cast<scalar_t>(static_cast<float>(res[d]) + static_cast<float>(src[d]));
+            buf[d] = static_cast<float>(res[d]);
+          }
+        } else {
+          for (int64_t d = 0; d < hidden; ++d) buf[d] = static_cast<float>(src[d]);
+        }
+        float ss = 0.f;
+        _Pragma("omp simd reduction(+ : ss)")   // a #pragma cannot sit inside the dispatch macro
+        for (int64_t d = 0; d < hidden; ++d) ss += buf[d] * buf[d];
+        const float inv = 1.f / std::sqrt(ss / hidden + static_cast<float>(eps));
+        scalar_t* dst = op + i * os;
+        for (int64_t d = 0; d < hidden; ++d)
+          dst[d] = static_cast<scalar_t>(static_cast<float>(w[d]) *
+                                         static_cast<float>(static_cast<scalar_t>(buf[d] * inv)));
+      }
+    });
+  });
+}
+}  // namespace
+
+// out = weight * (x / sqrt(mean(x^2) + eps)), the mean in fp32 and the normalized row
+// rounded to x's dtype before the weight multiply, as transformers does.
+// x, out: [num_tokens, hidden] (dense rows); weight: [hidden], x's dtype.
+void rms_norm(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  rms_norm_impl(out, x, std::nullopt, weight, eps);
+}
+
+// vLLM's fused_add_rms_norm, in place: residual += x (the skip connection, in x's dtype),
+// then x = rms_norm(residual). The add costs no pass of its own. x, residual: [num_tokens, hidden].
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, const torch::Tensor& weight, double eps) {
+  rms_norm_impl(x, x, residual, weight, eps);
+}
+
+// SwiGLU's gate: out = silu(x[:, :d]) * x[:, d:], x: [num_tokens, 2d] (gate_up_proj's
+// output), out: [num_tokens, d]. silu(g) = g / (1 + exp(-g)).
+void silu_and_mul(torch::Tensor out, const torch::Tensor& x) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  const int64_t rows = x.size(0), d = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) == 2 * d && out.size(0) == rows && out.size(1) == d && out.scalar_type() == x.scalar_type(),
+              "silu_and_mul: x must be [n, 2d] and out [n, d], got ", x.sizes(), " and ", out.sizes());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t xs = x.stride(0), os = out.stride(0);
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* gate = xp + i * xs;
+        const scalar_t* up = gate + d;
+        scalar_t* dst = op + i * os;
+        _Pragma("omp simd")
+        for (int64_t j = 0; j < d; ++j) {
+          const float g = static_cast<float>(gate[j]);
+          const scalar_t act = static_cast<scalar_t>(g / (1.f + fast_exp(-g)));
+          dst[j] = static_cast<scalar_t>(static_cast<float>(act) * static_cast<float>(up[j]));
+        }
+      }
+    });
+  });
+}
+
+// RoPE in place, GPT-NeoX layout (transformers' rotate_half): for each head, with
+// h = head_size / 2, x[i] <- x[i] cos[i] - x[i + h] sin[i] and x[i + h] <- x[i + h]
+// cos[i + h] + x[i] sin[i + h]. query: [num_tokens, num_heads * head_size], key:
+// [num_tokens, num_kv_heads * head_size] (views of qkv_proj's output: strided rows);
+// positions: [num_tokens] int64; cos, sin: [max_positions, head_size] in x's dtype.
+void rotary_embedding(const torch::Tensor& positions, torch::Tensor query, torch::Tensor key,
+                      const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_size) {
+  check_rows(query, "query");
+  check_rows(key, "key");
+  const int64_t rows = query.size(0), half = head_size / 2, max_pos = cos.size(0);
+  TORCH_CHECK(head_size % 2 == 0 && query.size(1) % head_size == 0 && key.size(1) % head_size == 0 &&
+              key.size(0) == rows, "rotary_embedding: query ", query.sizes(), " and key ", key.sizes(),
+              " must be [num_tokens, heads * head_size = ", head_size, "]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == head_size &&
+              sin.sizes() == cos.sizes() && cos.scalar_type() == query.scalar_type() &&
+              key.scalar_type() == query.scalar_type(), "cos/sin must be contiguous [max_positions, head_size = ",
+              head_size, "] in query's dtype");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == rows,
+              "positions must be contiguous int64 [num_tokens = ", rows, "]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows; ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "positions[", i, "] = ", pos[i], " is outside the RoPE "
+                "table [0, ", max_pos, ")");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "rotary_embedding", [&] {
+    auto rotate = [&](scalar_t* x, const scalar_t* c, const scalar_t* s) {
+      for (int64_t j = 0; j < half; ++j) {
+        const float x1 = static_cast<float>(x[j]), x2 = static_cast<float>(x[j + half]);
+        // transformers: x * cos + rotate_half(x) * sin, each product rounded to the dtype
+        const auto t1 = static_cast<scalar_t>(x1 * static_cast<float>(c[j]));
+        const auto t2 = static_cast<scalar_t>(-x2 * static_cast<float>(s[j]));
+        const auto t3 = static_cast<scalar_t>(x2 * static_cast<float>(c[j + half]));
+        const auto t4 = static_cast<scalar_t>(x1 * static_cast<float>(s[j + half]));
+        x[j] = static_cast<scalar_t>(static_cast<float>(t1) + static_cast<float>(t2));
+        x[j + half] = static_cast<scalar_t>(static_cast<float>(t3) + static_cast<float>(t4));
+      }
+    };
+    scalar_t* qp = query.data_ptr<scalar_t>();
+    scalar_t* kp = key.data_ptr<scalar_t>();
+    const int64_t qs = query.stride(0), ks = key.stride(0);
+    const int64_t nq = query.size(1) / head_size, nk = key.size(1) / head_size;
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* c = cos.data_ptr<scalar_t>() + pos[i] * head_size;
+        const scalar_t* s = sin.data_ptr<scalar_t>() + pos[i] * head_size;
+        for (int64_t h = 0; h < nq; ++h) rotate(qp + i * qs + h * head_size, c, s);
+        for (int64_t h = 0; h < nk; ++h) rotate(kp + i * ks + h * head_size, c, s);
+      }
+    });
+  });
+}
+
+// ---- Matmul for few rows (decode steps) ---------------------------------------------------
+// y = x W^T for x: [m, k] with m small (a decode step's tokens), W: [n, k] fp32, both
+// contiguous; writes out: [m, n]. With so few rows a matmul is a walk through the weights
+// (SmolLM2: 425 MB of fp32 per step), so speed is memory bandwidth: this one streams
+// each group of 4 weight rows from memory once and uses it for every x row while it sits
+// in L1. MKL's sgemm on our 2-core AMD CPU reads the same weights at 4-9 GB/s at these
+// sizes; this loop at 12-15 GB/s (chapters/12-kernels.md, "Performance").
+// Every dot product comes from one loop of 2 x rows by 4 weight rows (8 independent sums,
+// short groups padded by repeating a row), so a row's result never depends on how many
+// rows share the call: a request's logits are the same alone and in a batch (up to the
+// size where the engine switches to MKL).
+void linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear: x [m, k] and "
+              "weight [n, k] must share k, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous() && x.device().is_cpu() &&
+              weight.device().is_cpu(), "linear: x, weight and out must be contiguous CPU tensors");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat &&
+              out.scalar_type() == torch::kFloat, "linear: float32 only, got ", x.scalar_type(), " and ",
+              weight.scalar_type());
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "linear: out must be [", m, ", ", n,
+              "], got ", out.sizes());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (n + 3) / 4, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t r = g * 4;
+      const float* w0 = wp + r * k;
+      const float* w1 = wp + std::min(r + 1, n - 1) * k;
+      const float* w2 = wp + std::min(r + 2, n - 1) * k;
+      const float* w3 = wp + std::min(r + 3, n - 1) * k;
+      for (int64_t i = 0; i < m; i += 2) {
+        const float* xa = xp + i * k;
+        const float* xb = xp + std::min(i + 1, m - 1) * k;
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, b0 = 0.f, b1 = 0.f, b2 = 0.f, b3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
+        for (int64_t d = 0; d < k; ++d) {
+          a0 += xa[d] * w0[d];
+          a1 += xa[d] * w1[d];
+          a2 += xa[d] * w2[d];
+          a3 += xa[d] * w3[d];
+          b0 += xb[d] * w0[d];
+          b1 += xb[d] * w1[d];
+          b2 += xb[d] * w2[d];
+          b3 += xb[d] * w3[d];
+        }
+        const float rows[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
+        for (int64_t ii = 0; ii < 2 && i + ii < m; ++ii)
+          for (int64_t j = 0; j < 4 && r + j < n; ++j) op[(i + ii) * n + r + j] = rows[ii][j];
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Causal paged attention, prefill and decode rows (CPU)");
   m.def("paged_attention_decode", &paged_attention_decode, "Paged attention for decode (CPU)");
   m.def("reshape_and_cache", &reshape_and_cache, "Write K/V rows to their slots (CPU)");
   m.def("copy_blocks", &copy_blocks, "Copy KV blocks within the pool (copy-on-write, CPU)");
   m.def("swap_blocks", &swap_blocks, "Copy KV blocks between two pools (swap, CPU)");
+  m.def("linear", &linear, "x W^T for a few rows of x, fp32 (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
+  m.def("rotary_embedding", &rotary_embedding, "RoPE in place on query and key (CPU)");
 }

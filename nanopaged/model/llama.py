@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..worker.attention import AttentionMetadata
@@ -123,23 +122,22 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like transformers' LlamaRMSNorm."""
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 like transformers' LlamaRMSNorm.
+
+    forward(x [num_tokens, hidden]) -> normalized rows; forward(x, residual) -> (the
+    normalized rows of x + residual, x + residual): the skip connection's add is done
+    by the norm that follows it (vLLM's fused_add_rms_norm), in one pass with the
+    compiled kernels. The math is in the kernel backend (`ops`: kernels.py).
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = TorchBackend()      # set_attention_backend gives the kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -161,15 +159,16 @@ class LlamaAttention(nn.Module):
         self.scale = d ** -0.5
         self.attn_backend = TorchBackend()     # the reference; see set_attention_backend
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # RoPE (rope: the cos and sin tables, [max_positions, head_dim]); in place on the
+        # views of qkv_proj's output with the kernels
+        q, k = self.attn_backend.rotary_embedding(positions, q, k, *rope, self.head_dim)
         q = q.view(n, self.num_heads, self.head_dim)          # [num_tokens, heads, head_dim]
         k = k.view(n, self.num_kv_heads, self.head_dim)       # [num_tokens, kv_heads, head_dim]
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin                   # RoPE; cos/sin: [num_tokens, 1, head_dim]
-        k = k * cos + _rotate_half(k) * sin
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         self.attn_backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         o = self.attn_backend.forward(q, key_cache, value_cache, meta, self.scale)
@@ -186,10 +185,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {
             "gate_proj": (inter, tp.rank * n, n), "up_proj": (inter, tp.rank * n, n)}, tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
+        self.ops = TorchBackend()      # set_attention_backend gives the kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -200,9 +199,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, kv_cache, meta):
+        """x: the last sublayer's output, residual: the stream it adds to (None before
+        the first layer, where x is the embedding). Returns the same pair for the next."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 def check_tensor_parallel(config: LlamaConfig, tp_size: int) -> None:
@@ -267,14 +273,19 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                     # [num_tokens, hidden]
-        cos = self.rope_cos[positions].unsqueeze(1)         # [num_tokens, 1, head_dim]
-        sin = self.rope_sin[positions].unsqueeze(1)
+        residual = None
+        rope = (self.rope_cos, self.rope_sin)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, rope, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def set_attention_backend(self, backend: TorchBackend) -> None:
-        """Give every layer this attention backend (kernels.get_attn_backend picks one)."""
+        """Give every layer this kernel backend (kernels.get_attn_backend picks one): its
+        attention, the fused RMSNorm, RoPE and SiLU-and-mul ops, and the linear layers'
+        matmuls (a streaming kernel for decode-sized batches)."""
+        for module in self.modules():
+            if hasattr(module, "ops"):          # norms, MLPs, the linear layers
+                module.ops = backend
         for layer in self.layers:
             layer.self_attn.attn_backend = backend
 

@@ -38,6 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..worker.kernels import TorchBackend
+
+_REFERENCE = TorchBackend()     # plain F.linear until the model is given its kernel backend
+
 
 class TPGroup:
     """This rank's place in its tensor-parallel group, and the collectives over it.
@@ -166,9 +170,10 @@ class ColumnParallelLinear(nn.Module):
         for name, (_, _, n) in parts.items():
             self.offsets[name], rows = rows, rows + n
         self.weight = nn.Parameter(torch.empty(rows, input_size))
+        self.ops = _REFERENCE          # the model's set_attention_backend gives the kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.ops.linear(x, self.weight)
 
     def load(self, part: str, src, name: str) -> None:
         """Copy this rank's rows of checkpoint matrix `part` ([rows, input_size]; a
@@ -195,9 +200,10 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.input_size, self.output_size, self.tp = input_size, output_size, tp
         self.weight = nn.Parameter(torch.empty(output_size, input_size // tp.size))
+        self.ops = _REFERENCE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(self.ops.linear(x, self.weight))
 
     def load(self, src, name: str) -> None:
         """Copy this rank's columns of the checkpoint matrix [output_size, input_size]."""
@@ -229,6 +235,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_held = max(0, min(vocab_size - self.vocab_start, self.per_rank))
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size))
         self._head_fp32 = None      # float32 copy for logits (see logits())
+        self.ops = _REFERENCE
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -255,7 +262,7 @@ class VocabParallelEmbedding(nn.Module):
             if self._head_fp32 is None:
                 self._head_fp32 = weight.float()
             weight = self._head_fp32
-        logits = self.tp.all_gather(F.linear(hidden.float(), weight))
+        logits = self.tp.all_gather(self.ops.linear(hidden.float(), weight))
         return logits[:, :self.vocab_size] if logits.shape[1] != self.vocab_size else logits
 
     def load(self, src, name: str) -> None:

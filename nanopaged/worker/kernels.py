@@ -7,13 +7,18 @@ An attention backend is the four KV-cache operations the engine needs:
     copy_blocks(kv_cache, pairs)                                  copy-on-write
     swap_blocks(src_cache, dst_cache, pairs)                      swap out / swap in
 
+and, since the same compiled module is the natural home for them, the other ops of a
+Llama layer that a kernel speeds up (vLLM keeps these as CustomOps with per-device
+forwards): `linear`, `rms_norm` (optionally fused with the residual add),
+`silu_and_mul`, `rotary_embedding`.
+
 `TorchBackend` is plain PyTorch (attention.py); `KernelBackend` calls the hand-written
 kernels, `kernels/paged_attention.cu` on a GPU and its C++ twin
 `kernels/paged_attention_cpu.cpp` on the CPU, compiled on first use by ninja through
 `torch.utils.cpp_extension.load` and cached under the nanopaged cache folder (a cached
-build loads without ninja or a compiler). The kernels cover decode (one query per
-sequence, most of a serving step's attention); prefill rows, which bring many queries,
-stay on the reference path. An installed package carries the sources in
+build loads without ninja or a compiler). The CPU kernel takes every row of a step,
+prefill and decode; the CUDA kernel decode rows (prefill rows stay on the reference
+path there), and the layer ops are CPU-only so far (CUDA runs the reference's). An installed package carries the sources in
 nanopaged/_kernels/ (pyproject.toml), a checkout in kernels/.
 
 `get_attn_backend("auto" | "torch" | "cpu" | "cuda", device)` picks one; "auto" takes the
@@ -35,6 +40,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from . import attention
 from .attention import AttentionMetadata
@@ -101,9 +107,50 @@ class TorchBackend:
         src, dst = _pair_tensors(pairs, src_cache.device, dst_cache.device)
         dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)
 
+    # -- the Llama layer's other ops (the reference math; KernelBackend has kernels) --
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [m, k] @ weight [n, k]^T -> [m, n] (no bias: Llama has none)."""
+        return F.linear(x, weight)
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        """RMSNorm as transformers' LlamaRMSNorm (mean of squares in fp32, rounded to x's
+        dtype before the weight). x: [num_tokens, hidden]. With `residual`, first
+        residual = x + residual (the skip connection), then normalize that; returns
+        (normalized, residual) instead of the normalized rows (vLLM's fused_add_rms_norm)."""
+        if residual is not None:
+            x = residual = x + residual
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        out = weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, 2d] (gate, up) -> silu(gate) * up, [num_tokens, d]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_embedding(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                         cos: torch.Tensor, sin: torch.Tensor, head_size: int):
+        """RoPE, GPT-NeoX layout (transformers' rotate_half): x * cos + rotate_half(x) * sin
+        per head. query: [num_tokens, heads * head_size], key: [num_tokens, kv_heads *
+        head_size]; positions: [num_tokens] int64; cos, sin: [max_positions, head_size].
+        Returns the rotated (query, key)."""
+        n = positions.shape[0]
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)   # [num_tokens, 1, head_size]
+
+        def rotate(x):
+            x = x.view(n, -1, head_size)
+            x1, x2 = x.chunk(2, dim=-1)
+            return (x * c + torch.cat((-x2, x1), dim=-1) * s).view(n, -1)
+        return rotate(query), rotate(key)
+
 
 class KernelBackend(TorchBackend):
-    """The compiled kernels: decode attention and the three cache ops; prefill on the reference.
+    """The compiled kernels: attention, the three cache ops and (CPU) the layer ops.
 
     Args:
         ops: the loaded extension module (see load_kernels).
@@ -112,14 +159,61 @@ class KernelBackend(TorchBackend):
 
     def __init__(self, ops, name: str) -> None:
         self.ops, self.name = ops, name
+        self.fused_layer_ops = hasattr(ops, "rms_norm")     # the CPU kernels have them, CUDA not yet
+
+    # A decode step's matmuls go to the streaming kernel up to this many rows: measured
+    # faster than MKL's sgemm at every size from 1 to 64 on our 2-core CPU (SmolLM2's
+    # weights: 34 vs 50 ms at 1 row, 102 vs 159 ms at 32, 189 vs 257 ms at 64).
+    MAX_KERNEL_LINEAR_ROWS = 64
+
+    def linear(self, x, weight):
+        """Few fp32 rows (decode): the streaming kernel; otherwise MKL / cuBLAS."""
+        if (not self.fused_layer_ops or x.shape[0] > self.MAX_KERNEL_LINEAR_ROWS
+                or x.dtype != torch.float32 or weight.dtype != torch.float32):
+            return F.linear(x, weight)
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+        self.ops.linear(out, x.contiguous(), weight)
+        return out
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        """One fused pass (kernels/paged_attention_cpu.cpp); with `residual`, in place:
+        residual += x, x = norm(residual)."""
+        if not self.fused_layer_ops or x.stride(-1) != 1:
+            return super().rms_norm(x, weight, eps, residual)
+        if residual is None:
+            out = torch.empty_like(x)
+            self.ops.rms_norm(out, x, weight, eps)
+            return out
+        self.ops.fused_add_rms_norm(x, residual, weight, eps)
+        return x, residual
+
+    def silu_and_mul(self, x):
+        """One fused pass: silu(gate) * up."""
+        if not self.fused_layer_ops:
+            return super().silu_and_mul(x)
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
+        self.ops.silu_and_mul(out, x)
+        return out
+
+    def rotary_embedding(self, positions, query, key, cos, sin, head_size):
+        """RoPE in place on the query and key views (no copies, one pass)."""
+        if not self.fused_layer_ops:
+            return super().rotary_embedding(positions, query, key, cos, sin, head_size)
+        self.ops.rotary_embedding(positions, query, key, cos, sin, head_size)
+        return query, key
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         """vLLM's reshape_and_cache: row t of key/value to slot slot_mapping[t]."""
         self.ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def forward(self, query, key_cache, value_cache, meta, scale):
-        """Decode rows through the kernel (K/V read in place), prefill rows on the reference."""
+        """Every row through the kernel, K/V read in place. The CUDA kernel has decode
+        rows only so far: its prefill rows go to the reference."""
         out = torch.empty_like(query)
+        if hasattr(self.ops, "paged_attention"):           # the CPU kernel: prefill and decode
+            self.ops.paged_attention(out, query.contiguous(), key_cache, value_cache, meta.block_tables,
+                                     meta.seq_lens, meta.query_start_loc, scale)
+            return out
         nd = meta.num_decodes
         if nd:
             self.ops.paged_attention_decode(out[:nd], query[:nd].contiguous(), key_cache, value_cache,
