@@ -396,7 +396,7 @@ def bench_kernels(model, args) -> None:
     # the next, and the first engine of a process pays the first touch of its memory.
     rates = {"torch": 0.0, device: 0.0}
     for name in ("torch", device, "torch", device):
-        llm = LLM(model, dtype=args.dtype, attention_backend=name)
+        llm = LLM(model, dtype=args.dtype, attention_backend=name, enable_prefix_caching=False)
         prompts, out_lens = workload(args.num_requests, llm.engine.model_config.vocab_size)
         run_nanopaged(llm, prompts[:4], [4] * 4)                           # warm-up
         secs, tokens = run_nanopaged(llm, prompts, out_lens)
@@ -411,7 +411,8 @@ def bench_sampling(model, args) -> None:
     """The throughput workload greedy vs with every sampling feature on, alternating
     runs, best of two each (a shared VM varies from run to run)."""
     from nanopaged import LLM, SamplingParams
-    llm = LLM(model, dtype=args.dtype, attention_backend=args.attention_backend)
+    llm = LLM(model, dtype=args.dtype, attention_backend=args.attention_backend,
+              enable_prefix_caching=False)                     # reruns of one workload: no cache hits
     prompts, out_lens = workload(args.num_requests, llm.engine.model_config.vocab_size)
     full = dict(temperature=0.8, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.2,
                 frequency_penalty=0.2, logprobs=5, seed=0)
@@ -437,7 +438,8 @@ def bench_overlap(model, args) -> None:
     on, on, off, best of two each (a shared VM varies from run to run)."""
     from nanopaged import LLM
     llms = {name: LLM(model, dtype=args.dtype, attention_backend=args.attention_backend,
-                      async_scheduling=name == "on") for name in ("off", "on")}
+                      async_scheduling=name == "on", enable_prefix_caching=False)   # reruns: no cache hits
+            for name in ("off", "on")}
     prompts, out_lens = workload(args.num_requests, llms["off"].engine.model_config.vocab_size)
     best = {"off": (0.0, 0.0), "on": (0.0, 0.0)}              # (tok/s, ms per step)
     for name in ("off", "on"):
@@ -533,7 +535,9 @@ def main() -> None:
     from nanopaged import LLM
 
     dtype = getattr(torch, args.dtype)
-    llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend)
+    # Prefix caching off: the runs repeat the same prompts, and a second run would find
+    # every prompt cached (transformers recomputes them)
+    llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, enable_prefix_caching=False)
     folder = llm.engine.model_path
     prompts, out_lens = workload(args.num_requests, llm.engine.model_config.vocab_size)
     print(f"model {folder.name}, dtype {args.dtype}, attention {llm.engine.attn_backend.name}, torch threads {torch.get_num_threads()}, "
