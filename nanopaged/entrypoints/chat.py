@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0: reproducible answers)")
     ap.add_argument("--system", default=None, help="system message (default: the template's own)")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with bf16 dot products, else fp32), float32, bfloat16")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="split the model over this many worker processes (chapter 17; default 1)")
     args = ap.parse_args(argv)
