@@ -18,8 +18,9 @@ kernels, `kernels/paged_attention.cu` on a GPU and its C++ twin
 `torch.utils.cpp_extension.load` and cached under the nanopaged cache folder (a cached
 build loads without ninja or a compiler). The CPU kernel takes every row of a step,
 prefill and decode; the CUDA kernel decode rows (prefill rows stay on the reference
-path there), and the layer ops are CPU-only so far (CUDA runs the reference's). An installed package carries the sources in
-nanopaged/_kernels/ (pyproject.toml), a checkout in kernels/.
+path there), and the layer ops are CPU-only so far (CUDA runs the reference's). An
+installed package carries the sources in nanopaged/_kernels/ (pyproject.toml), a
+checkout in kernels/.
 
 `get_attn_backend("auto" | "torch" | "cpu" | "cuda", device)` picks one; "auto" takes the
 kernel of the device when it builds and otherwise warns (once per process, at the user's
