@@ -161,6 +161,7 @@ class KernelBackend(TorchBackend):
     def __init__(self, ops, name: str) -> None:
         self.ops, self.name = ops, name
         self.fused_layer_ops = hasattr(ops, "rms_norm")     # the CPU kernels have them, CUDA not yet
+        self.prefill_kernel = hasattr(ops, "paged_attention")   # CPU: prefill and decode rows
 
     # A decode step's matmuls go to the streaming kernel up to this many rows: measured
     # faster than MKL's sgemm at every size from 1 to 64 on our 2-core CPU (SmolLM2's
@@ -211,7 +212,7 @@ class KernelBackend(TorchBackend):
         """Every row through the kernel, K/V read in place. The CUDA kernel has decode
         rows only so far: its prefill rows go to the reference."""
         out = torch.empty_like(query)
-        if hasattr(self.ops, "paged_attention"):           # the CPU kernel: prefill and decode
+        if self.prefill_kernel:
             self.ops.paged_attention(out, query.contiguous(), key_cache, value_cache, meta.block_tables,
                                      meta.seq_lens, meta.query_start_loc, scale)
             return out
