@@ -3,7 +3,9 @@
 Three layers, so that the kernels are checked on every machine, GPU or not:
 
 1. nvcc compiles the extension (with the flags torch uses for extensions) and the dev
-   file kernels/dev/paged_attention_dev.cu for sm_90. Skipped without nvcc.
+   file kernels/dev/paged_attention_dev.cu for sm_90; a compile that passed is not
+   repeated while its preprocessed code, flags and compilers stay the same
+   (nvcc_check_key). Skipped without nvcc.
 2. The kernels' own source, compiled for the CPU against tests/simt/simt.h (a tiny SIMT
    emulator), runs the attention and cache-op cases below. Skipped without g++ and
    CUDA's headers.
@@ -17,16 +19,20 @@ the reference in float64: fp32 1e-5 (summing a few hundred terms costs ~1e-6), f
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
+from nanopaged.model.model_loader import cache_dir
 from nanopaged.worker.attention import _decode, write_kv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,17 +64,61 @@ def cuda_include_dir() -> Path | None:
 
 
 def nvcc_compile(source: Path, out: Path, flags: list[str]) -> None:
-    """nvcc -c `source` for sm_90; fails the test with nvcc's output."""
-    cmd = ["nvcc", "-c", str(source), "-o", str(out), "-std=c++17", "-O3",
-           "-gencode", "arch=compute_90,code=sm_90", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    """nvcc -c `source` for sm_90; fails the test with nvcc's output. Skipped when this
+    exact compile has passed before (a marker named by nvcc_check_key, written only after
+    a compile succeeds): ~10 s of preprocessing instead of ~3 minutes for the extension.
+    Delete cache_dir()/nvcc-check (or point $NANOPAGED_CACHE elsewhere) to force a compile."""
+    cmd = ["nvcc", "-c", str(source), "-std=c++17", "-O3", "-gencode", "arch=compute_90,code=sm_90", *flags]
+    key = nvcc_check_key(cmd)
+    marker = cache_dir() / "nvcc-check" / key if key else None
+    if marker is not None and marker.exists():
+        return
+    proc = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
+    if marker is not None:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(" ".join(cmd) + "\n")
+
+
+def nvcc_check_key(cmd: list[str]) -> str | None:
+    """sha256 of what the nvcc command `cmd` compiles, or None (then the test compiles).
+
+    ccache's preprocessor mode: same preprocessed translation units + same flags + same
+    compilers = same result, so a compile that passed once passes again. nvcc
+    preprocesses a .cu file twice, for the device (__CUDA_ARCH__ defined) and for the host,
+    and `nvcc -E` prints only the device pass; so we run the two preprocessor commands
+    that `nvcc --dryrun` lists, as listed, writing to stdout instead of their -o file
+    (byte for byte the .ii files `nvcc -keep` leaves). The key covers their output (the
+    text of every header either pass reads, as the compile reads it), the listed
+    commands of every step (all flags, temp file names masked; NVCC_APPEND_FLAGS shows
+    here) and `--version` of nvcc and of the host compiler. Not covered: the toolkit's
+    own files that its steps read after preprocessing (crt/host_runtime.h, libdevice),
+    which change with nvcc's version.
+    """
+    listing = subprocess.run([*cmd, "--dryrun"], capture_output=True, text=True)
+    commands = [line[3:] for line in listing.stderr.splitlines()
+                if line.startswith("#$ ") and not re.match(r"#\$ \w+=", line)]      # not VAR=value
+    passes = [argv for argv in map(shlex.split, commands) if "-E" in argv and "-o" in argv]
+    if listing.returncode != 0 or len(passes) < 2:           # a host pass and a device pass
+        return None
+    passes = [argv[:argv.index("-o")] + argv[argv.index("-o") + 2:] for argv in passes]
+    with ThreadPoolExecutor(2) as pool:             # ~4 s each for the extension
+        runs = list(pool.map(lambda argv: subprocess.run(argv, capture_output=True), passes))
+    versions = [subprocess.run([tool, "--version"], capture_output=True).stdout
+                for tool in ("nvcc", passes[0][0])]
+    if any(run.returncode != 0 for run in runs):
+        return None                                 # the compile will say why
+    key = hashlib.sha256()
+    masked = re.sub(r"tmpxft_\w+?-", "tmpxft-", "\n".join(commands))     # tmpxft_<pid>_<n>-
+    for part in [masked.encode(), *versions, *(run.stdout for run in runs)]:
+        key.update(hashlib.sha256(part).digest())
+    return key.hexdigest()
 
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
 
-@pytest.mark.slow          # ~2-3 minutes on 2 cores: torch's headers, not our code
+@pytest.mark.slow          # ~3 minutes on 2 cores (torch's headers), ~10 s once cached
 @needs_nvcc
 def test_extension_compiles_with_nvcc(tmp_path):
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
@@ -88,6 +138,22 @@ def test_extension_compiles_with_nvcc(tmp_path):
 @needs_nvcc
 def test_dev_kernels_compile_with_nvcc(tmp_path):
     nvcc_compile(DEV, tmp_path / "paged_attention_dev.o", [])
+
+
+@needs_nvcc
+def test_nvcc_check_key_follows_both_passes(tmp_path):
+    """The cache's key changes with the code of either pass (`nvcc -E` alone would miss
+    the host's), and is stable: the same command twice gives the same key."""
+    source = tmp_path / "k.cu"
+
+    def key(device_value, host_value):
+        source.write_text(f"#ifdef __CUDA_ARCH__\n__device__ int x = {device_value};\n"
+                          f"#else\nint x = {host_value};\n#endif\n")
+        return nvcc_check_key(["nvcc", "-c", str(source), "-gencode", "arch=compute_90,code=sm_90"])
+
+    base = key(1, 1)
+    assert base is not None and key(1, 1) == base
+    assert len({base, key(2, 1), key(1, 2)}) == 3
 
 
 # ---------------------------------------------------------------- backends
