@@ -91,7 +91,8 @@ def nvcc_check_key(cmd: list[str]) -> str | None:
     (byte for byte the .ii files `nvcc -keep` leaves). The key covers their output (the
     text of every header either pass reads, as the compile reads it), the listed
     commands of every step (all flags, temp file names masked; NVCC_APPEND_FLAGS shows
-    here) and `--version` of nvcc and of the host compiler. Not covered: the toolkit's
+    here) and `--version` of nvcc and of the host compiler, all with the checkout's and
+    the venv's folders masked (_without_checkout_paths). Not covered: the toolkit's
     own files that its steps read after preprocessing (crt/host_runtime.h, libdevice),
     which change with nvcc's version.
     """
@@ -111,8 +112,19 @@ def nvcc_check_key(cmd: list[str]) -> str | None:
     key = hashlib.sha256()
     masked = re.sub(r"tmpxft_\w+?-", "tmpxft-", "\n".join(commands))     # tmpxft_<pid>_<n>-
     for part in [masked.encode(), *versions, *(run.stdout for run in runs)]:
-        key.update(hashlib.sha256(part).digest())
+        key.update(hashlib.sha256(_without_checkout_paths(part)).digest())
     return key.hexdigest()
+
+
+def _without_checkout_paths(text: bytes) -> bytes:
+    """`text` with the repository's folder and the one torch is installed in (a venv's
+    site-packages) replaced by placeholders: they appear in the commands, the line
+    markers and __FILE__ strings, but where a checkout lies does not change whether it
+    compiles, so a fresh clone with a fresh venv (CI) finds the marker of an earlier one."""
+    site_packages = Path(torch.__file__).resolve().parents[1]     # first: it may lie in the repo
+    for folder, name in ((site_packages, b"<site-packages>"), (ROOT, b"<repo>")):
+        text = text.replace(str(folder).encode(), name)
+    return text
 
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
