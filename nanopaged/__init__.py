@@ -8,9 +8,9 @@ from .core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequ
 from .engine.config import EngineConfig
 from .engine.engine import LLMEngine
 from .engine.outputs import CompletionOutput, RequestOutput
-from .engine.sampling_params import SamplingParams
+from .engine.sampling_params import SamplingParams, StructuredOutputsParams
 from .entrypoints.llm import LLM
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
            "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
 __version__ = "0.1.0"

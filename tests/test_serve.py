@@ -245,6 +245,17 @@ def _post(http, path, body, **kw):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      ["logprobs"]),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, ["gpt-4"]),
+    # structured outputs: a spec that does not compile is refused before any generation
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, 400,
+     ["json does not compile", "objectx"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema"}}, 400, ["json_schema.schema"]),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "(abc"}, 400, ["regex does not compile", "unclosed"]),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"grammar": "start: ("}}, 400, ["grammar"]),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "response_format": {"type": "json_object"}},
+     400, ["more than once", "guided_choice", "response_format"]),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, 400, ["response_format"]),
 ])
 def test_bad_request_is_an_openai_error(http, path, body, status, words):
     r = _post(http, path, body)
@@ -279,6 +290,29 @@ def test_api_key_needed_on_v1_only(tiny_server):
 def test_unknown_fields_are_ignored(http):
     r = _post(http, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "best_of_everything": 3, "user": "u"})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_structured_outputs_through_every_request_field(client, tiny_model_dir):
+    """response_format (json_schema, json_object), vLLM's structured_outputs and its
+    guided_* fields all constrain the output (the tiny random model's)."""
+    import re
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "kind": {"enum": ["block", "slot"]}},
+              "required": ["id", "kind"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(
+        model=str(tiny_model_dir), messages=messages, max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "item", "schema": schema, "strict": True}})
+    item = json.loads(chat.choices[0].message.content)
+    assert set(item) == {"id", "kind"} and item["kind"] in ("block", "slot") and chat.choices[0].finish_reason == "stop"
+    date = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+    for extra in ({"structured_outputs": {"regex": date}}, {"guided_regex": date}):
+        got = client.completions.create(model=str(tiny_model_dir), prompt="Today is", max_tokens=20,
+                                        temperature=1.0, seed=3, n=3, extra_body=extra)
+        assert all(re.fullmatch(date, c.text) and c.finish_reason == "stop" for c in got.choices)
+    stream = client.chat.completions.create(model=str(tiny_model_dir), messages=messages, max_tokens=20,
+                                            stream=True, extra_body={"guided_choice": ["yes", "no"]})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in ("yes", "no")
 
 
 # ---- concurrency, metrics, disconnect ----------------------------------------------
@@ -416,3 +450,31 @@ def test_default_model_greedy_and_chat_equal_llm(default_server, default_model_d
     chunks = list(client.chat.completions.create(model="smol", messages=messages, max_tokens=12,
                                                  temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.outputs[0].text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_default_model_response_format_json_schema(default_server):
+    """The openai client's own structured-output helper (a pydantic model as
+    response_format) against SmolLM2: the reply parses into the model."""
+    from typing import Literal
+
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+        population_millions: float
+        kind: Literal["capital", "town", "village"]
+
+    client = OpenAI(base_url=default_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Describe Paris as JSON."}]
+    for seed in range(3):
+        reply = client.chat.completions.parse(model="smol", messages=messages, response_format=City,
+                                              temperature=1.0, seed=seed, max_tokens=100)
+        assert reply.choices[0].finish_reason == "stop"
+        assert isinstance(reply.choices[0].message.parsed, City)
+    got = client.chat.completions.create(model="smol", messages=messages, max_tokens=100, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(got.choices[0].message.content), dict)

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanopaged import LLM, SamplingParams
+from nanopaged import LLM, SamplingParams, StructuredOutputsParams
 from nanopaged.engine.engine_core_client import EngineDeadError
 from nanopaged.model.llama import load_model
 from nanopaged.model.parallel_layers import TPGroup, shard_heads
@@ -249,15 +249,18 @@ def test_engine_at_tp_equals_tp1(tp_model_dir, tp1_reference, tp_size):
 def test_tp2_preemption_prefix_caching_async(tp_model_dir):
     """A pool too small for the batch (preemption by swap, and by recompute when the
     small CPU pool is full), a shared prefix (prefix-cache hits), n=3 forks
-    (copy-on-write) and async scheduling, at tp=2: the same ids as tp=1 with a roomy
-    pool."""
+    (copy-on-write), structured outputs (every rank samples with the same token masks)
+    and async scheduling, at tp=2: the same ids as tp=1 with a roomy pool."""
     prefix = list(range(40, 60))
     prompts = [prefix + [i, i + 1] for i in range(3, 9)]
-    params = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=20, ignore_eos=True)
+    free = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=20, ignore_eos=True)
+    date = SamplingParams(temperature=0.8, seed=4, n=3, max_tokens=20,
+                          structured_outputs=StructuredOutputsParams(regex="[0-9]{4}-[0-9]{2}-[0-9]{2}"))
+    params = [free, date] * 3
 
     def run(llm):       # the first prompt alone, then all: the batch hits its cached prefix
-        return [[c.token_ids for c in o.outputs] for batch in (prompts[:1], prompts)
-                for o in llm.generate(batch, params, use_tqdm=False)]
+        return [[c.token_ids for c in o.outputs] for batch, ps in ((prompts[:1], params[:1]), (prompts, params))
+                for o in llm.generate(batch, ps, use_tqdm=False)]
 
     expected = run(LLM(str(tp_model_dir), num_gpu_blocks=256, block_size=4, preemption_mode="recompute"))
     llm = LLM(str(tp_model_dir), num_gpu_blocks=40, num_cpu_blocks=20, block_size=4, tensor_parallel_size=2,

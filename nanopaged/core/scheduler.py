@@ -44,11 +44,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..engine.events import Preempted, RequestAdded, RequestFinished, scheduled_events
-from ..engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+from ..engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, GrammarOutput,
                        ModelRunnerOutput, NewRequestData, PreemptionCosts, SchedulerOutput)
 from .beam_search import BeamState, beam_search_step
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceGroup, SequenceStatus
+from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +109,16 @@ class Scheduler:
             placeholder for that token, and num_computed_tokens counts a step's tokens
             as soon as it is scheduled; update_from_output reconciles. The runner then
             appends its own samples, so they are not sent back to it.
+        structured_output_manager: compiles the matchers of requests with
+            structured outputs and fills their bitmasks (structured_output.py); None
+            makes such requests a ValueError at add_request.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
                  preemption_mode: str = "recompute", costs: PreemptionCosts | None = None,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.block_manager = block_manager
         self.observers = block_manager.observers         # one event stream (events.py)
         self.max_num_seqs = max_num_seqs
@@ -123,6 +128,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.costs = costs
         self.async_scheduling = async_scheduling
+        self.structured_output_manager = structured_output_manager
         # the last scheduled step decides something the next schedule() depends on (see
         # can_schedule_ahead)
         self._waits_for_output = False
@@ -148,7 +154,8 @@ class Scheduler:
 
         Raises:
             ValueError: request_id already in use; a prompt needing more KV blocks than
-                the whole pool. Nothing is queued then.
+                the whole pool; structured outputs that do not compile, or with beam
+                search. Nothing is queued then.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
@@ -160,6 +167,13 @@ class Scheduler:
         beam = request.beam_search
         n = beam.beam_width if beam is not None else request.sampling_params.n
         seqs = [Sequence(next(self._seq_ids), i, request.prompt_token_ids, bs) for i in range(n)]
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if beam is not None or self.structured_output_manager is None:
+                raise ValueError("structured_outputs work with sampling only, not with beam search"
+                                 if beam is not None else "this scheduler has no StructuredOutputManager")
+            for seq in seqs:       # each its own matcher: the n samples diverge
+                seq.grammar = self.structured_output_manager.grammar_for(constraint, request.eos_token_ids)
         group = SequenceGroup(request, seqs)
         group.beam_state = BeamState(beam) if beam is not None else None
         self.requests[request.request_id] = group
@@ -380,6 +394,8 @@ class Scheduler:
                 self._runner_knows[seq.seq_id] = seq.num_tokens
             if not samples:
                 continue                     # a chunk: nobody samples yet
+            if seq.grammar is not None:
+                out.structured_output_seq_ids += [seq.seq_id, *(f.seq_id for f in s.forks)]
             if s.seq_group.beam_state is not None or s.forks:
                 self._waits_for_output = True
             for fork in s.forks:             # samples only: its blocks come when it forks
@@ -406,6 +422,17 @@ class Scheduler:
         """Tokens of a prefill computed this step: all of them, or with chunked prefill
         as many as the budget has left (a decode is 1 token: never cut)."""
         return min(num_tokens, max(budget, 0)) if self.enable_chunked_prefill else num_tokens
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput:
+        """The token masks of the constrained rows of a scheduled step, from their
+        matchers as they are now. Call it once every step before this one has been taken
+        in (update_from_output): with async scheduling that is after the forward of
+        this step has started, so the mask is filled while the forward runs (vLLM v1)."""
+        grammars = {}
+        for seq_id in scheduler_output.structured_output_seq_ids:
+            seq = self._seqs.get(seq_id, (None,))[0]
+            grammars[seq_id] = seq.grammar if seq is not None and not seq.status.is_finished else None
+        return self.structured_output_manager.grammar_bitmask(scheduler_output, grammars)
 
     def _ends_in_flight(self, seq: Sequence, group: SequenceGroup) -> bool:
         """Async scheduling: the token a step in flight samples for seq is surely its
@@ -531,6 +558,15 @@ class Scheduler:
         seq.append_token(token)
         self.num_generated_tokens += 1
         self._check_stop(seq, group)
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            # cannot happen when the step's mask was applied; if it does, the output has
+            # left the language and no mask can bring it back: end it, say why
+            logger.error("request %r: token %d breaks its structured output (%s); aborting it",
+                         group.request_id, token, seq.grammar.error())
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        elif seq.grammar is not None and seq.grammar.terminated:
+            # the language allows nothing more: "stop", even on the max_tokens-th token
+            seq.status = SequenceStatus.FINISHED_STOPPED
         if seq.status.is_finished:
             self._finish_seq(seq, seq.status)        # its siblings may run on
         result.outputs.append(EngineCoreOutput(
@@ -541,7 +577,8 @@ class Scheduler:
     def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
         """In this order: eos (unless ignore_eos) or a stop token id, once min_tokens are
         out; then max_tokens; then max_model_len (vLLM's rule: stop once prompt + output
-        reach it, so a prompt of exactly max_model_len tokens still gets one token)."""
+        reach it, so a prompt of exactly max_model_len tokens still gets one token).
+        (A structured output also stops once its grammar is complete: _append_token.)"""
         params, token = group.sampling_params, seq.output_token_ids[-1]
         num_out = len(seq.output_token_ids)
         if num_out >= params.min_tokens and (

@@ -68,6 +68,8 @@ class Sequence:
         num_output_placeholders: with async scheduling, tokens that steps in flight will
             sample for it (0, 1 or 2); num_computed_tokens then already counts the
             positions those steps compute (chapters/16-async-scheduling.md).
+        grammar: its structured-output matcher (structured_output.Grammar), which has
+            read every token of output_token_ids; None for an unconstrained request.
     No text and no random generator: strings live in the OutputProcessor, generators
     in the model runner (messages.py says why).
     """
@@ -87,6 +89,7 @@ class Sequence:
         # async scheduling: tokens sampled by steps in flight, not yet appended (vLLM v1's
         # Request.num_output_placeholders); 0 when the engine runs synchronously
         self.num_output_placeholders = 0
+        self.grammar = None
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, num_tokens={self.num_tokens}, "

@@ -2,12 +2,18 @@
 
 It owns the scheduler (with the block manager) and the executor (the workers, each
 with its model runner: one in this process, or one process per tensor-parallel rank),
-and nothing else: no tokenizer, no strings. One `step()` is one forward pass over one batch (the
-PagedAttention paper §4.5; vLLM v1's `EngineCore.step`):
+and nothing else: no tokenizer, no strings (one exception: structured outputs, whose
+StructuredOutputManager needs each token's bytes to build its masks, so it loads the
+tokenizer on the first constrained request, as vLLM's does; chapter 18). One `step()`
+is one forward pass over one batch (the PagedAttention paper §4.5; vLLM v1's
+`EngineCore.step`):
 
     scheduler_output = self.scheduler.schedule()                    # who runs, which blocks
     runner_output = self.executor.execute_model(scheduler_output)   # copy, forward, sample
     return self.scheduler.update_from_output(scheduler_output, runner_output)   # append, stop, free
+
+(a step with structured outputs samples in a second call, sample_tokens, with the token
+masks the scheduler made meanwhile).
 
 With `async_scheduling` (vLLM v1's `EngineCore.step_with_batch_queue`) the forward runs
 in a worker thread, and `step()` schedules the next step while it does (torch releases
@@ -37,6 +43,7 @@ import torch
 
 from ..core.block_manager import BlockManager
 from ..core.scheduler import Scheduler
+from ..core.structured_output import StructuredOutputManager
 from ..model.llama import LlamaConfig, check_tensor_parallel
 from ..model.parallel_layers import shard_heads
 from ..worker.executor import Executor
@@ -56,7 +63,13 @@ class _InFlight:
     """A step whose forward was handed to the worker thread (async scheduling)."""
 
     scheduler_output: SchedulerOutput
-    future: Future          # of the ModelRunnerOutput
+    future: Future                   # of execute_model: a ModelRunnerOutput, or None
+    sampling: Future | None = None   # of sample_tokens, for a step with structured outputs
+
+    def result(self):
+        """Wait for the step's ModelRunnerOutput; raises what its forward raised."""
+        output = self.future.result()
+        return output if output is not None else self.sampling.result()
 
 
 class EngineCore:
@@ -89,9 +102,11 @@ class EngineCore:
         self.block_manager = BlockManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
                                           num_cpu_blocks, self.observers)
         costs = self.executor.measure_preemption_costs() if config.preemption_mode == "auto" else None
+        self.structured_output_manager = StructuredOutputManager(model_path, model_config.vocab_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill,
-                                   config.preemption_mode, costs, config.async_scheduling)
+                                   config.preemption_mode, costs, config.async_scheduling,
+                                   self.structured_output_manager)
         self.num_steps = 0
         # async scheduling: one worker thread runs the forwards, in the order given
         self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="nanopaged-forward")
@@ -153,6 +168,8 @@ class EngineCore:
             return self._step_async()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
+        if runner_output is None:            # structured outputs: sample with their masks
+            runner_output = self.executor.sample_tokens(self.scheduler.get_grammar_bitmask(scheduler_output))
         self.num_steps += 1
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
@@ -164,8 +181,9 @@ class EngineCore:
                 ahead = self.scheduler.schedule()      # overlaps prev's forward
             if prev is None:
                 self._in_flight = self._submit(ahead)
+                self._submit_sampling(self._in_flight)
                 return EngineCoreOutputs()
-            runner_output = prev.future.result()
+            runner_output = prev.result()
         except BaseException:                          # the forward raised, or Ctrl-C here
             if prev is not None:
                 self._recover(prev, ahead)
@@ -181,13 +199,20 @@ class EngineCore:
         # the caller's detokenizing overlap it. It comes only now, after prev succeeded:
         # the runner feeds ahead's decodes with the tokens prev sampled.
         self._in_flight = self._submit(ahead)
-        outputs = self.scheduler.update_from_output(prev.scheduler_output, runner_output)
+        try:
+            outputs = self.scheduler.update_from_output(prev.scheduler_output, runner_output)
+        finally:
+            # ahead's constrained rows: their masks need prev's tokens, which the
+            # matchers have just read; filled while ahead's forward runs, then its
+            # sampling is queued behind the forward (vLLM v1 does the same)
+            self._submit_sampling(self._in_flight)
         self.num_steps += 1
         if ahead is None and self.scheduler.has_unfinished_requests():
             # prev decided what this step depends on: scheduled after its output (the
             # fallback of Scheduler.can_schedule_ahead); its forward still overlaps
             # the caller's work on these outputs
             self._in_flight = self._submit(self.scheduler.schedule())
+            self._submit_sampling(self._in_flight)
         return outputs
 
     def _submit(self, scheduler_output: SchedulerOutput | None) -> _InFlight | None:
@@ -195,12 +220,26 @@ class EngineCore:
             return None
         return _InFlight(scheduler_output, self._forward_thread.submit(self.executor.execute_model, scheduler_output))
 
+    def _submit_sampling(self, step: _InFlight | None) -> None:
+        """Queue the second half of a step with structured-output rows (sample_tokens),
+        with masks from the matchers as they are now. The one forward thread runs it
+        after the step's forward."""
+        if step is None or not step.scheduler_output.structured_output_seq_ids or step.sampling is not None:
+            return
+        try:
+            grammar = self.scheduler.get_grammar_bitmask(step.scheduler_output)
+        except BaseException as e:         # the step then fails as a forward would
+            step.sampling = Future()
+            step.sampling.set_exception(e)
+            return
+        step.sampling = self._forward_thread.submit(self.executor.sample_tokens, grammar)
+
     def _recover(self, failed: _InFlight, ahead: SchedulerOutput | None) -> None:
         """The forward of `failed` raised (or the wait for it was interrupted): wait
         until the worker is idle, carry out what `ahead` (never run) asked besides its
         forward (block copies and swaps, forgetting finished sequences), then send the
         requests of both steps back to the waiting queue (Scheduler.reset_after_failure)."""
-        wait([failed.future])
+        wait([f for f in (failed.future, failed.sampling) if f is not None])
         if ahead is not None and getattr(self.executor, "dead_reason", None) is None:
             self.executor.execute_model(SchedulerOutput(
                 blocks_to_copy=ahead.blocks_to_copy, blocks_to_swap_out=ahead.blocks_to_swap_out,

@@ -7,6 +7,7 @@ them:
 
     Processor            --EngineCoreRequest-->   EngineCore          (tokens in)
     Scheduler.schedule   --SchedulerOutput-->     ModelRunner         (what to compute)
+    StructuredOutputManager --GrammarOutput-->  ModelRunner.sample_tokens (token masks)
     ModelRunner          --ModelRunnerOutput-->   Scheduler.update_from_output
     EngineCore           --EngineCoreOutputs-->   OutputProcessor     (tokens out)
     OutputProcessor      --RequestOutput-->       the user            (outputs.py)
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+import torch
 
 from .sampling_params import SamplingParams
 
@@ -128,6 +131,10 @@ class SchedulerOutput:
         blocks_to_swap_out / blocks_to_swap_in: (device, cpu) / (cpu, device) block pairs,
             copied before the forward (swap preemption).
         finished_seq_ids: sequences that left since the last step; the runner forgets them.
+        structured_output_seq_ids: the sequences with structured outputs that sample
+            this step (forks included), in the order of the GrammarOutput's rows. When
+            it is not empty, the runner's execute_model stops after the forward and
+            sample_tokens(GrammarOutput) samples (vLLM v1's split of the step).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -139,11 +146,28 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     finished_seq_ids: set[int] = field(default_factory=set)
+    structured_output_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         """True when the step computes no token (copies and swaps may still be due)."""
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class GrammarOutput:
+    """The token masks of one step's constrained rows (vLLM v1's GrammarOutput), made
+    by the core after the step's schedule (StructuredOutputManager.grammar_bitmask)
+    and handed to the runner's sample_tokens.
+
+    Attributes:
+        structured_output_seq_ids: the sequence of each row.
+        grammar_bitmask: [len(seq_ids), ceil(vocab_size / 32)] int32 on the CPU; bit j
+            of word w is token 32 * w + j, 1 = allowed.
+    """
+
+    structured_output_seq_ids: list[int]
+    grammar_bitmask: torch.Tensor
 
 
 # -- ModelRunner -> Scheduler ------------------------------------------------------------

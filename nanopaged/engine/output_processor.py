@@ -193,8 +193,9 @@ class OutputProcessor:
         params = state.params
         ids = out.new_token_ids
         # vLLM v1: the eos / stop token id that ended a sequence is kept in token_ids but
-        # not decoded into the text, unless include_stop_str_in_output.
-        stop_terminated = out.finish_reason is FinishReason.STOP and ids
+        # not decoded into the text, unless include_stop_str_in_output. (A structured
+        # output whose grammar completed stops on a token of its text: stop_reason None.)
+        stop_terminated = out.finish_reason is FinishReason.STOP and ids and out.stop_reason is not None
         to_decode = ids[:-1] if stop_terminated and not params.include_stop_str_in_output else ids
         num_before = len(comp.token_ids)
         comp.token_ids.extend(ids)

@@ -3,7 +3,8 @@
 Everything a request can get wrong is found here, before the core does any work for
 it: the prompt is tokenized (or the chat template applied), its token ids and length are
 checked against the model, and the SamplingParams against the vocabulary and
-max_model_len. What leaves is tokens and numbers only; the core never sees a string.
+max_model_len. What leaves is tokens and numbers only; the core never sees a string
+(but a structured-output spec, a schema or regex, which it compiles: chapter 18).
 vLLM: `vllm/v1/engine/processor.py`.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import time
 
+from ..core import structured_output
 from ..core.beam_search import BeamSearchParams, num_candidates
 from .messages import EngineCoreRequest
 from .sampling_params import SamplingParams
@@ -71,8 +73,9 @@ class Processor:
             TypeError: a prompt, request_id or params of the wrong type.
             ValueError: an empty prompt; a token id outside the vocabulary; a prompt
                 longer than max_model_len; a SamplingParams field the model cannot honour
-                (a token id outside the vocabulary, too many logprobs). The message
-                names field and value. (max_tokens past max_model_len is no error: the
+                (a token id outside the vocabulary, too many logprobs); structured
+                outputs that do not compile (llguidance's message, with the position).
+                The message names field and value. (max_tokens past max_model_len is no error: the
                 sequence ends with finish_reason "length" at max_model_len.)
         """
         if not isinstance(request_id, str):
@@ -120,6 +123,8 @@ class Processor:
 
     def _check_params(self, params: SamplingParams) -> None:
         params.check_against_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            structured_output.validate(params.structured_outputs)   # compiles? (a few ms)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > MAX_LOGPROBS:

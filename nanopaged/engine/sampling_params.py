@@ -7,6 +7,7 @@ written against vLLM's offline API runs here unchanged:
     SamplingParams(temperature=0.0, max_tokens=32)   # greedy
     SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
     SamplingParams(repetition_penalty=1.2, stop=["\\n\\n"], logprobs=5)
+    SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
 
 Every value is checked when the object is built, so a bad request fails before the
 engine does any work for it; the error names the field and the value. Two checks need
@@ -29,6 +30,78 @@ _MAX_LOGIT_BIAS = 100.0
 # OpenAI's range for presence_penalty and frequency_penalty, which vLLM also enforces.
 _MAX_OPENAI_PENALTY = 2.0
 _INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
+
+
+@dataclass(kw_only=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a language (vLLM's `StructuredOutputsParams`).
+
+    Set exactly one of:
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value
+            that validates against it.
+        regex: a regular expression (Rust `regex` syntax, as llguidance reads it): the
+            whole output matches it.
+        choice: a non-empty list of str: the output is exactly one of them.
+        grammar: a context-free grammar, in Lark syntax (`start: ...`) or llama.cpp's
+            GBNF / EBNF (`root ::= ...`).
+        json_object: True: any JSON object (the OpenAI server's `json_object`).
+    and optionally, for json / json_object:
+        disable_any_whitespace: no whitespace at all between JSON tokens (compact
+            JSON). By default a bounded run is allowed there: up to 4 spaces, or one
+            line break and up to 32 spaces of indent (vLLM allows any run, which a
+            small model may fill with newlines until max_tokens: see
+            structured_output.DEFAULT_JSON_WHITESPACE).
+        whitespace_pattern: a regex the whitespace between JSON tokens must match
+            instead (e.g. r"[ ]?", or vLLM's r"[ \t\n\r]*"); overrides
+            disable_any_whitespace.
+
+    The engine compiles the constraint with llguidance (core/structured_output.py)
+    and masks every token that would leave the language before each sampling step.
+    Here only the shape is checked; whether a schema, regex or grammar compiles is
+    checked when the request is added (Processor), before any generation.
+
+    Raises:
+        ValueError: none or several kinds set, or a value of the wrong type; the
+            message names the field.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError("StructuredOutputsParams needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {kinds or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"StructuredOutputsParams.json must be a JSON schema (a dict or its JSON "
+                             f"text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty str, got {value!r}")
+        if self.choice is not None:
+            if not _is_list_of(self.choice, lambda c: isinstance(c, str)) or not self.choice:
+                raise ValueError(f"StructuredOutputsParams.choice must be a non-empty list of str, "
+                                 f"got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"StructuredOutputsParams.json_object must be a bool, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("StructuredOutputsParams.disable_any_whitespace must be a bool, "
+                             f"got {self.disable_any_whitespace!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
 
 
 class RequestOutputKind(enum.Enum):
@@ -88,6 +161,11 @@ class SamplingParams:
             clamped to [-100, 100] as vLLM does.
         allowed_token_ids: a non-empty list; only these tokens can be sampled.
         output_kind: a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY).
+        structured_outputs: a StructuredOutputsParams, or None: the output must follow
+            a JSON schema, regex, choice or grammar (constrained decoding). The request
+            ends with finish_reason "stop" when the constraint is complete; if
+            max_tokens comes first it ends with "length" and the text is cut off
+            mid-structure (not valid JSON, say), as in vLLM.
 
     Raises:
         ValueError: a value out of range; the message names the field and the value.
@@ -117,6 +195,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by update_from_tokenizer (the engine's Processor), derived from the above.
     # _all_stop_token_ids: the ids min_tokens holds back (stop_token_ids, plus the eos
     # ids unless ignore_eos). _bad_words_token_ids: None until bad_words are tokenized.
@@ -190,6 +269,9 @@ class SamplingParams:
                                for t, b in self.logit_bias.items()}
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "a RequestOutputKind")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
         self._stop_ids = self._all_stop_token_ids = frozenset(self.stop_token_ids or ())
 
     def check_against_vocab(self, vocab_size: int) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from ..engine.sampling_params import RequestOutputKind, SamplingParams
+from ..engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("nanopaged.entrypoints.serve")
 
@@ -39,6 +39,36 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    """OpenAI's response_format.json_schema: a name and the schema (strict is accepted;
+    the output always follows the schema here)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON
+    object) or "json_schema" (a JSON value valid against json_schema.schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(OpenAIBaseModel):
+    """vLLM's `structured_outputs` request field: the StructuredOutputsParams keys."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -63,6 +93,15 @@ class _SamplingFields(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None                   # accepted, ignored
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the
+    # guided_* fields vLLM had before it (all map onto StructuredOutputsParams)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         bias = None
@@ -73,6 +112,7 @@ class _SamplingFields(OpenAIBaseModel):
                 raise ValueError(f"logit_bias keys must be token ids (integers as strings), "
                                  f"got {list(self.logit_bias)!r}") from None
         kw = dict(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                  structured_outputs=self._structured_outputs(),
                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                   logit_bias=bias, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                   skip_special_tokens=self.skip_special_tokens, output_kind=RequestOutputKind.DELTA)
@@ -80,6 +120,44 @@ class _SamplingFields(OpenAIBaseModel):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         return kw
+
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The request's constraint, from whichever field gave it. Raises ValueError for
+        a json_schema response_format without a schema, or for constraints given twice
+        (say response_format and guided_regex: StructuredOutputsParams names them)."""
+        kw: dict[str, Any] = {}
+        given: list[str] = []
+
+        def put(source: str, key: str, value) -> None:
+            if value is not None and value is not False:
+                given.append(source)
+                kw[key] = value
+
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            for key, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                               ("grammar", so.grammar), ("json_object", so.json_object)):
+                put(f"structured_outputs.{key}", key, value)
+            kw["disable_any_whitespace"] = so.disable_any_whitespace
+            if so.whitespace_pattern is not None:
+                kw["whitespace_pattern"] = so.whitespace_pattern
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            put("response_format", "json_object", True)
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format: type 'json_schema' needs json_schema.schema")
+            put("response_format", "json", rf.json_schema.schema_)
+        for key in ("json", "regex", "choice", "grammar"):
+            put(f"guided_{key}", key, getattr(self, f"guided_{key}"))
+        if self.guided_whitespace_pattern is not None:
+            kw["whitespace_pattern"] = self.guided_whitespace_pattern
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(f"structured outputs given more than once ({', '.join(given)}): set one of them")
+        return StructuredOutputsParams(**kw)
 
 
 class CompletionRequest(_SamplingFields):

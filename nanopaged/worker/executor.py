@@ -39,12 +39,13 @@ import torch
 import zmq
 
 from ..engine.engine_core_client import EngineDeadError, die_with_parent, exit_reason
-from ..engine.messages import ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from ..engine.messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
 from .worker import Worker, init_process_group
 
 EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("NANOPAGED_EXECUTE_MODEL_TIMEOUT_S", "300"))
 _STARTUP_TIMEOUT_S = 600.0      # loading a shard and building the kernels, at most
 _SEND_TIMEOUT_MS = 5000
+_STEP_METHODS = ("execute_model", "sample_tokens")     # answered with a ModelRunnerOutput (or None)
 
 
 class Executor:
@@ -69,9 +70,15 @@ class Executor:
         """Call Worker.<method>(*args) on every rank; their results in rank order."""
         raise NotImplementedError
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on every rank; rank 0's ModelRunnerOutput."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step on every rank; rank 0's ModelRunnerOutput, or None when the step has
+        structured-output rows: then sample_tokens finishes it."""
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
+
+    def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
+        """Sample the step execute_model left waiting, with its rows' token masks, on
+        every rank; rank 0's ModelRunnerOutput."""
+        return self.collective_rpc("sample_tokens", (grammar_output,))[0]
 
     def measure_preemption_costs(self) -> PreemptionCosts:
         """Rank 0's measurement (every rank runs it: the timed forward is collective)."""
@@ -271,7 +278,7 @@ class MultiprocExecutor(Executor):
             elif time.monotonic() > deadline:
                 self._fail(f"tensor-parallel workers {sorted(pending)} gave no answer to {method} "
                            f"within {timeout:.0f} s")
-        if method == "execute_model":
+        if method in _STEP_METHODS and results[0] is not None:
             sampled = results[0].sampled_token_ids
             for rank in range(1, self.world_size):
                 if results[rank] != sampled:
@@ -372,12 +379,12 @@ class WorkerProc:
                                   execute_seconds=self.execute_seconds)
                 else:
                     result = getattr(self.worker, method)(*args)
-                if method == "execute_model" and self.rank != 0:
+                if method in _STEP_METHODS and self.rank != 0 and result is not None:
                     result = result.sampled_token_ids     # for the check that ranks agree
                 ok = True
             except BaseException:
                 result, ok = traceback.format_exc(), False
-            if method == "execute_model":
+            if method in _STEP_METHODS:
                 self.execute_seconds += time.monotonic() - start
             self.output.send(pickle.dumps((call_id, self.rank, ok, result), protocol=pickle.HIGHEST_PROTOCOL))
             if not ok:      # the group's collectives are out of step now: the engine ends us all

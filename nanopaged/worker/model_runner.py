@@ -15,7 +15,9 @@ Each step it:
    (`slot_mapping`), its block table and its context length (`seq_lens`),
 4. runs the model over all those tokens at once,
 5. takes the hidden state of each sequence's last token, computes logits only there (in
-   fp32), and samples; plus prompt logprobs where a request asked for them.
+   fp32), and samples; plus prompt logprobs where a request asked for them. A step
+   with structured outputs samples in a second call, `sample_tokens`, once the core
+   has sent the token masks (a GrammarOutput) of its constrained rows.
 6. with async scheduling, appends what it sampled to its own record: the next step was
    scheduled before these tokens were known, so it feeds them itself (vLLM v1's runner
    does the same). Without it the scheduler sends each sampled token back next step.
@@ -35,12 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.messages import Logprobs, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from ..engine.messages import GrammarOutput, Logprobs, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
 from ..engine.sampling_params import SamplingParams
 from ..model.llama import LlamaForCausalLM
 from .attention import AttentionMetadata
 from .kernels import TorchBackend
-from .sampler import Sampler, SamplingMetadata, compute_logprobs
+from .sampler import Sampler, SamplingMetadata, apply_grammar_bitmask, compute_logprobs
 
 
 @dataclass
@@ -137,6 +139,7 @@ class ModelRunner:
         # Seeded streams outlive a SeqState: a sequence re-sent in full after a
         # preemption goes on drawing where it was, so preemption never changes samples.
         self.generators: dict[int, torch.Generator] = {}
+        self._pending = None       # (ModelInput, logits, output) of a step awaiting sample_tokens
 
     @staticmethod
     def kv_cache_bytes_per_block(model_config, block_size: int, dtype: torch.dtype,
@@ -237,8 +240,12 @@ class ModelRunner:
                           prompt_logprob_rows=prompt_rows)
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Update state, copy blocks, run the forward pass, sample."""
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Update state, copy blocks, run the forward pass, sample. When the step has
+        rows with structured outputs (so.structured_output_seq_ids), stop after the
+        logits and return None: sample_tokens(GrammarOutput) samples once their masks
+        are made, which the core does while this forward runs (vLLM v1's split)."""
+        self._pending = None
         self._update_states(so)
         if so.blocks_to_swap_out:       # first: their device blocks may be reused now
             self.swap_blocks(self.kv_cache, self.cpu_kv_cache, so.blocks_to_swap_out)
@@ -254,6 +261,28 @@ class ModelRunner:
         if not inp.sampled_seq_ids:
             return out
         logits = self.model.compute_logits(hidden[inp.logits_indices]).float()   # [num_sampled, vocab]
+        if so.structured_output_seq_ids:
+            self._pending = (inp, logits, out)
+            return None
+        return self._sample(inp, logits, out)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
+        """Finish the step execute_model left at its logits: mask every constrained
+        row (sampler.apply_grammar_bitmask), then sample all rows.
+
+        Raises:
+            RuntimeError: no step is waiting for its masks.
+        """
+        if self._pending is None:
+            raise RuntimeError("sample_tokens: execute_model left no step waiting for its grammar bitmask")
+        (inp, logits, out), self._pending = self._pending, None
+        row_of = {seq_id: i for i, seq_id in enumerate(inp.sampled_seq_ids)}
+        rows = [row_of[i] for i in grammar_output.structured_output_seq_ids]
+        apply_grammar_bitmask(logits, rows, grammar_output.grammar_bitmask.to(self.device))
+        return self._sample(inp, logits, out)
+
+    def _sample(self, inp: ModelInput, logits: torch.Tensor, out: ModelRunnerOutput) -> ModelRunnerOutput:
         states = [self.seqs[i] for i in inp.sampled_seq_ids]
         meta = SamplingMetadata.build(inp.sampled_seq_ids, [s.sampling_params for s in states],
                                       [self.generators.get(i) for i in inp.sampled_seq_ids],

@@ -1,7 +1,8 @@
 """Sampler: turn each sequence's last-position logits into its next token.
 
 Batched over the step's sequences (one row each), each with its own SamplingParams. The
-order is vLLM v1's (`vllm/v1/sample/sampler.py`):
+order is vLLM v1's (`vllm/v1/sample/sampler.py`), after the runner has masked the rows
+with structured outputs (`apply_grammar_bitmask`, below; chapter 18):
 
     1. raw logprobs        log_softmax of the model's logits, for rows that want logprobs
     2. logits processors   allowed_token_ids, bad_words, min_tokens (mask to -inf),
@@ -220,6 +221,28 @@ def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) ->
         top = logprobs.topk(k, dim=-1)
         ids, values = torch.cat([ids, top.indices], dim=-1), torch.cat([values, top.values], dim=-1)
     return Logprobs(ids.tolist(), values.tolist(), ranks.tolist())
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Structured outputs: set to -inf, in place, the logit of every token the grammar
+    forbids in the given rows (core/structured_output.py makes the masks).
+
+    logits: [num_rows, vocab] float32; rows: the logits row of each mask row;
+    bitmask: [len(rows), ceil(vocab / 32)] int32 on the logits' device, bit j of word w
+    = token 32 * w + j, 1 = allowed (llguidance's layout). Tokens past the mask's width
+    are forbidden. Runs before the sampler, so everything after it (logprobs, penalties,
+    temperature, top-k/p) sees the masked distribution, as in vLLM's model runner; a
+    mask always allows at least one token, so no row is left all -inf by it.
+    """
+    if not rows:
+        return
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)    # [len(rows), 32 * words]
+    vocab = logits.shape[-1]
+    if allowed.shape[-1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[-1]))
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,

@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch
 
-from ..engine.messages import ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from ..engine.messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
 from ..model.llama import LlamaConfig, load_model
 from ..model.parallel_layers import TPGroup
 from .kernels import TorchBackend, get_attn_backend
@@ -86,9 +86,14 @@ class Worker:
         self.model_runner = ModelRunner(self.model, num_gpu_blocks, self.config.block_size, self.config.seed,
                                         num_cpu_blocks, attn_backend, self.config.async_scheduling)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on this rank (every rank computes the same ModelRunnerOutput)."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step on this rank (every rank computes the same ModelRunnerOutput);
+        None when its structured-output rows wait for sample_tokens."""
         return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
+        """Sample the step execute_model left waiting for its structured-output masks."""
+        return self.model_runner.sample_tokens(grammar_output)
 
     def measure_preemption_costs(self) -> PreemptionCosts:
         """ModelRunner.measure_preemption_costs on this rank (every rank must run it:
