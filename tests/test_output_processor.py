@@ -3,6 +3,8 @@
 The tiny tokenizer splits "Hello, my name is nanopaged." into
 'Hello' ',' ' my' ' nam' 'e' ' is' ' nanop' 'aged' '.', so "name is" spans three tokens.
 """
+import tempfile
+
 import pytest
 
 from nanopaged.core.beam_search import BeamSearchParams
@@ -294,3 +296,15 @@ def test_spaces_between_special_tokens_glues_consecutive_special_tokens():
     assert stream(skip_special_tokens=False, spaces_between_special_tokens=False) == [
         "hello", " <a>", "<b>", " world"]
     assert stream(skip_special_tokens=True) == ["hello", "", "", " world"]
+
+
+def test_a_prompt_ending_inside_a_character_never_leaks_into_the_output():
+    """The prompt context seeds the decode stream; if it ends in half a UTF-8 character,
+    the output's text must still hold only output text (found by bench.py's random
+    prompts: the first output token brought the last prompt words with it)."""
+    tok = make_tiny_tokenizer(tempfile.mkdtemp())
+    head, tail = tok.encode("é", add_special_tokens=False)          # two byte tokens, no merge
+    prompt = tok.encode("Hello, my name is", add_special_tokens=False) + [head]
+    d = IncrementalDetokenizer(tok, prompt)
+    text = "".join(d.step(t) for t in [tail] + tok.encode(" Paris", add_special_tokens=False))
+    assert "name" not in text and text.endswith(" Paris")

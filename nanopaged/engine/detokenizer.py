@@ -44,8 +44,13 @@ class IncrementalDetokenizer:
                  spaces_between_special_tokens: bool = True) -> None:
         self._backend = tokenizer.backend_tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stream = DecodeStream(ids=list(prompt_token_ids[-_PROMPT_CONTEXT:]),
-                                    skip_special_tokens=skip_special_tokens)
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        # A prompt that ends inside a multi-byte character (a cut emoji, or random ids)
+        # would make the stream return the context's text along with the first output
+        # token once that character completes: drop such trailing tokens from the context
+        while context and self._backend.decode(context, skip_special_tokens=False).endswith("\ufffd"):
+            context.pop()
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         # id -> content of every added token, only needed to glue special tokens together
         self._added: dict[int, str] = {}
         if not skip_special_tokens and not spaces_between_special_tokens:
