@@ -1,0 +1,50 @@
+"""A tiny random Llama for the tests, the chapters' snippets and the exercises: 2 layers,
+hidden size 64, a byte-level BPE tokenizer of 320 ids with a chat template, saved the
+way Hugging Face saves a model. The engine runs it in milliseconds; its answers are
+gibberish, which is fine for watching the machinery.
+"""
+from __future__ import annotations
+
+import torch
+
+TINY_VOCAB = 320
+
+
+def make_tiny_tokenizer(folder):
+    """A byte-level BPE tokenizer with TINY_VOCAB ids (id 0 = <eos>), saved in `folder`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["The capital of France is Paris.", "Hello, my name is nanopaged.",
+            "Paged attention splits the KV cache into blocks."] * 20
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_tiny_llama(folder, *, tie=True, seed=0, **overrides):
+    """Save a random transformers LlamaForCausalLM + tokenizer in `folder`; return the model.
+
+    initializer_range 0.3 (not 0.02) gives peaked logits, so greedy decoding has clear
+    winners and token-for-token comparisons are meaningful.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              tie_word_embeddings=tie, initializer_range=0.3, eos_token_id=0,
+              bos_token_id=None, pad_token_id=None)
+    kw.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    model.save_pretrained(folder)
+    make_tiny_tokenizer(folder)
+    return model

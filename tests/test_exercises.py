@@ -1,0 +1,62 @@
+"""The course's exercises (python -m nanopaged.exercise; nanopaged/exercises/): every
+checker can fail and can pass. For each exercise the untouched stub fails its check
+and the reference solution (the engine's own code) passes it, in this process, the way
+`check` runs them. Plus the command line, once, as a student meets it."""
+import subprocess
+import sys
+
+import pytest
+
+from nanopaged.entrypoints.exercise import exercise_file, reference_source, run_checks, stub_source
+from nanopaged.exercises import SWAPS, all_exercises
+
+EXERCISES = all_exercises()
+
+
+def test_there_is_an_exercise_per_chapter():
+    from pathlib import Path
+    chapters = sorted(p.name for p in (Path(__file__).parent.parent / "chapters").glob("[0-9][0-9]-*.md"))
+    assert sorted(ex.CHAPTER for ex in EXERCISES.values()) == chapters
+
+
+@pytest.mark.parametrize("number", list(EXERCISES))
+def test_the_stub_fails_and_the_reference_passes(number, tmp_path):
+    ex = EXERCISES[number]
+    path = exercise_file(ex, tmp_path)
+    path.write_text(stub_source(ex))
+    stub = run_checks(ex, path)
+    assert stub and all(why is not None for _, why in stub), f"the stub passes {[w for w, y in stub if y is None]}"
+    assert not SWAPS                                    # the engine's own functions are back
+    if ex.TARGETS:
+        path.write_text(reference_source(ex))
+    else:                                               # a prediction: the engine's own answers
+        path.write_text("\n".join(f"{k}: {v}" for k, v in ex.run_engine().items()))
+    reference = run_checks(ex, path)
+    assert all(why is None for _, why in reference), [(w, y) for w, y in reference if y is not None]
+    assert not SWAPS
+
+
+def test_the_command_line_start_check_hint_reset(tmp_path):
+    def run(*args):
+        proc = subprocess.run([sys.executable, "-m", "nanopaged.exercise", *args, "--dir", str(tmp_path)],
+                              capture_output=True, text=True, timeout=300)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    code, out = run("list")
+    assert code == 0 and "BlockTable" in out and "not started" in out
+    code, out = run("start", "1")
+    assert code == 0 and (tmp_path / "ex01_block_table.py").exists()
+    code, out = run("check", "1")
+    assert code == 1 and "FAIL" in out and "not written yet" in out and "0 of 4 checks pass" in out
+    (tmp_path / "ex01_block_table.py").write_text(reference_source(EXERCISES[1]).replace(
+        "return [ids[p // bs] * bs + p % bs for p in range(start, end)]",
+        "return [ids[p // bs] * bs + p % bs for p in range(start, end + 1)]"))       # one too many
+    code, out = run("check", "1")
+    assert code == 1 and "3 of 4 checks pass" in out and "positions 0..10" in out
+    code, out = run("hint", "1")
+    assert code == 0 and "block_size" in out
+    code, out = run("reset", "1")
+    assert code == 0 and (tmp_path / "ex01_block_table.py.bak").exists()
+    assert "NotImplementedError" in (tmp_path / "ex01_block_table.py").read_text()
+    code, out = run("check", "99")
+    assert code == 1 and "exercise number must be one of" in out
