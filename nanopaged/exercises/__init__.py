@@ -69,12 +69,15 @@ def engines_own():
 
 
 def run_tiny(prompts, params, **engine_args) -> list[list[tuple[list[int], str]]]:
-    """Run LLM.generate on the tiny model (block_size 4, 64 blocks unless given) and
-    return each request's (token_ids, finish_reason) per completion. Raises
-    AssertionError if a KV block is still held when everything has finished."""
+    """Run LLM.generate on the tiny model (block_size 4, 64 blocks, the PyTorch reference
+    attention backend, unless given) and return each request's (token_ids,
+    finish_reason) per completion. The reference backend: the exercises replace Python
+    functions, which the compiled kernels would bypass (and a check never waits for a
+    kernel build). Raises AssertionError if a KV block is still held when everything
+    has finished."""
     from nanopaged import LLM
 
-    engine_args = {"block_size": 4, "num_gpu_blocks": 64, **engine_args}
+    engine_args = {"block_size": 4, "num_gpu_blocks": 64, "attention_backend": "torch", **engine_args}
     llm = LLM(tiny_model_folder(), **engine_args)
     outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.get_stats()
