@@ -59,18 +59,6 @@ class ResponseFormat(OpenAIBaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsFields(OpenAIBaseModel):
-    """vLLM's `structured_outputs` request field: the StructuredOutputsParams keys."""
-
-    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    whitespace_pattern: str | None = None
-
-
 class _SamplingFields(OpenAIBaseModel):
     """The fields completions and chat share (OpenAI's, then vLLM's extra sampling ones)."""
 
@@ -96,7 +84,7 @@ class _SamplingFields(OpenAIBaseModel):
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the
     # guided_* fields vLLM had before it (all map onto StructuredOutputsParams)
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsFields | None = None
+    structured_outputs: dict[str, Any] | None = None     # StructuredOutputsParams' fields
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -134,14 +122,11 @@ class _SamplingFields(OpenAIBaseModel):
                 given.append(source)
                 kw[key] = value
 
-        if self.structured_outputs is not None:
-            so = self.structured_outputs
-            for key, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                               ("grammar", so.grammar), ("json_object", so.json_object)):
+        for key, value in (self.structured_outputs or {}).items():
+            if key in ("json", "regex", "choice", "grammar", "json_object"):
                 put(f"structured_outputs.{key}", key, value)
-            kw["disable_any_whitespace"] = so.disable_any_whitespace
-            if so.whitespace_pattern is not None:
-                kw["whitespace_pattern"] = so.whitespace_pattern
+            else:                   # the options, or an unknown key: StructuredOutputsParams says
+                kw[key] = value
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             put("response_format", "json_object", True)
@@ -153,11 +138,14 @@ class _SamplingFields(OpenAIBaseModel):
             put(f"guided_{key}", key, getattr(self, f"guided_{key}"))
         if self.guided_whitespace_pattern is not None:
             kw["whitespace_pattern"] = self.guided_whitespace_pattern
-        if not given:
+        if not given and not kw:
             return None
         if len(given) > 1:
             raise ValueError(f"structured outputs given more than once ({', '.join(given)}): set one of them")
-        return StructuredOutputsParams(**kw)
+        try:
+            return StructuredOutputsParams(**kw)
+        except TypeError as e:      # an unknown key of structured_outputs
+            raise ValueError(f"structured_outputs: {e}") from None
 
 
 class CompletionRequest(_SamplingFields):
