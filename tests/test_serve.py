@@ -256,6 +256,7 @@ def _post(http, path, body, **kw):
     ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "response_format": {"type": "json_object"}},
      400, ["more than once", "guided_choice", "response_format"]),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, 400, ["response_format"]),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regexx": "a"}}, 400, ["regexx"]),
 ])
 def test_bad_request_is_an_openai_error(http, path, body, status, words):
     r = _post(http, path, body)
