@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 

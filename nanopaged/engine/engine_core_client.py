@@ -27,7 +27,6 @@ vLLM: `vllm/v1/engine/core_client.py`, `vllm/v1/engine/core.py` (EngineCoreProc)
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import pickle
 import select
