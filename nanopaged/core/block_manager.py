@@ -353,6 +353,9 @@ class BlockManager:
                 self.observers.publish(BlockFreed(seq.seq_id, block_id, self.ref_count[block_id]))
 
     def _allocate_block(self) -> int:
+        """Take the least recently freed block off the free queue for one holder
+        (ref_count 1); a name it still had in the prefix cache is forgotten (evicted).
+        The caller has checked that a block is free (can_allocate, can_append_slots)."""
         block_id, _ = self.free_block_ids.popitem(last=False)   # least recently freed
         self._evict(block_id)
         self.ref_count[block_id] = 1

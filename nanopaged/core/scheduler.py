@@ -318,9 +318,13 @@ class Scheduler:
             self._add_running(group)
 
     def _schedule_waiting(self, step: _Step) -> None:
-        """Waiting requests, strictly in order (FCFS: never skip ahead of the head), and
-        only once nobody is swapped out. Not in a step that had to preempt: memory is
-        tight, admitting more would only cause more preemption (vLLM too)."""
+        """Waiting requests join the batch strictly in order (FCFS: never skip ahead of
+        the head) while the step has room: fewer than max_num_seqs running, token budget
+        left (step.budget; a lone sequence's prompt is cut to fit by _chunk) and free
+        blocks (can_allocate). Nobody joins while a request is swapped out, nor in a step
+        that had to preempt: memory is tight, admitting more would only cause more
+        preemption (vLLM too). A request the whole pool can never hold is finished
+        (_finish_too_long) instead of blocking the queue forever."""
         while (self.waiting and not step.preempted and not self.swapped
                and len(self.running) < self.max_num_seqs):
             group = self.waiting[0]
@@ -339,17 +343,23 @@ class Scheduler:
             if not self.block_manager.can_allocate(group, first_end):
                 break
             self.waiting.popleft()
-            forks = [s for s in group.get_seqs(SequenceStatus.WAITING) if s is not first and s not in rest]
-            self.block_manager.allocate(group, first_end)   # num_computed_tokens = cache hit
-            if not first.output_token_ids:
-                group.num_cached_tokens = first.num_computed_tokens
-            for seq in group.get_seqs(SequenceStatus.WAITING):
-                seq.status = SequenceStatus.RUNNING
-            for seq in [first, *rest]:
-                self._runner_knows.pop(seq.seq_id, None)      # (re)starts: send it in full
-                n = (first_end if seq is first else seq.num_tokens) - seq.num_computed_tokens
-                step.add(ScheduledSequence(seq, group, n, forks if seq is first else []))
-            self._add_running(group)
+            self._admit(step, group, first_end)
+
+    def _admit(self, step: _Step, group: SequenceGroup, first_end: int) -> None:
+        """A waiting request joins: its blocks are allocated (its first sequence's for
+        positions < first_end), it is put in this step's batch and in the running queue."""
+        first, *rest = group.seqs_to_compute()
+        forks = [s for s in group.get_seqs(SequenceStatus.WAITING) if s is not first and s not in rest]
+        self.block_manager.allocate(group, first_end)   # num_computed_tokens = cache hit
+        if not first.output_token_ids:
+            group.num_cached_tokens = first.num_computed_tokens
+        for seq in group.get_seqs(SequenceStatus.WAITING):
+            seq.status = SequenceStatus.RUNNING
+        for seq in [first, *rest]:
+            self._runner_knows.pop(seq.seq_id, None)      # (re)starts: send it in full
+            n = (first_end if seq is first else seq.num_tokens) - seq.num_computed_tokens
+            step.add(ScheduledSequence(seq, group, n, forks if seq is first else []))
+        self._add_running(group)
 
     def _append(self, step: _Step, seq: Sequence, group: SequenceGroup, n: int, end: int,
                 forks: list[Sequence]) -> None:

@@ -128,7 +128,13 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence, all sequences at once, padding masked by seq_lens."""
+    """One query per sequence, all sequences at once, padding masked by seq_lens.
+
+    query: [num_seqs, num_heads, head_size]; caches as in paged_attention; block_tables:
+    [num_seqs, max_blocks] int64; seq_lens: [num_seqs] int64, how many keys each query
+    reads (the first seq_lens[i] slots of its blocks, in table order). Returns
+    [num_seqs, num_heads, head_size].
+    """
     k = _gather(key_cache, block_tables).transpose(1, 2)    # [S, kv_heads, T, head]
     v = _gather(value_cache, block_tables).transpose(1, 2)
     max_len = k.shape[2]
