@@ -11,11 +11,12 @@ generation:
    the best `num_candidates(beam_width, eos ids)` of them, best first: 2 * beam_width,
    or (1 + number of eos ids) * beam_width when there are several eos ids, so that
    enough candidates survive to fill beam_width live beams even when many of the top
-   ones end (transformers' `beams_to_keep`; field case C25);
+   ones end (transformers' `beams_to_keep`; field case C25): `top_candidates`;
 2. a candidate that ends (EOS, or reaching max_tokens) and ranks among the first
    beam_width becomes a finished hypothesis, scored cum_logprob / length ** length_penalty
    (length = generated tokens); the best beam_width hypotheses are kept;
-3. the best beam_width candidates that do not end become the next beams.
+3. the best beam_width candidates that do not end become the next beams (2 and 3:
+   `split_candidates`).
 
 A beam that is chosen twice *forks*: the second child gets a Sequence of its own whose
 block table shares all the parent's blocks (BlockManager.fork, ref_count + 1); when both
@@ -33,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..engine.messages import Logprobs
-from .sequence import SequenceGroup, SequenceStatus
+from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass
@@ -96,9 +97,77 @@ def num_candidates(beam_width: int, eos_token_ids: frozenset[int]) -> int:
     return max(2, 1 + len(eos_token_ids)) * beam_width
 
 
+def top_candidates(beams: list[Sequence], candidates: dict[int, Logprobs],
+                   keep: int) -> list[tuple[float, Sequence, int]]:
+    """Rule 1: score every (beam, token) candidate by beam.cumulative_logprob + the
+    token's logprob, and keep the best `keep` of them, best first.
+
+    Args:
+        beams: the beams to extend (on the first step only the first: all are the prompt).
+        candidates: seq_id -> that beam's Logprobs row from the runner. Its token_ids[0]
+            and logprobs[0] list the greedy (sampled) token first, then the top tokens
+            with their logprobs: the candidates are the entries after the first.
+        keep: how many to return (num_candidates).
+
+    Returns:
+        (score, beam, token) triples, best score first; a tie goes to the earlier beam
+        of `beams`, then to the token listed earlier in its row.
+    """
+    scored = sorted(((b.cumulative_logprob + lp, -bi, ti, b, tok)
+                     for bi, b in enumerate(beams)
+                     for ti, (lp, tok) in enumerate(zip(candidates[b.seq_id].logprobs[0][1:],
+                                                        candidates[b.seq_id].token_ids[0][1:]))),
+                    key=lambda c: (c[0], c[1], -c[2]), reverse=True)[:keep]
+    return [(score, beam, tok) for score, _, _, beam, tok in scored]
+
+
+def split_candidates(state: BeamState, ranked: list[tuple[float, Sequence, int]], eos_token_ids: frozenset[int],
+                     gen_len: int, ends_by_length: bool) -> list[tuple[float, Sequence, int]]:
+    """Rules 2 and 3: which of the step's ranked candidates finish, which go on.
+
+    A candidate ends when ends_by_length, or when its token is one of eos_token_ids
+    (unless params.ignore_eos). An ending candidate ranked among the first beam_width
+    becomes a finished hypothesis, BeamSearchSequence(parent.token_ids + [token],
+    cum_logprob=score, score=score / gen_len ** length_penalty, finish_reason "stop"
+    for an eos, else "length"), unless beam_width hypotheses had finished before this
+    step (early stopping); state.finished keeps the best beam_width of them all, by
+    score, best first. The first beam_width candidates that do not end are the next
+    beams. The search is done (state.done = True) once beam_width hypotheses have
+    finished, or when fewer than beam_width candidates go on.
+
+    Args:
+        state: the request's BeamState (params, finished hypotheses, done); updated.
+        ranked: (score, parent beam, token), best first (top_candidates).
+        eos_token_ids: tokens that end a hypothesis.
+        gen_len: tokens generated per beam after this step (eos included).
+        ends_by_length: this step reaches max_tokens or max_model_len: everything ends.
+
+    Returns:
+        the next beams, (score, parent beam, token), best first; at most beam_width.
+    """
+    p, k = state.params, state.params.beam_width
+    next_beams, new_finished = [], []
+    for rank, (score, parent, tok) in enumerate(ranked):
+        is_eos = not p.ignore_eos and tok in eos_token_ids
+        if not (ends_by_length or is_eos):
+            if len(next_beams) < k:
+                next_beams.append((score, parent, tok))
+        elif rank < k and len(state.finished) < k:       # full -> no new hypotheses (early_stopping)
+            new_finished.append(BeamSearchSequence(parent.token_ids + [tok], score,
+                                                   score=score / gen_len ** p.length_penalty,
+                                                   finish_reason="stop" if is_eos else "length"))
+    state.finished = sorted(state.finished + new_finished, key=lambda h: h.score, reverse=True)[:k]
+    # transformers stops once beam_width hypotheses are done, or nothing can continue
+    state.done = len(state.finished) >= k or len(next_beams) < k
+    return next_beams
+
+
 def beam_search_step(group: SequenceGroup, candidates: dict[int, Logprobs],
                      eos_token_ids: frozenset[int], max_model_len: int, fork) -> list[int]:
-    """Advance one beam-search request by one token (see the module docstring).
+    """Advance one beam-search request by one token (see the module docstring): rank
+    the candidates (top_candidates), split them into finished hypotheses and next
+    beams (split_candidates), and give the next beams Sequences, forking where a beam
+    has several children.
 
     Args:
         group: the request; group.beam_state holds its BeamState.
@@ -112,35 +181,15 @@ def beam_search_step(group: SequenceGroup, candidates: dict[int, Logprobs],
         seq_ids of the beams whose tokens and blocks were replaced by a fork.
     """
     state: BeamState = group.beam_state
-    p, k = state.params, state.params.beam_width
-    keep = num_candidates(k, eos_token_ids)
+    p = state.params
     beams = group.get_seqs(SequenceStatus.RUNNING)
     if all(not b.output_token_ids for b in beams):
         beams = beams[:1]            # the first step: all beams are the prompt; expand one
-    scored = sorted(((b.cumulative_logprob + lp, -bi, ti, b, tok)
-                     for bi, b in enumerate(beams)
-                     for ti, (lp, tok) in enumerate(zip(candidates[b.seq_id].logprobs[0][1:],
-                                                        candidates[b.seq_id].token_ids[0][1:]))),
-                    key=lambda c: (c[0], c[1], -c[2]), reverse=True)[:keep]
-
+    ranked = top_candidates(beams, candidates, num_candidates(p.beam_width, eos_token_ids))
     gen_len = len(beams[0].output_token_ids) + 1          # generated length after this step
     ends_by_length = gen_len >= p.max_tokens or len(beams[0].prompt_token_ids) + gen_len >= max_model_len
-    next_beams, new_finished = [], []
-    for rank, (score, _, _, parent, tok) in enumerate(scored):
-        is_eos = not p.ignore_eos and tok in eos_token_ids
-        ends = ends_by_length or is_eos
-        if not ends:
-            if len(next_beams) < k:
-                next_beams.append((score, parent, tok))
-        elif rank < k and len(state.finished) < k:       # full -> no new hypotheses (early_stopping)
-            new_finished.append(BeamSearchSequence(parent.token_ids + [tok], score,
-                                                   score=score / gen_len ** p.length_penalty,
-                                                   finish_reason="stop" if is_eos else "length"))
-    state.finished = sorted(state.finished + new_finished, key=lambda h: h.score, reverse=True)[:k]
-
-    # transformers stops once beam_width hypotheses are done, or nothing can continue
-    if len(state.finished) >= k or len(next_beams) < k:
-        state.done = True
+    next_beams = split_candidates(state, ranked, eos_token_ids, gen_len, ends_by_length)
+    if state.done:
         return []
 
     # Assign the next beams to Sequence objects. A parent's first child continues in the

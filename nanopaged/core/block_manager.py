@@ -85,7 +85,12 @@ class BlockManager:
     # -- prefix cache ------------------------------------------------------------------------
 
     def _full_block_hashes(self, seq: Sequence) -> list[bytes]:
-        """Hashes of seq's full blocks, extended incrementally and kept across preemption."""
+        """Hashes of seq's full blocks, extended incrementally and kept across preemption.
+
+        Returns seq.block_hashes itself, after appending the names of the full blocks that
+        have none yet: block i holds positions i * block_size .. (i + 1) * block_size - 1
+        and is named hash_block_tokens(name of block i - 1 (None for block 0), its tokens).
+        A partly filled last block gets no name (its content still changes)."""
         bs, hashes = self.block_size, seq.block_hashes
         while len(hashes) < seq.num_tokens // bs:
             i = len(hashes)
@@ -239,8 +244,11 @@ class BlockManager:
 
         The next token is written at position seq.block_table.num_tokens. If that lands
         in a partly filled block that another table also holds, the block is first
-        copied to a fresh one. Otherwise a block is added only when the last one is full:
-        the paper's one-block waste bound (§4.3).
+        copied to a fresh one (the table points at the copy, the shared block loses a
+        holder, num_copy_on_write counts it). Otherwise a block is added only when the
+        last one is full: the paper's one-block waste bound (§4.3). The table's
+        num_tokens becomes end. All or nothing: raises RuntimeError, changing nothing,
+        when the pool has fewer free blocks than _blocks_to_append counts.
         """
         table, bs = seq.block_table, self.block_size
         end = seq.num_tokens if end is None else end
@@ -265,7 +273,9 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Make child share all of parent's blocks (ref_count + 1 each), e.g. a new sample
-        or a surviving beam. Any blocks child held are freed first."""
+        or a surviving beam. Any blocks child held are freed first. The child's table
+        gets its own copy of the parent's block ids and its num_tokens; the child's
+        num_computed_tokens and block_hashes (a copy) are the parent's too."""
         self.free(child)
         for block_id in parent.block_table.block_ids:
             self.ref_count[block_id] += 1

@@ -454,7 +454,16 @@ class Scheduler:
 
     def _preempt(self, group: SequenceGroup, step: _Step) -> None:
         """Free a running request's device blocks by swap or by recompute (see the
-        module doc); either way it goes to the head of its queue."""
+        module doc); either way it goes to the head of its queue.
+
+        It counts (num_preemptions, and num_preemptions_swap or _recompute), marks the
+        step as one that preempted (step.preempted: nobody is admitted or swapped in
+        then), and forgets what the runner knows of its running sequences (they are
+        sent in full when they run again). Swap (_should_swap): swap_out's (device, cpu)
+        pairs join step.blocks_to_swap_out, the running sequences become SWAPPED, the
+        request goes to the head of self.swapped. Recompute: each running sequence's
+        blocks are freed, its num_computed_tokens set to 0 and its status to WAITING;
+        the request goes to the head of self.waiting."""
         self.num_preemptions += 1
         step.preempted = True
         swap = self._should_swap(group)
@@ -478,6 +487,11 @@ class Scheduler:
         self.num_preemptions_recompute += 1
 
     def _should_swap(self, group: SequenceGroup) -> bool:
+        """Preempt `group` by swap (True) or by recompute (False)? "recompute" mode never
+        swaps. In every mode a request whose blocks the CPU pool cannot take
+        (block_manager.can_swap_out) is recomputed. "swap" mode swaps otherwise; "auto"
+        asks self.costs.prefer_swap(the distinct device blocks of its running sequences,
+        their num_computed_tokens together)."""
         if self.preemption_mode == "recompute" or not self.block_manager.can_swap_out(group):
             return False
         if self.preemption_mode == "swap":

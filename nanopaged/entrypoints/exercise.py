@@ -175,7 +175,7 @@ def run_checks(exercise, path: Path) -> list[tuple[str, str | None]]:
     except Exception as e:
         return [(d, f"your file did not load: {_short(e, path)}") for d in doc]
     results = []
-    with context:
+    with context, _one_torch_thread():
         for check, words in zip(exercise.CHECKS, doc):
             try:
                 with _time_limit(CHECK_TIMEOUT_S):
@@ -193,6 +193,21 @@ def run_checks(exercise, path: Path) -> list[tuple[str, str | None]]:
 @contextmanager
 def _nothing():
     yield
+
+
+@contextmanager
+def _one_torch_thread():
+    """The checks run the tiny model: one torch thread. A second one only waits for a
+    core when the machine is busy (on a shared 2-core machine a check's engine runs took
+    2.5 s with 2 threads, 0.2 s with 1); tests/test_chapters.py does the same."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _short(e: BaseException, path: Path) -> str:

@@ -36,6 +36,7 @@ from rich.text import Text
 from ..engine import events as ev
 
 if TYPE_CHECKING:
+    from ..core.sequence import Sequence
     from ..engine.engine import LLMEngine
     from .scenarios import History, Scenario
 
@@ -212,7 +213,6 @@ class TraceView:
 
     def block_tables(self) -> Columns:
         """Each unfinished sequence's block table: logical -> physical (×ref_count), fill, tokens."""
-        bm, bs = self.engine.block_manager, self.engine.block_manager.block_size
         tables = []
         for rid, group in self.engine.requests.items():
             for seq in group.seqs:
@@ -224,23 +224,53 @@ class TraceView:
                 for name in ("logical", "physical", "filled"):
                     t.add_column(name, justify="right")
                 t.add_column("tokens")
-                for i, block_id in enumerate(bt.block_ids):
-                    fill = min(bs, bt.num_tokens - i * bs)
-                    physical = Text(f"{'cpu ' if bt.on_cpu else ''}{block_id}", style=self.colour(rid))
-                    if not bt.on_cpu and bm.ref_count[block_id] > 1:
-                        physical.append(f" ×{bm.ref_count[block_id]}", style="bold")
-                    tokens = self.tokens(seq.token_ids_slice(i * bs, i * bs + fill), bs)
-                    t.add_row(str(i), physical, f"{fill}/{bs}", tokens)
+                for logical, physical, filled, tokens in self.table_rows(seq):
+                    cell = Text(physical, style=self.colour(rid))
+                    cell.highlight_regex(r" ×\d+", "bold")          # a shared block's ref count
+                    t.add_row(logical, cell, filled, tokens)
                 if not bt.block_ids:
                     why = "waits to be computed" if seq.status.name == "WAITING" else seq.status.name.lower()
                     t.add_row("-", "-", "-", Text(f"no blocks: {why}", style="dim"))
-                if seq.output_token_ids and seq.num_computed_tokens == seq.num_tokens - 1 and not bt.on_cpu:
-                    # sampled this step; the next step writes its K/V at position num_tokens - 1
-                    n = bt.num_tokens
-                    t.caption = (f"next {self.token(seq.output_token_ids[-1])!r} → "
-                                 + (f"block {bt.block_ids[-1]}, slot {n % bs}" if n % bs else "needs a new block"))
+                t.caption = self.next_slot(seq)
                 tables.append(t)
         return Columns(tables, padding=(1, 4))
+
+    def table_rows(self, seq: Sequence) -> list[tuple[str, str, str, Text]]:
+        """The rows of seq's block table as the trace draws them, one per logical block i:
+        (logical, physical, filled, tokens) =
+
+            str(i);
+            the physical block id, "cpu 3" when the table is in the CPU pool (swapped
+                out), "5 ×2" when a device block's ref_count is 2 or more;
+            "3/4": how many of the block's block_size slots hold tokens whose K/V are
+                written (the table's num_tokens counts them);
+            those tokens as text, self.tokens(their ids, block_size).
+        """
+        bm, bs = self.engine.block_manager, self.engine.block_manager.block_size
+        bt, rows = seq.block_table, []
+        for i, block_id in enumerate(bt.block_ids):
+            fill = min(bs, bt.num_tokens - i * bs)
+            physical = f"cpu {block_id}" if bt.on_cpu else str(block_id)
+            if not bt.on_cpu and bm.ref_count[block_id] > 1:
+                physical += f" ×{bm.ref_count[block_id]}"
+            tokens = self.tokens(seq.token_ids_slice(i * bs, i * bs + fill), bs)
+            rows.append((str(i), physical, f"{fill}/{bs}", tokens))
+        return rows
+
+    def next_slot(self, seq: Sequence) -> str | None:
+        """The caption under seq's table: where the K/V of the token it sampled this step
+        will be written (by the next step, at position num_tokens - 1). None unless seq
+        has just sampled (it has output tokens and every token but the last is
+        computed) and is not finished and not swapped out. Else "next 'tok' → block 5,
+        slot 2" (that slot of the table's last block; tok is repr(self.token(id))), or
+        "next 'tok' → needs a new block" when the last block is full."""
+        bt, bs = seq.block_table, self.engine.block_manager.block_size
+        if (not seq.output_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or bt.on_cpu
+                or seq.status.is_finished):
+            return None
+        n = bt.num_tokens
+        return (f"next {self.token(seq.output_token_ids[-1])!r} → "
+                + (f"block {bt.block_ids[-1]}, slot {n % bs}" if n % bs else "needs a new block"))
 
     def holders(self) -> dict[int, list[str]]:
         """Device block id -> the requests whose sequences hold it, each named once."""

@@ -130,10 +130,15 @@ def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query per sequence, all sequences at once, padding masked by seq_lens.
 
-    query: [num_seqs, num_heads, head_size]; caches as in paged_attention; block_tables:
-    [num_seqs, max_blocks] int64; seq_lens: [num_seqs] int64, how many keys each query
-    reads (the first seq_lens[i] slots of its blocks, in table order). Returns
-    [num_seqs, num_heads, head_size].
+    query: [num_seqs, num_heads, head_size]; key_cache, value_cache: [num_blocks,
+    block_size, num_kv_heads, head_size]; block_tables: [num_seqs, max_blocks] int64,
+    padded with 0 (only the first ceil(seq_lens[s] / block_size) entries of row s are
+    real); seq_lens: [num_seqs] int64. Query head h of sequence s attends to the first
+    seq_lens[s] keys of its blocks, in block-table order, of KV head
+    h // (num_heads // num_kv_heads): softmax(scale * q . k) @ v. Returns
+    [num_seqs, num_heads, head_size]. (This version gathers the blocks into a copy and
+    makes one SDPA call with a length mask; the kernels walk the block table instead,
+    kernels/paged_attention_cpu.cpp.)
     """
     k = _gather(key_cache, block_tables).transpose(1, 2)    # [S, kv_heads, T, head]
     v = _gather(value_cache, block_tables).transpose(1, 2)
