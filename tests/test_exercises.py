@@ -19,6 +19,13 @@ def test_there_is_an_exercise_per_chapter():
     assert sorted(ex.CHAPTER for ex in EXERCISES.values()) == chapters
 
 
+def test_the_targets_of_an_exercise_have_distinct_names():
+    # the student's file defines each target by its bare name (Class.forward -> forward)
+    for number, ex in EXERCISES.items():
+        names = [t.rsplit(".", 1)[-1].split(":")[-1] for t in ex.TARGETS]
+        assert len(set(names)) == len(names), f"exercise {number}: two targets named alike in {ex.TARGETS}"
+
+
 @pytest.mark.parametrize("number", list(EXERCISES))
 def test_the_stub_fails_and_the_reference_passes(number, tmp_path):
     ex = EXERCISES[number]

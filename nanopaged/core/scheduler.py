@@ -447,7 +447,8 @@ class Scheduler:
     def _ends_in_flight(self, seq: Sequence, group: SequenceGroup) -> bool:
         """Async scheduling: the token a step in flight samples for seq is surely its
         last (_check_stop's length rules: max_tokens, max_model_len), so it must not be
-        scheduled again (past max_model_len there is not even a position for it)."""
+        scheduled again: that step would compute the token's K/V and sample a next
+        token only to throw it away. False when nothing is in flight for seq."""
         k = seq.num_output_placeholders
         return k > 0 and (len(seq.output_token_ids) + k >= group.sampling_params.max_tokens
                           or seq.num_tokens + k >= self.max_model_len)

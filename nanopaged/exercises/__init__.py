@@ -94,5 +94,8 @@ def same_as_engines_own(prompts, params, **engine_args) -> None:
     with engines_own():
         want = run_tiny(prompts, params, **engine_args)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert g == w, (f"request {i}: with your code the engine produced {g[0][0][:12]}... "
-                        f"({g[0][1]}), with its own {w[0][0][:12]}... ({w[0][1]})")
+        if g != w:       # name the first completion that differs (n > 1 has several)
+            j = next(j for j, (a, b) in enumerate(zip(g, w)) if a != b)
+            which = f"request {i}" + (f", completion {j}" if len(w) > 1 else "")
+            raise AssertionError(f"{which}: with your code the engine produced {g[j][0][:12]}... "
+                                 f"({g[j][1]}), with its own {w[j][0][:12]}... ({w[j][1]})")

@@ -153,7 +153,24 @@ class ModelRunner:
     # -- the runner's own state ---------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        """Forget finished sequences, learn new ones, apply the deltas of known ones."""
+        """Bring the runner's record (self.seqs: seq_id -> SeqState) up to date with the
+        step's message, in this order:
+
+        1. so.finished_seq_ids: forget each one: its SeqState, its seeded generator
+           (self.generators) and its penalty counts (self.sampler.remove_sequence).
+        2. so.scheduled_new_reqs: sequences sent in full (first scheduled, resumed
+           after a preemption, or forked). Each becomes a fresh SeqState holding copies
+           of the message's output and block lists (the runner extends them later;
+           the message is not its to change). A seeded request's sequence gets its
+           generator (_seeded_generator) unless it has one already: a resumed one
+           draws on where it was. The sampler learns its tokens
+           (self.sampler.add_sequence).
+        3. so.scheduled_cached_reqs: the deltas of the sequences it knows (parallel
+           lists): append the new tokens; append the new block ids, or take them as
+           the whole table when block_ids_replaced; set num_computed_tokens. The
+           sampler counts every new token, in one call for the step
+           (self.sampler.append_tokens).
+        """
         for seq_id in so.finished_seq_ids:
             self.seqs.pop(seq_id, None)
             self.generators.pop(seq_id, None)
