@@ -347,7 +347,9 @@ class BlockManager:
 
         Tail blocks go in first, so when the cache evicts the least recently freed block
         it takes a sequence's last blocks before its first ones (the prefix others share).
-        A freed block keeps its prefix-cache entry until it is evicted.
+        A freed block keeps its prefix-cache entry until it is evicted. A swapped-out
+        sequence (block_table.on_cpu) holds CPU-pool blocks instead: those go back to the
+        CPU pool's free list by its own ref counts.
         """
         if seq.block_table.on_cpu:
             for block_id in seq.block_table.clear():

@@ -430,7 +430,8 @@ class Scheduler:
 
     def _chunk(self, num_tokens: int, budget: int) -> int:
         """Tokens of a prefill computed this step: all of them, or with chunked prefill
-        as many as the budget has left (a decode is 1 token: never cut)."""
+        as many as the budget has left, never fewer than 0 (the budget can be negative
+        once a step is full). Decodes never come here: 1 token is never cut."""
         return min(num_tokens, max(budget, 0)) if self.enable_chunked_prefill else num_tokens
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput:

@@ -48,8 +48,11 @@ def all_exercises() -> dict[int, ModuleType]:
 def tiny_model_folder() -> str:
     """The folder of the tiny random Llama of tiny_model.py (the one the tests and the
     chapters use), made once per process."""
+    from transformers.utils import logging as hf_logging
+
     from .tiny_model import make_tiny_llama
 
+    hf_logging.disable_progress_bar()          # no "Writing model shards" bar above the checks
     folder = tempfile.mkdtemp(prefix="nanopaged-exercise-model-")
     make_tiny_llama(folder)
     return folder
