@@ -120,7 +120,9 @@ def _without_checkout_paths(text: bytes) -> bytes:
     """`text` with the repository's folder and the one torch is installed in (a venv's
     site-packages) replaced by placeholders: they appear in the commands, the line
     markers and __FILE__ strings, but where a checkout lies does not change whether it
-    compiles, so a fresh clone with a fresh venv (CI) finds the marker of an earlier one."""
+    compiles. Checked: two clones sharing one venv get the same key. Not yet: a clone
+    with its own fresh venv (CI's) missed the marker of another such clone in one trial
+    (2026-12-01), cause not found; it then compiles, as without the cache."""
     site_packages = Path(torch.__file__).resolve().parents[1]     # first: it may lie in the repo
     for folder, name in ((site_packages, b"<site-packages>"), (ROOT, b"<repo>")):
         text = text.replace(str(folder).encode(), name)
