@@ -28,7 +28,7 @@ import signal
 import sys
 import textwrap
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from ..exercises import SWAPS, all_exercises
@@ -183,7 +183,7 @@ def run_checks(exercise, path: Path) -> list[tuple[str, str | None]]:
     try:
         if not targets(exercise):
             arg = exercise.answer(path.read_text())
-            context = _nothing()
+            context = nullcontext()
         else:
             arg = None
             context = swapped_in(exercise, load_student_functions(exercise, path))
@@ -218,11 +218,6 @@ def _from_stub(e: BaseException) -> bool:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return False
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 @contextmanager
