@@ -5,7 +5,7 @@
                     [--sections throughput,chat,sampling,structured,overlap,prefix,sharing,pressure,
                                 memory,kernels]
                     [--kernels] [--sections serve --request-rates 0.5,2,inf --serve-requests 32]
-                    [--sections tp]
+                    [--sections tp] [--sections vllm --vllm-python PATH] [--max-output 128]
 
 throughput: nanopaged vs HF transformers `generate` (below).
 prefix:     one 512-token system prompt shared by 32 short questions, prefix caching on
@@ -39,6 +39,9 @@ structured: structured outputs (chapters/18-structured-outputs.md): the throughp
 overlap:    async scheduling (chapters/16-async-scheduling.md): the throughput workload
             with async_scheduling off vs on (runs off, on, on, off), best of two each: time per
             engine step (ms) and tokens/s, and the ratio on / off.
+vllm:       (not in the default list: needs vLLM's own venv) nanopaged vs vLLM's CPU
+            backend on the throughput workload and batch-1 decode, vLLM in a child
+            process of its own interpreter (bench_vllm.py says how to make its venv).
 kernels:    (also --kernels) the compiled paged-attention kernel vs the PyTorch
             reference: decode attention alone (64 sequences x 1024 tokens of context,
             fp32 and bf16, the default model's heads), then the throughput workload end
@@ -46,7 +49,7 @@ kernels:    (also --kernels) the compiled paged-attention kernel vs the PyTorch
             bf16, as a share of the H200's ~4.8 TB/s, and time vs SDPA on contiguous K/V.
 
 The workload (fixed seed): `--num-requests` requests with random token-id prompts of
-U[32, 256] tokens and outputs of U[32, 128] tokens, ignore_eos, greedy. nanopaged gets all
+U[32, 256] tokens and outputs of U[32, --max-output (128)] tokens, ignore_eos, greedy. nanopaged gets all
 requests at once and batches them continuously; transformers runs static batches of 16,
 left-padded, each generating until its longest request is done. Only the requested
 output tokens count. Same model (the default SmolLM2-135M-Instruct unless --model), same
@@ -63,10 +66,10 @@ import time
 import torch
 
 
-def workload(n: int, vocab: int, seed: int = 0):
+def workload(n: int, vocab: int, seed: int = 0, max_output: int = 128):
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(32, 256))] for _ in range(n)]
-    outputs = [rng.randint(32, 128) for _ in range(n)]
+    outputs = [rng.randint(32, max_output) for _ in range(n)]
     return prompts, outputs
 
 
@@ -118,16 +121,17 @@ class StepRecorder:
         self.head_rows.clear()
 
 
-def matmul_roofline(model, forward_tokens: list[int], head_rows: list[int], kernel_linear) -> dict:
+def matmul_roofline(model, forward_tokens: list[int], head_rows: list[int], backend) -> dict:
     """The workload's matmuls alone, timed on this machine in this run.
 
     For every distinct step size M seen, times the model's own weights (every layer's
     qkv, o, gate_up and down projections, in layer order, so they stream from memory as
-    in a real step, and the LM head) as `F.linear` on an [M, K] input, once each after a
-    warm-up, with MKL's `F.linear` and with `kernel_linear` (the engine's backend's, our
-    streaming kernel at decode sizes), keeping the faster. The roofline is the sum over
-    steps of those times: what the run would take if it did nothing but its matmuls at
-    the best speed this CPU does them at each step's size.
+    in a real step, and the LM head) on an [M, K] input, once each after a warm-up,
+    with the library's `F.linear` (MKL in fp32, oneDNN in bf16: AMX where the CPU has
+    it) and with the engine's backend's `linear` (our batch-invariant kernel, with its
+    packed AMX weights where it uses them), keeping the faster. The roofline is the sum
+    over steps of those times: what the run would take if it did nothing but its
+    matmuls at the best speed this CPU does them at each step's size.
     Returns the FLOPs, the roofline seconds, and the best rate of any size (GFLOP/s).
     """
     import torch.nn.functional as F
@@ -135,14 +139,17 @@ def matmul_roofline(model, forward_tokens: list[int], head_rows: list[int], kern
         layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
         layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
     head = model.embed_tokens if model.lm_head is None else model.lm_head
-    head_weight = head.weight.float()           # the head runs in fp32 (VocabParallelEmbedding.logits)
+    packed = {id(w): backend.pack_weight(w) for w in layer_weights + [head.weight]}
     body_flops_per_token = 2 * sum(w.numel() for w in layer_weights)
-    head_flops_per_row = 2 * head_weight.numel()
+    head_flops_per_row = 2 * head.weight.numel()
+
+    def ours(x, w):
+        return backend.linear(x, w, packed=packed[id(w)])
 
     def timed(m, weights):
         xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=w.dtype) for w in weights}
         best = float("inf")
-        for linear in {F.linear, kernel_linear}:     # MKL's, and ours where it takes this size
+        for linear in (F.linear, ours):
             with torch.inference_mode():
                 for w in weights[:4]:
                     linear(xs[w.shape[1]], w)                    # warm-up
@@ -153,7 +160,7 @@ def matmul_roofline(model, forward_tokens: list[int], head_rows: list[int], kern
         return best
 
     body = {m: timed(m, layer_weights) for m in sorted(set(forward_tokens))}
-    heads = {m: timed(m, [head_weight]) for m in sorted(set(head_rows))}
+    heads = {m: timed(m, [head.weight]) for m in sorted(set(head_rows))}
     flops = sum(forward_tokens) * body_flops_per_token + sum(head_rows) * head_flops_per_row
     seconds = sum(body[m] for m in forward_tokens) + sum(heads[m] for m in head_rows)
     best = max([m * body_flops_per_token / t for m, t in body.items()] +
@@ -402,7 +409,7 @@ def bench_kernels(model, args) -> None:
     rates = {"torch": 0.0, device: 0.0}
     for name in ("torch", device, "torch", device):
         llm = LLM(model, dtype=args.dtype, attention_backend=name, enable_prefix_caching=False)
-        prompts, out_lens = workload(args.num_requests, llm.engine.model_config.vocab_size)
+        prompts, out_lens = workload(args.num_requests, llm.engine.model_config.vocab_size, max_output=args.max_output)
         run_nanopaged(llm, prompts[:4], [4] * 4)                           # warm-up
         secs, tokens = run_nanopaged(llm, prompts, out_lens)
         rates[name] = max(rates[name], tokens / secs)
@@ -418,7 +425,7 @@ def bench_sampling(model, args) -> None:
     from nanopaged import LLM, SamplingParams
     llm = LLM(model, dtype=args.dtype, attention_backend=args.attention_backend,
               enable_prefix_caching=False)                     # reruns of one workload: no cache hits
-    prompts, out_lens = workload(args.num_requests, llm.engine.model_config.vocab_size)
+    prompts, out_lens = workload(args.num_requests, llm.engine.model_config.vocab_size, max_output=args.max_output)
     full = dict(temperature=0.8, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.2,
                 frequency_penalty=0.2, logprobs=5, seed=0)
     run_nanopaged(llm, prompts[:4], [4] * 4)                               # warm-up
@@ -448,7 +455,7 @@ def bench_structured(model, args) -> None:
     from nanopaged.worker.sampler import apply_grammar_bitmask
     llm = LLM(model, dtype=args.dtype, attention_backend=args.attention_backend,
               enable_prefix_caching=False)                     # reruns of one workload: no cache hits
-    prompts, out_lens = workload(args.num_requests, llm.engine.model_config.vocab_size)
+    prompts, out_lens = workload(args.num_requests, llm.engine.model_config.vocab_size, max_output=args.max_output)
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 200}
     constraint = StructuredOutputsParams(json=schema)
     manager = llm.engine.engine_core.structured_output_manager
@@ -543,6 +550,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: what LLM(dtype='auto') picks on this machine (both sides use it)")
     ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--max-output", type=int, default=128, help="outputs are U[32, this] tokens")
+    ap.add_argument("--vllm-python", default=None,
+                    help="vllm: the interpreter of vLLM's venv (else $NANOPAGED_VLLM_PYTHON or ./.venv-vllm)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
@@ -558,6 +568,9 @@ def main() -> None:
         from nanopaged.engine.config import EngineConfig
         args.dtype = str(EngineConfig(model=args.model).torch_dtype).removeprefix("torch.")
     print(cpu_flags(), f"| dtype {args.dtype}")
+    if "vllm" in sections:
+        from bench_vllm import bench_vllm
+        bench_vllm(args.model, args, workload, run_nanopaged)
     if "chat" in sections:
         bench_chat_latency(args.model, args.dtype)
     if "serve" in sections:
@@ -595,7 +608,7 @@ def main() -> None:
     # every prompt cached (transformers recomputes them)
     llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, enable_prefix_caching=False)
     folder = llm.engine.model_path
-    prompts, out_lens = workload(args.num_requests, llm.engine.model_config.vocab_size)
+    prompts, out_lens = workload(args.num_requests, llm.engine.model_config.vocab_size, max_output=args.max_output)
     print(f"model {folder.name}, dtype {args.dtype}, attention {llm.engine.attn_backend.name}, torch threads {torch.get_num_threads()}, "
           f"{len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
           f"output tokens {sum(out_lens)}")
@@ -627,12 +640,12 @@ def main() -> None:
     if hf is not None:
         print(f"ratio nanopaged / transformers (best of 2 each): {best['transformers'] / ours_s:.2f}x "
               f"({ours:.1f} vs {sum(out_lens) / best['transformers']:.1f} tok/s; target 2x)")
-    roof = matmul_roofline(recorder.model, *steps, kernel_linear=llm.engine.attn_backend.linear)
+    roof = matmul_roofline(recorder.model, *steps, backend=llm.engine.attn_backend)
     print(f"roofline: the run's matmuls ({roof['flops'] / 1e12:.2f} TFLOP over {len(steps[0])} "
           f"steps) take {roof['seconds']:.1f} s alone at this CPU's measured rate for each step's size "
           f"({roof['flops'] / roof['seconds'] / 1e9:.0f} GFLOP/s on average; best size "
           f"{roof['best_gflops']:.0f}): nanopaged's {ours_s:.1f} s is {100 * roof['seconds'] / ours_s:.0f}% "
-          f"of the roofline (target 50%); at the best size's rate throughout it would be "
+          f"of the roofline (target: 50% fp32 on AVX2, 40% bf16); at the best size's rate throughout it would be "
           f"{100 * roof['flops'] / roof['best_gflops'] / 1e9 / ours_s:.0f}%")
     if args.profile:
         profile_nanopaged(llm, prompts, out_lens)

@@ -38,6 +38,10 @@
 #include <optional>
 #include <vector>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // n consecutive cache elements (a block's slot rows) as fp32: fp32 is read in place,
@@ -510,60 +514,295 @@ void rotary_embedding(const torch::Tensor& positions, torch::Tensor query, torch
   });
 }
 
-// ---- Matmul for few rows (decode steps) ---------------------------------------------------
-// y = x W^T for x: [m, k] with m small (a decode step's tokens), W: [n, k] fp32, both
-// contiguous; writes out: [m, n]. With so few rows a matmul is a walk through the weights
-// (SmolLM2: 425 MB of fp32 per step), so speed is memory bandwidth: this one streams
-// each group of 4 weight rows from memory once and uses it for every x row while it sits
-// in L1. MKL's sgemm on our 2-core AMD CPU reads the same weights at 4-9 GB/s at these
-// sizes; this loop at 12-15 GB/s (chapters/12-kernels.md, "Performance").
-// Every dot product comes from one loop of 2 x rows by 4 weight rows (8 independent sums,
-// short groups padded by repeating a row), so a row's result never depends on how many
-// rows share the call: a request's logits are the same alone and in a batch (up to the
-// size where the engine switches to MKL).
-void linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& weight) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear: x [m, k] and "
-              "weight [n, k] must share k, got ", x.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous() && x.device().is_cpu() &&
-              weight.device().is_cpu(), "linear: x, weight and out must be contiguous CPU tensors");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat &&
-              out.scalar_type() == torch::kFloat, "linear: float32 only, got ", x.scalar_type(), " and ",
-              weight.scalar_type());
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "linear: out must be [", m, ", ", n,
-              "], got ", out.sizes());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, (n + 3) / 4, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t r = g * 4;
-      const float* w0 = wp + r * k;
-      const float* w1 = wp + std::min(r + 1, n - 1) * k;
-      const float* w2 = wp + std::min(r + 2, n - 1) * k;
-      const float* w3 = wp + std::min(r + 3, n - 1) * k;
-      for (int64_t i = 0; i < m; i += 2) {
-        const float* xa = xp + i * k;
-        const float* xb = xp + std::min(i + 1, m - 1) * k;
-        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, b0 = 0.f, b1 = 0.f, b2 = 0.f, b3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
-        for (int64_t d = 0; d < k; ++d) {
-          a0 += xa[d] * w0[d];
-          a1 += xa[d] * w1[d];
-          a2 += xa[d] * w2[d];
-          a3 += xa[d] * w3[d];
-          b0 += xb[d] * w0[d];
-          b1 += xb[d] * w1[d];
-          b2 += xb[d] * w2[d];
-          b3 += xb[d] * w3[d];
+// ---- Matmul: y = x W^T, the same bits for a row whatever its batch ------------------------
+// x: [m, k], W: [n, k] (fp32 with fp32, or bf16 with bf16), out: [m, n] in x's dtype or fp32.
+//
+// Batch invariance (chapters/05-llama.md): MKL and oneDNN pick their blocking, and with it
+// the order in which a dot product's k terms are added, by the number of rows m, so a
+// row's result changes with the batch it shares (measured: MKL's sgemm at m = 1 vs 2,
+// oneDNN's bf16 at m = 32 vs 33). Here every dot product x_i . w_j is computed by the same
+// instructions in the same order whatever m, i or the thread: a vector accumulator walks
+// k in chunks of one vector, fused multiply-adds into it, and one fixed horizontal sum
+// ends it. The tile code below only decides which dot products share the loads (R rows of
+// x times 4 rows of W in registers); each accumulator is independent, so R = 1 and R = 4
+// give the same bits (intrinsics are never reassociated: no -ffast-math).
+//
+// Speed: a decode step is a walk through the weights (SmolLM2: 270 MB of bf16 per step),
+// so each group of 4 weight rows is read from memory once for up to 4 x rows and stays in
+// L1 for the next; prefill steps reuse a block of 32 weight rows for every x row.
+// bf16 uses AVX512-BF16's dot-product instruction (vdpbf16ps: 32 products per
+// instruction, summed in pairs into fp32) where the CPU has it, else widens bf16 to fp32
+// and uses fp32 FMAs (exact products; other bits than vdpbf16ps, same on every batch).
+namespace mm {
+
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int64_t kLanes = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vfma(vec a, vec b, vec acc) { return _mm512_fmadd_ps(a, b, acc); }
+inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+inline vec vload(const float* p, int64_t n) {
+  return n >= kLanes ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+inline vec vload(const at::BFloat16* p, int64_t n) {     // 16 bf16 widened: the bits shifted up
+  const __m256i h = n >= kLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#elif defined(__AVX2__)
+using vec = __m256;
+constexpr int64_t kLanes = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vfma(vec a, vec b, vec acc) { return _mm256_fmadd_ps(a, b, acc); }
+inline float vsum(vec a) {        // a fixed tree: (lo + hi), then pairs
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+inline vec vload(const float* p, int64_t n) {
+  if (n >= kLanes) return _mm256_loadu_ps(p);
+  alignas(32) float buf[kLanes] = {};
+  std::memcpy(buf, p, n * sizeof(float));
+  return _mm256_load_ps(buf);
+}
+inline vec vload(const at::BFloat16* p, int64_t n) {
+  alignas(16) uint16_t buf[kLanes] = {};
+  std::memcpy(buf, p, std::min(n, kLanes) * sizeof(uint16_t));
+  const __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#else
+using vec = float;               // no vector unit we know: one lane, the same scheme
+constexpr int64_t kLanes = 1;
+inline vec vzero() { return 0.f; }
+inline vec vfma(vec a, vec b, vec acc) { return std::fma(a, b, acc); }
+inline float vsum(vec a) { return a; }
+inline vec vload(const float* p, int64_t) { return *p; }
+inline vec vload(const at::BFloat16* p, int64_t) { return static_cast<float>(*p); }
+#endif
+
+// acc[r][c] = x_r . w_c for R rows of x (stride k) and 4 weight rows.
+template <typename T, int R>
+inline void dot_tile(const T* const* xs, const T* const* ws, int64_t k, float (&res)[4][4]) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {        // vdpbf16ps: 32 bf16 pairs a step
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < k; d += 32) {
+      const int64_t left = k - d;
+      const __mmask32 mask = left >= 32 ? ~0u : static_cast<__mmask32>((1ull << left) - 1);
+      __m512i w[4];
+      for (int c = 0; c < 4; ++c) w[c] = _mm512_maskz_loadu_epi16(mask, ws[c] + d);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_maskz_loadu_epi16(mask, xs[r] + d);
+        for (int c = 0; c < 4; ++c)
+          acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv, (__m512bh)w[c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) res[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+    return;
+  }
+#endif
+  vec acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = vzero();
+  for (int64_t d = 0; d < k; d += kLanes) {
+    const int64_t left = k - d;
+    vec w[4];
+    for (int c = 0; c < 4; ++c) w[c] = vload(ws[c] + d, left);
+    for (int r = 0; r < R; ++r) {
+      const vec xv = vload(xs[r] + d, left);
+      for (int c = 0; c < 4; ++c) acc[r][c] = vfma(xv, w[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) res[r][c] = vsum(acc[r][c]);
+}
+
+template <typename T, typename O>
+void linear_kernel(O* out, const T* x, const T* w, int64_t m, int64_t k, int64_t n) {
+  constexpr int64_t kRowsPerTask = 32;          // weight rows a task keeps in cache for every x row
+  at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t j0 = task * kRowsPerTask, j1 = std::min(n, j0 + kRowsPerTask);
+      for (int64_t i = 0; i < m; i += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - i);
+        const T* xs[4];
+        for (int r = 0; r < 4; ++r) xs[r] = x + std::min(i + r, m - 1) * k;
+        for (int64_t j = j0; j < j1; j += 4) {
+          const T* ws[4];                        // a short group repeats its last row
+          for (int c = 0; c < 4; ++c) ws[c] = w + std::min(j + c, j1 - 1) * k;
+          float res[4][4];
+          switch (rows) {
+            case 1: dot_tile<T, 1>(xs, ws, k, res); break;
+            case 2: dot_tile<T, 2>(xs, ws, k, res); break;
+            case 3: dot_tile<T, 3>(xs, ws, k, res); break;
+            default: dot_tile<T, 4>(xs, ws, k, res);
+          }
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < 4 && j + c < j1; ++c) out[(i + r) * n + j + c] = static_cast<O>(res[r][c]);
         }
-        const float rows[2][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}};
-        for (int64_t ii = 0; ii < 2 && i + ii < m; ++ii)
-          for (int64_t j = 0; j < 4 && r + j < n; ++j) op[(i + ii) * n + r + j] = rows[ii][j];
       }
     }
   });
 }
+
+}  // namespace mm
+
+void linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& weight) {
+  using mm::linear_kernel;
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear: x [m, k] and "
+              "weight [n, k] must share k, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous() && x.device().is_cpu() &&
+              weight.device().is_cpu() && out.device().is_cpu(),
+              "linear: x, weight and out must be contiguous CPU tensors");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK((dt == torch::kFloat || dt == torch::kBFloat16) && weight.scalar_type() == dt &&
+              (out.scalar_type() == dt || out.scalar_type() == torch::kFloat),
+              "linear: x and weight both float32 or both bfloat16, out theirs or float32; got ", dt, ", ",
+              weight.scalar_type(), " and ", out.scalar_type());
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "linear: out must be [", m, ", ", n,
+              "], got ", out.sizes());
+  if (m == 0 || n == 0) return;
+  if (dt == torch::kFloat) {
+    linear_kernel(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), m, k, n);
+  } else if (out.scalar_type() == torch::kFloat) {
+    linear_kernel(out.data_ptr<float>(), x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), m, k, n);
+  } else {
+    linear_kernel(out.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+                  m, k, n);
+  }
+}
+
+// ---- The same matmul on AMX tiles (Sapphire Rapids and later), bf16 ----------------------
+// AMX multiplies tiles: C[16 x 16 fp32] += A[16 rows x 32 bf16] . B[32 x 16 bf16], the B
+// tile stored in pairs of k ("VNNI" layout: row r holds k = 2r, 2r + 1 of each of the 16
+// columns). pack_weight_amx (kernels.py) lays W [n, k] out once as [n / 16, k / 32, 16, 32]
+// so each B tile is 1 KB of contiguous memory. Every output element starts at zero and
+// gets one tdpbf16ps per 32-wide chunk of k, in order, whatever m, its row's place in the
+// tile or the thread: batch-invariant like the loop above (and about ten times faster at
+// prefill sizes on our 2-core Xeon). Tail rows of x are copied into a zeroed tile; k must
+// be a multiple of 32 (kernels.py picks this kernel by the weight's shape alone, never by m).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace amx {
+
+struct alignas(64) TileConfig {     // ldtilecfg's 64-byte operand
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux lets a process use the AMX tile registers only after asking (arch_prctl).
+bool permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// tiles 0-3: C (fp32 16 x 16), 4-5: A (two blocks of 16 x rows), 6-7: B (two column blocks)
+void configure() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  // GCC 12 at -O3 drops the stores above as dead (it does not see ldtilecfg read them):
+  // an empty asm that takes the address and clobbers memory keeps them.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+template <typename O>
+void store(O* out, const float* c, int64_t rows, int64_t cols, int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) out[r * ldo + j] = static_cast<O>(c[r * 16 + j]);
+}
+
+template <typename O>
+void linear_amx_kernel(O* out, const at::BFloat16* x, const at::BFloat16* packed, int64_t m, int64_t k,
+                       int64_t n) {
+  const int64_t nb = (n + 15) / 16, kc = k / 32, xs = k * 2;   // column blocks, k chunks, x stride (bytes)
+  at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    configure();
+    // A last block of other than 16 or 32 rows is read from a zero-filled copy
+    const int64_t tail = m % 32 == 0 || m % 32 == 16 ? m : m - m % 32;
+    std::vector<at::BFloat16> pad(tail < m ? 32 * k : 0, at::BFloat16(0.f));
+    if (tail < m) std::memcpy(pad.data(), x + tail * k, (m - tail) * k * sizeof(at::BFloat16));
+    alignas(64) float c[4][256];
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t j0 = pair * 32;
+      const bool two_cols = 2 * pair + 1 < nb;
+      const at::BFloat16* b0 = packed + (2 * pair) * kc * 512;
+      const at::BFloat16* b1 = b0 + kc * 512;
+      for (int64_t i = 0; i < m; i += 32) {
+        const int64_t rows = std::min<int64_t>(32, m - i);
+        const bool two_rows = rows > 16;
+        const at::BFloat16* a = i == tail ? pad.data() : x + i * k;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t q = 0; q < kc; ++q) {
+          _tile_loadd(4, a + q * 32, xs);
+          _tile_loadd(6, b0 + q * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two_rows) {
+            _tile_loadd(5, a + 16 * k + q * 32, xs);
+            _tile_dpbf16ps(2, 5, 6);
+          }
+          if (two_cols) {
+            _tile_loadd(7, b1 + q * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two_rows) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
+        _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+        const int64_t cols0 = std::min<int64_t>(16, n - j0), cols1 = std::min<int64_t>(16, n - j0 - 16);
+        const int64_t rows0 = std::min<int64_t>(16, rows), rows1 = rows - rows0;
+        store(out + i * n + j0, c[0], rows0, cols0, n);
+        if (two_cols) store(out + i * n + j0 + 16, c[1], rows0, cols1, n);
+        if (two_rows) {
+          store(out + (i + 16) * n + j0, c[2], rows1, cols0, n);
+          if (two_cols) store(out + (i + 16) * n + j0 + 16, c[3], rows1, cols1, n);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace amx
+
+// out [m, n] (bf16 or fp32) = x [m, k] bf16 @ W^T, W given packed by pack_weight_amx:
+// [ceil(n / 16), k / 32, 16, 32] bf16.
+void linear_amx(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(amx::permitted(), "linear_amx: the kernel refused AMX to this process (arch_prctl)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16 && x.size(1) % 32 == 0,
+              "linear_amx: x must be contiguous bf16 [m, k] with k a multiple of 32, got ", x.scalar_type(), " ",
+              x.sizes());
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.scalar_type() == torch::kBFloat16 &&
+              packed.size(0) == (n + 15) / 16 && packed.size(1) == k / 32 && packed.size(2) == 16 &&
+              packed.size(3) == 32, "linear_amx: packed must be bf16 [", (n + 15) / 16, ", ", k / 32,
+              ", 16, 32] for out's n = ", n, " and k = ", k, ", got ", packed.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == m &&
+              (out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16),
+              "linear_amx: out must be contiguous [m, n] bf16 or float32");
+  if (m == 0 || n == 0) return;
+  if (out.scalar_type() == torch::kFloat)
+    amx::linear_amx_kernel(out.data_ptr<float>(), x.data_ptr<at::BFloat16>(), packed.data_ptr<at::BFloat16>(),
+                           m, k, n);
+  else
+    amx::linear_amx_kernel(out.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(),
+                           packed.data_ptr<at::BFloat16>(), m, k, n);
+}
+#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal paged attention, prefill and decode rows (CPU)");
@@ -571,7 +810,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache, "Write K/V rows to their slots (CPU)");
   m.def("copy_blocks", &copy_blocks, "Copy KV blocks within the pool (copy-on-write, CPU)");
   m.def("swap_blocks", &swap_blocks, "Copy KV blocks between two pools (swap, CPU)");
-  m.def("linear", &linear, "x W^T for a few rows of x, fp32 (CPU)");
+  m.def("linear", &linear, "x W^T, batch-invariant, fp32 or bf16 (CPU)");
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  m.def("linear_amx", &linear_amx, "x W^T on AMX tiles, W packed, bf16 (CPU)");
+#endif
   m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");

@@ -11,6 +11,7 @@ for a server start (~15 s on a quiet 2-core machine, 30 s on a busy one).
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 import json
 import os
 import signal
@@ -451,6 +452,29 @@ def test_default_model_greedy_and_chat_equal_llm(default_server, default_model_d
     chunks = list(client.chat.completions.create(model="smol", messages=messages, max_tokens=12,
                                                  temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.outputs[0].text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_default_model_seeded_request_twice_gives_one_answer(default_server):
+    """Issue 22's report, through the server in the dtype "auto" picks (bf16 on an AMX
+    Xeon): the same seeded request sent twice (the second a prefix-cache hit) and once
+    among other requests gets the same two samples each time."""
+    from openai import OpenAI
+    client = OpenAI(base_url=default_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    body = dict(model="smol", messages=[{"role": "user", "content": "Invent a name for a cat."}],
+                n=2, temperature=1.0, seed=1234, max_tokens=16)
+
+    def answers():
+        return [c.message.content for c in client.chat.completions.create(**body).choices]
+
+    first, second = answers(), answers()
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(client.completions.create, model="smol", prompt=p, max_tokens=24, temperature=0)
+                  for p in PROMPTS]
+        third = answers()
+        [f.result() for f in others]
+    assert first == second == third
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Tensor parallelism (chapter 17): Megatron shards equal the whole model, the engine at
-tp=2 and tp=4 equals tp=1, bad head counts fail before any process starts, dead or
-raising workers end the engine cleanly, and no worker outlives its engine.
+tp=2 and tp=4 equals tp=1 in float32 (and in bfloat16 is deterministic and batch-invariant
+itself), bad head counts fail before any process starts, dead or raising workers end the
+engine cleanly, and no worker outlives its engine.
 
 The first tests run the ranks as threads of this process, each with a gloo
 ProcessGroup made directly from a FileStore (fast: no process start). The rest start
@@ -188,7 +189,7 @@ def run_workload(llm):
 
 @pytest.fixture(scope="module")
 def tp1_reference(tp_model_dir):
-    llm = LLM(str(tp_model_dir), num_gpu_blocks=64, block_size=4, preemption_mode="recompute")
+    llm = LLM(str(tp_model_dir), num_gpu_blocks=64, block_size=4, preemption_mode="recompute", dtype="float32")
     return run_workload(llm)
 
 
@@ -211,7 +212,7 @@ class _InterruptOnce:
 
 @pytest.mark.parametrize("tp_size", [2, 4])      # 4 > this machine's 2 cores: slower, not an error
 def test_engine_at_tp_equals_tp1(tp_model_dir, tp1_reference, tp_size):
-    llm = LLM(str(tp_model_dir), num_gpu_blocks=64, block_size=4, tensor_parallel_size=tp_size)
+    llm = LLM(str(tp_model_dir), num_gpu_blocks=64, block_size=4, tensor_parallel_size=tp_size, dtype="float32")
     pids = worker_pids(llm)
     assert len(pids) == tp_size
     greedy, sampled = run_workload(llm)
@@ -262,14 +263,35 @@ def test_tp2_preemption_prefix_caching_async(tp_model_dir):
         return [[c.token_ids for c in o.outputs] for batch, ps in ((prompts[:1], params[:1]), (prompts, params))
                 for o in llm.generate(batch, ps, use_tqdm=False)]
 
-    expected = run(LLM(str(tp_model_dir), num_gpu_blocks=256, block_size=4, preemption_mode="recompute"))
+    expected = run(LLM(str(tp_model_dir), num_gpu_blocks=256, block_size=4, preemption_mode="recompute",
+                       dtype="float32"))
     llm = LLM(str(tp_model_dir), num_gpu_blocks=40, num_cpu_blocks=20, block_size=4, tensor_parallel_size=2,
-              preemption_mode="swap", async_scheduling=True)
+              preemption_mode="swap", async_scheduling=True, dtype="float32")
     assert run(llm) == expected
     stats = llm.engine.get_stats()
     assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0
     assert stats["prefix_cache_hits"] > 0 and stats["num_copy_on_write"] > 0
     assert stats["num_free_gpu_blocks"] == 40
+    llm.shutdown()
+
+
+def test_tp2_in_bf16_is_deterministic_and_batch_invariant(tp_model_dir):
+    """In bfloat16, tp=2 need not equal tp=1 bit for bit: its all-reduce adds the two
+    ranks' bf16 partial sums of o_proj and down_proj (rounded to bf16 each) where tp=1
+    sums the whole dot product in fp32 (chapter 17). It is a function of the request all
+    the same: a prompt's per-step logprobs are equal as floats alone, in a batch, and run
+    again."""
+    llm = LLM(str(tp_model_dir), num_gpu_blocks=64, block_size=4, tensor_parallel_size=2, dtype="bfloat16",
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+    def target(prompts):
+        out = llm.generate(prompts, params, use_tqdm=False)[prompts.index(PROMPTS[2])].outputs[0]
+        return out.token_ids, out.logprobs
+    alone = target([PROMPTS[2]])
+    assert target(PROMPTS) == alone
+    assert target([PROMPTS[2], PROMPTS[0]]) == alone
+    assert target([PROMPTS[2]]) == alone
     llm.shutdown()
 
 
@@ -331,7 +353,7 @@ def test_torchrun_external_launcher(tp_model_dir, tp1_reference, tmp_path):
         "import json, os\n"
         "from nanopaged import LLM, SamplingParams\n"
         f"llm = LLM({str(tp_model_dir)!r}, num_gpu_blocks=64, block_size=4, tensor_parallel_size=2,\n"
-        "          distributed_executor_backend='external_launcher')\n"
+        "          distributed_executor_backend='external_launcher', dtype='float32')\n"
         f"outs = llm.generate({PROMPTS!r}, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)\n"
         f"path = os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK'] + '.json')\n"
         "with open(path, 'w') as f:\n"

@@ -52,7 +52,10 @@ class Scenario:
         watch: what to look at, one or two sentences.
         requests: the requests, with their arrival steps.
         num_gpu_blocks, num_cpu_blocks, block_size, preemption_mode,
-            enable_prefix_caching: the engine (EngineConfig's fields).
+            enable_prefix_caching, dtype: the engine (EngineConfig's fields). The named
+            scenarios run in float32, so chapter 13's figures are what every CPU draws
+            (in bfloat16 a seeded sample can pick another token); your own prompts in
+            the engine's "auto".
         transition: the point, as a phrase ("a new block is allocated right after ...").
         find: the first step (1-based) of a run's history at which the point has been
             made, or None; see shown_at.
@@ -67,6 +70,7 @@ class Scenario:
     block_size: int = 4
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
+    dtype: str = "float32"
     transition: str = ""
     find: Callable[[History], int | None] | None = field(default=None, repr=False)
 
@@ -79,7 +83,8 @@ class Scenario:
         return LLMEngine(EngineConfig(
             model=model, block_size=block_size or self.block_size,
             num_gpu_blocks=num_gpu_blocks or self.num_gpu_blocks, num_cpu_blocks=self.num_cpu_blocks,
-            preemption_mode=self.preemption_mode, enable_prefix_caching=self.enable_prefix_caching))
+            preemption_mode=self.preemption_mode, enable_prefix_caching=self.enable_prefix_caching,
+            dtype=self.dtype))
 
     def shown_at(self, history: History) -> int | None:
         """The step at which this run made the scenario's point (None: it did not)."""
@@ -206,4 +211,4 @@ def prompt_scenario(prompts: list[str], max_tokens: int) -> Scenario:
     ids = [chr(ord("A") + i) if i < 26 else f"R{i}" for i in range(len(prompts))]
     return Scenario("prompt", "your prompts", "Each step: who runs, and where their tokens' K/V live.",
                     tuple(TraceRequest(i, p, _greedy(max_tokens)) for i, p in zip(ids, prompts)),
-                    num_gpu_blocks=16, num_cpu_blocks=16, preemption_mode="auto")
+                    num_gpu_blocks=16, num_cpu_blocks=16, preemption_mode="auto", dtype="auto")

@@ -25,12 +25,13 @@ HINT = """
 load: n = self.weight.shape[1] columns per rank; rank r holds columns
 [r * n, (r + 1) * n) of src (src[:, a:b] reads only those from a safetensors slice).
 Check the shape first: _check_shape(name, src, (self.output_size, self.input_size)).
-forward: self.ops.linear(x, self.weight) is the rank's partial [num_tokens, output_size];
-return self.tp.all_reduce(...) of it.
-logits: self.ops.linear(hidden.float(), weight) with the weight in float32 (keep a
-float32 copy in self._head_fp32 when self.weight is not float32) gives this rank's
-[num_tokens, per_rank] columns; self.tp.all_gather joins them in rank order into
-[num_tokens, tp * per_rank]; keep the first self.vocab_size columns.
+forward: _linear(self, x) (the module's helper: self.ops.linear with the weight in the
+layout the backend wants) is the rank's partial [num_tokens, output_size]; return
+self.tp.all_reduce(...) of it.
+logits: _linear(self, hidden, out_dtype=torch.float32) gives this rank's
+[num_tokens, per_rank] columns, summed and returned in float32 whatever the weights'
+dtype; self.tp.all_gather joins them in rank order into [num_tokens, tp * per_rank];
+keep the first self.vocab_size columns.
 """
 
 

@@ -43,6 +43,18 @@ from ..worker.kernels import TorchBackend
 _REFERENCE = TorchBackend()     # plain F.linear until the model is given its kernel backend
 
 
+def _linear(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ layer.weight^T by the layer's backend (`layer.ops`), with the weight in the
+    layout that backend wants (AMX tiles: kernels.KernelBackend.pack_weight), packed on
+    first use and again after a new backend or a change to the weight (its version
+    counter moves, or `load` clears `_packed_for`)."""
+    w = layer.weight
+    key = (layer.ops, w._version, w.data_ptr())
+    if layer._packed_for != key:
+        layer._packed, layer._packed_for = layer.ops.pack_weight(w), key
+    return layer.ops.linear(x, w, out_dtype, packed=layer._packed)
+
+
 class TPGroup:
     """This rank's place in its tensor-parallel group, and the collectives over it.
 
@@ -171,9 +183,10 @@ class ColumnParallelLinear(nn.Module):
             self.offsets[name], rows = rows, rows + n
         self.weight = nn.Parameter(torch.empty(rows, input_size))
         self.ops = _REFERENCE          # the model's set_attention_backend gives the kernels
+        self._packed = self._packed_for = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight)
+        return _linear(self, x)
 
     def load(self, part: str, src, name: str) -> None:
         """Copy this rank's rows of checkpoint matrix `part` ([rows, input_size]; a
@@ -182,6 +195,7 @@ class ColumnParallelLinear(nn.Module):
         full, first, n = self.parts[part]
         _check_shape(name, src, (full, self.input_size))
         self.weight.data[self.offsets[part]:self.offsets[part] + n].copy_(src[first:first + n])
+        self._packed_for = None
 
 
 class RowParallelLinear(nn.Module):
@@ -201,15 +215,17 @@ class RowParallelLinear(nn.Module):
         self.input_size, self.output_size, self.tp = input_size, output_size, tp
         self.weight = nn.Parameter(torch.empty(output_size, input_size // tp.size))
         self.ops = _REFERENCE
+        self._packed = self._packed_for = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.ops.linear(x, self.weight))
+        return self.tp.all_reduce(_linear(self, x))
 
     def load(self, src, name: str) -> None:
         """Copy this rank's columns of the checkpoint matrix [output_size, input_size]."""
         _check_shape(name, src, (self.output_size, self.input_size))
         n = self.weight.shape[1]
         self.weight.data.copy_(src[:, self.tp.rank * n:(self.tp.rank + 1) * n])
+        self._packed_for = None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -234,8 +250,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.per_rank
         self.num_held = max(0, min(vocab_size - self.vocab_start, self.per_rank))
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size))
-        self._head_fp32 = None      # float32 copy for logits (see logits())
         self.ops = _REFERENCE
+        self._packed = self._packed_for = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -252,17 +268,12 @@ class VocabParallelEmbedding(nn.Module):
         In bf16 a logit near 30 can only be a multiple of 0.125, so rounding the head's
         output to bf16 (as transformers does) turns near-ties into ties and flips
         argmaxes. The products of a bf16 hidden and a bf16 weight are exact in float32,
-        so we keep the head in float32 (a copy, made once: 113 MB for SmolLM2's 49152 x
-        576 at tp=1) and get the logits to float32 precision. The fp32 matmul costs what
-        the bf16 one does on our 2-core CPU (45 ms a row, measured); upcasting the
-        weight on every call instead took 280 ms.
+        so we sum them in float32 and keep the float32 result: the CPU kernel's matmul
+        takes bf16 in and gives fp32 out, reading the 57 MB bf16 head (SmolLM2's 49152
+        x 576) rather than a 113 MB fp32 copy. The reference backend (and CUDA) widens
+        the inputs instead: ops.linear(..., out_dtype=torch.float32).
         """
-        weight = self.weight
-        if weight.dtype != torch.float32:
-            if self._head_fp32 is None:
-                self._head_fp32 = weight.float()
-            weight = self._head_fp32
-        logits = self.tp.all_gather(self.ops.linear(hidden.float(), weight))
+        logits = self.tp.all_gather(_linear(self, hidden, out_dtype=torch.float32))
         return logits[:, :self.vocab_size] if logits.shape[1] != self.vocab_size else logits
 
     def load(self, src, name: str) -> None:
@@ -271,4 +282,4 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data.zero_()
         n = self.num_held
         self.weight.data[:n].copy_(src[self.vocab_start:self.vocab_start + n])
-        self._head_fp32 = None
+        self._packed_for = None

@@ -110,10 +110,19 @@ class TorchBackend:
 
     # -- the Llama layer's other ops (the reference math; KernelBackend has kernels) --
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [m, k] @ weight [n, k]^T -> [m, n] (no bias: Llama has none)."""
-        return F.linear(x, weight)
+    def pack_weight(self, weight: torch.Tensor) -> None:
+        """A kernel's own layout of a weight, made once (KernelBackend: AMX tiles); none here."""
+        return None
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+               packed: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, k] @ weight [n, k]^T -> [m, n] (no bias: Llama has none), in out_dtype
+        (default x's dtype; float32 from bf16 inputs: both are widened first, so the
+        products are exact and summed in fp32). MKL / oneDNN / cuBLAS: a row's bits
+        can depend on how many rows share the call (the kernels' linear does not)."""
+        if out_dtype is None or out_dtype == x.dtype:
+            return F.linear(x, weight)
+        return F.linear(x.to(out_dtype), weight.to(out_dtype))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
@@ -163,17 +172,34 @@ class KernelBackend(TorchBackend):
         self.fused_layer_ops = hasattr(ops, "rms_norm")     # the CPU kernels have them, CUDA not yet
         self.prefill_kernel = hasattr(ops, "paged_attention")   # CPU: prefill and decode rows
 
-    # A decode step's matmuls go to the streaming kernel up to this many rows: measured
-    # faster than MKL's sgemm at every size from 1 to 64 on our 2-core CPU (SmolLM2's
-    # weights: 34 vs 50 ms at 1 row, 102 vs 159 ms at 32, 189 vs 257 ms at 64).
-    MAX_KERNEL_LINEAR_ROWS = 64
+    def pack_weight(self, weight):
+        """weight [n, k] in the AMX kernel's tile layout, [ceil(n / 16), k / 32, 16, 32]
+        bf16 (kernels/paged_attention_cpu.cpp, linear_amx), or None where that kernel does
+        not apply: no AMX, not bf16, or k not a multiple of 32. The choice depends on the
+        weight alone, never on a batch, so every row of every step takes the same kernel."""
+        if not hasattr(self.ops, "linear_amx") or weight.dtype != torch.bfloat16 or weight.shape[1] % 32:
+            return None
+        n, k = weight.shape
+        nb = -(-n // 16)
+        padded = F.pad(weight, (0, 0, 0, nb * 16 - n))
+        # [column block, 16 columns, k chunk, 16 pairs, 2] -> [column block, k chunk, pair, column, 2]
+        return padded.view(nb, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, k // 32, 16, 32).contiguous()
 
-    def linear(self, x, weight):
-        """Few fp32 rows (decode): the streaming kernel; otherwise MKL / cuBLAS."""
-        if (not self.fused_layer_ops or x.shape[0] > self.MAX_KERNEL_LINEAR_ROWS
-                or x.dtype != torch.float32 or weight.dtype != torch.float32):
-            return F.linear(x, weight)
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    def linear(self, x, weight, out_dtype=None, packed=None):
+        """x [m, k] @ weight [n, k]^T -> [m, n] in out_dtype (default x's), through the
+        kernel's batch-invariant matmul for every m: on AMX tiles when `packed` (from
+        pack_weight) is given, else the vector loop (fp32, or bf16 with fp32 sums; the
+        output may be fp32 for bf16 inputs: the LM head). Other dtypes and CUDA: the
+        reference (F.linear), which is not batch-invariant."""
+        out_dtype = out_dtype or x.dtype
+        if packed is not None:
+            out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+            self.ops.linear_amx(out, x.contiguous(), packed)
+            return out
+        if (not self.fused_layer_ops or x.dtype not in (torch.float32, torch.bfloat16)
+                or weight.dtype != x.dtype or out_dtype not in (x.dtype, torch.float32)):
+            return super().linear(x, weight, out_dtype)
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
         self.ops.linear(out, x.contiguous(), weight)
         return out
 
@@ -292,7 +318,9 @@ def _cpu_flags() -> list[str]:
     """Vector flags for the CPU kernel: the instruction set torch itself dispatches to."""
     cap = torch.backends.cpu.get_cpu_capability()
     if cap.startswith("AVX512"):
-        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+        bf16 = ["-mavx512bf16"] if torch.cpu._is_avx512_bf16_supported() else []   # vdpbf16ps
+        amx = ["-mamx-tile", "-mamx-bf16"] if torch.cpu._is_amx_tile_supported() else []
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", *bf16, *amx]
     if cap == "AVX2":
         return ["-mavx2", "-mfma", "-mf16c"]
     return []
@@ -344,6 +372,7 @@ def build_extension(name: str, source: Path, kind: str):
                                "kernels/ folder?)")
     if kind == "cpu":
         name += "_" + torch.backends.cpu.get_cpu_capability().lower()
+        name += "".join(f"_{f[2:].replace('-', '_')}" for f in _cpu_flags() if f in ("-mavx512bf16", "-mamx-tile"))
         flags = dict(extra_cflags=["-O3", "-fopenmp", *_cpu_flags()], extra_ldflags=["-fopenmp"])
     else:
         flags = dict(extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])   # __expf is explicit: no fast-math

@@ -1,0 +1,145 @@
+"""Batch invariance (chapter 05, "Batch invariance"): a sequence's logits are bit-identical
+whatever else runs with it, in float32 and in bfloat16, on every CPU.
+
+The same request, run alone in a fresh engine, is the reference. Then it runs
+- in a batch, beside requests of other lengths (its decode rows share steps with
+  their prefill rows);
+- after a prefix-cache hit, computing only the tokens past the cached blocks;
+- prefilled in chunks under a small token budget;
+- recomputed after a preemption (its prompt and outputs again, as one prefill);
+and every step's top-5 logprobs (log_softmax of its logits row, in fp32) must be equal as
+floats, not close. Why a row could differ at all: MKL and oneDNN choose their blocking,
+and so the order of a dot product's additions, by the number of rows in the call
+(measured on an AMX Xeon: oneDNN's bf16 matmul gives a row other bits at 33 rows than at
+32; MKL's fp32 at 2 rows than at 1). The kernels' matmul adds in one order for every row
+(kernels/paged_attention_cpu.cpp, `linear` and `linear_amx`), and the attention kernel
+computes each query row alone.
+
+bfloat16 runs on every CPU: where the CPU has no bf16 units the kernels widen bf16 to
+fp32 (slower, the same claims). The two tiny models take the two matmul paths a bf16
+model can take: hidden size 64 goes to AMX tiles on a CPU that has them, 48 (not a
+multiple of 32) to the vector loop everywhere.
+"""
+import pytest
+import torch
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.worker.kernels import KernelBackend, get_attn_backend
+
+from conftest import make_tiny_llama
+
+DTYPES = ["float32", "bfloat16"]
+TARGET = list(range(20, 50))                    # the watched request: 30 prompt tokens
+OTHERS = [list(range(100, 107)), list(range(60, 101)), [5, 6, 7]]
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module", params=[64, 48], ids=["hidden64", "hidden48"])
+def model_dir(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"invariance-{request.param}")
+    make_tiny_llama(folder, hidden_size=request.param, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=2 * request.param)
+    return folder
+
+
+def watched(llm, prompts, params=PARAMS):
+    """The target's output (token ids, per-step top-5 logprobs) from a generate of prompts."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    out = next(o for o in outs if o.prompt_token_ids == TARGET).outputs[0]
+    return out.token_ids, out.logprobs
+
+
+def engine(folder, dtype, **kw):
+    kw = dict(block_size=4, num_gpu_blocks=128, enable_prefix_caching=False, dtype=dtype) | kw
+    return LLM(str(folder), **kw)
+
+
+@pytest.fixture(scope="module")
+def alone(model_dir):
+    return {dtype: watched(engine(model_dir, dtype), [TARGET]) for dtype in DTYPES}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_is_the_same_alone_and_in_any_batch(model_dir, alone, dtype):
+    llm = engine(model_dir, dtype)
+    for batch in ([TARGET, *OTHERS], [*OTHERS[:2], TARGET], [OTHERS[2], TARGET, OTHERS[0]]):
+        assert watched(llm, batch) == alone[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_is_the_same_after_a_prefix_cache_hit(model_dir, alone, dtype):
+    llm = engine(model_dir, dtype, enable_prefix_caching=True)
+    llm.generate([TARGET[:17] + [3, 4]], PARAMS, use_tqdm=False)     # caches TARGET's first 4 blocks
+    hits = llm.engine.get_stats()["prefix_cache_hits"]
+    assert watched(llm, [TARGET]) == alone[dtype]
+    assert llm.engine.get_stats()["prefix_cache_hits"] > hits
+    assert watched(llm, [TARGET, *OTHERS]) == alone[dtype]           # a hit of 28 tokens, batched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_is_the_same_prefilled_in_chunks(model_dir, alone, dtype):
+    llm = engine(model_dir, dtype, max_num_batched_tokens=8, max_num_seqs=4, enable_chunked_prefill=True)
+    chunks = []
+    model = llm.engine.model_runner.model
+    forward = model.forward
+    model.forward = lambda ids, *a: chunks.append(len(ids)) or forward(ids, *a)
+    assert watched(llm, [TARGET]) == alone[dtype]
+    assert chunks[:4] == [8, 8, 8, 6]                                  # 30 prompt tokens in 4 chunks
+    assert watched(llm, [OTHERS[1], TARGET, OTHERS[0]]) == alone[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_is_the_same_after_a_recompute_preemption(model_dir, alone, dtype):
+    # 14 blocks of 4: the three requests cannot all keep growing; the latest arrival
+    # (the target) is preempted and later recomputes its prompt and outputs in one prefill
+    llm = engine(model_dir, dtype, num_gpu_blocks=14, preemption_mode="recompute")
+    assert watched(llm, [OTHERS[1], OTHERS[0], TARGET]) == alone[dtype]
+    assert llm.engine.get_stats()["num_preemptions_recompute"] > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_seeded_sampling_gives_the_same_text_on_a_cache_hit(model_dir, dtype):
+    llm = engine(model_dir, dtype, enable_prefix_caching=True)
+    params = SamplingParams(n=2, temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    runs = [[c.token_ids for c in llm.generate([TARGET], params, use_tqdm=False)[0].outputs] for _ in range(3)]
+    assert llm.engine.get_stats()["prefix_cache_hits"] > 0
+    assert runs[0] == runs[1] == runs[2]
+
+
+# -- the matmul itself --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kernels():
+    backend = get_attn_backend("cpu", "cpu")
+    assert isinstance(backend, KernelBackend)
+    return backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (77, 64), (33, 48)])
+@pytest.mark.parametrize("path", ["vector", "packed"])
+def test_the_kernel_matmul_gives_a_row_the_same_bits_in_every_batch(kernels, dtype, n, k, path):
+    """Every m from 1 to 40 and a few larger, every row position: equal to the row alone.
+    "packed" is the AMX path where the CPU has it and the weight fits it (bf16, k a
+    multiple of 32); pack_weight says None elsewhere and the vector loop runs."""
+    torch.manual_seed(n + k)
+    weight = torch.randn(n, k, dtype=dtype) * 0.05
+    x = torch.randn(100, k, dtype=dtype)
+    packed = kernels.pack_weight(weight) if path == "packed" else None
+    for out_dtype in {dtype, torch.float32}:
+        def linear(rows):
+            return kernels.linear(rows, weight, out_dtype, packed=packed)
+        alone = torch.cat([linear(x[i:i + 1]) for i in range(len(x))])
+        for m in [*range(1, 41), 47, 64, 65, 100]:
+            assert torch.equal(linear(x[:m]), alone[:m]), (m, out_dtype)
+        assert torch.equal(linear(x.flip(0)), alone.flip(0))
+        exact = torch.nn.functional.linear(x.double(), weight.double())
+        tol = 1e-4 if out_dtype == torch.float32 else 2e-2
+        assert (alone.double() - exact).abs().max() < tol * exact.abs().max()
+
+
+def test_pack_weight_takes_bf16_weights_whose_k_is_a_multiple_of_32(kernels):
+    has_amx = hasattr(kernels.ops, "linear_amx")
+    assert (kernels.pack_weight(torch.zeros(10, 64, dtype=torch.bfloat16)) is not None) == has_amx
+    assert kernels.pack_weight(torch.zeros(10, 48, dtype=torch.bfloat16)) is None
+    assert kernels.pack_weight(torch.zeros(10, 64)) is None
