@@ -42,17 +42,131 @@
 #include <immintrin.h>
 #endif
 
+// ---- One vector of fp32 lanes, for the loops whose order of additions we fix ----------
+// The matmul and attention's dot products accumulate in `vec`s with explicit fused
+// multiply-adds and end with one fixed horizontal sum (vsum): the compiler cannot
+// reorder intrinsics, so a dot product's bits depend only on its inputs and length,
+// never on which loop or tile computed it. AVX512: 16 lanes, AVX2: 8, else 1.
+namespace mm {
+
+#if defined(__AVX512F__)
+using vec = __m512;
+constexpr int64_t kLanes = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vfma(vec a, vec b, vec acc) { return _mm512_fmadd_ps(a, b, acc); }
+inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+inline vec vset1(float f) { return _mm512_set1_ps(f); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* p, vec a, int64_t n) {
+  if (n >= kLanes) _mm512_storeu_ps(p, a);
+  else _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), a);
+}
+inline vec vload(const float* p, int64_t n) {
+  return n >= kLanes ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+inline vec vload(const at::BFloat16* p, int64_t n) {     // 16 bf16 widened: the bits shifted up
+  const __m256i h = n >= kLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#elif defined(__AVX2__)
+using vec = __m256;
+constexpr int64_t kLanes = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vfma(vec a, vec b, vec acc) { return _mm256_fmadd_ps(a, b, acc); }
+inline float vsum(vec a) {        // a fixed tree: (lo + hi), then pairs
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+inline vec vset1(float f) { return _mm256_set1_ps(f); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* p, vec a, int64_t n) {
+  if (n >= kLanes) return _mm256_storeu_ps(p, a);
+  alignas(32) float buf[kLanes];
+  _mm256_store_ps(buf, a);
+  std::memcpy(p, buf, n * sizeof(float));
+}
+inline vec vload(const float* p, int64_t n) {
+  if (n >= kLanes) return _mm256_loadu_ps(p);
+  alignas(32) float buf[kLanes] = {};
+  std::memcpy(buf, p, n * sizeof(float));
+  return _mm256_load_ps(buf);
+}
+inline vec vload(const at::BFloat16* p, int64_t n) {
+  alignas(16) uint16_t buf[kLanes] = {};
+  std::memcpy(buf, p, std::min(n, kLanes) * sizeof(uint16_t));
+  const __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#else
+using vec = float;               // no vector unit we know: one lane, the same scheme
+constexpr int64_t kLanes = 1;
+inline vec vzero() { return 0.f; }
+inline vec vfma(vec a, vec b, vec acc) { return std::fma(a, b, acc); }
+inline float vsum(vec a) { return a; }
+inline vec vset1(float f) { return f; }
+inline vec vadd(vec a, vec b) { return a + b; }
+inline void vstore(float* p, vec a, int64_t) { *p = a; }
+inline vec vload(const float* p, int64_t) { return *p; }
+inline vec vload(const at::BFloat16* p, int64_t) { return static_cast<float>(*p); }
+#endif
+
+// x[0] + ... + x[n-1] and x . x in one fixed order (lane i sums i, i + kLanes, ...; then
+// vsum): an `omp simd` reduction is free to peel a few elements for alignment, which
+// would tie a row's bits to where its buffer happens to start.
+inline float sum(const float* x, int64_t n) {
+  vec acc = vzero();
+  for (int64_t i = 0; i < n; i += kLanes) acc = vadd(acc, vload(x + i, n - i));
+  return vsum(acc);
+}
+inline float sum_squares(const float* x, int64_t n) {
+  vec acc = vzero();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const vec v = vload(x + i, n - i);
+    acc = vfma(v, v, acc);
+  }
+  return vsum(acc);
+}
+
+}  // namespace mm
+
 namespace {
 
-// n consecutive cache elements (a block's slot rows) as fp32: fp32 is read in place,
-// bf16 and fp16 are widened into buf.
+// fp32 <-> the cache's dtype in loops that vectorize. c10's bf16 conversion is scalar
+// code (a branch for NaN), and inside an `omp simd` loop it kept silu_and_mul at a tenth
+// of its fp32 speed in bf16. The same rounding (to nearest even, NaN -> 0x7fc0) as bit
+// operations, so every result keeps its bits.
+template <typename T>
+inline float to_f32(T v) { return static_cast<float>(v); }
+template <>
+inline float to_f32(at::BFloat16 v) { return std::bit_cast<float>(static_cast<uint32_t>(v.x) << 16); }
+template <typename T>
+inline T from_f32(float f) { return static_cast<T>(f); }
+template <>
+inline at::BFloat16 from_f32(float f) {
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  at::BFloat16 out;
+  out.x = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+  return out;
+}
+
+// n consecutive cache elements (a block's slot rows) as the kernel reads them: fp32 and
+// bf16 in place (mm::vload widens bf16 as it loads), fp16 (and fp64) converted into buf.
 template <typename scalar_t>
-inline const float* rows_ptr(const scalar_t* src, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
+constexpr bool kReadInPlace = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>;
+template <typename scalar_t>
+using kv_t = std::conditional_t<kReadInPlace<scalar_t>, scalar_t, float>;
+
+template <typename scalar_t>
+inline const kv_t<scalar_t>* rows_ptr(const scalar_t* src, float* buf, int64_t n) {
+  if constexpr (kReadInPlace<scalar_t>) {
     return src;
   } else {
 #pragma omp simd
-    for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(src[d]);
+    for (int64_t d = 0; d < n; ++d) buf[d] = to_f32(src[d]);
     return buf;
   }
 }
@@ -118,7 +232,7 @@ void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_
       const int64_t* table = block_tables + s * max_blocks;
       q.resize(nq * q_stride);
       for (int64_t i = 0; i < nq * q_stride; ++i)   // pre-scaled: (scale * q) . k
-        q[i] = scale * static_cast<float>(query[first * q_stride + i]);
+        q[i] = scale * to_f32(query[first * q_stride + i]);
       logits.resize(nq * num_heads * len);          // [row][head][key]
       sum.assign(nq * num_heads, 0.f);
 
@@ -128,30 +242,31 @@ void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_
       //    units busy (one sum is a chain of dependent adds, latency-bound).
       for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
         const int64_t nt = std::min(block_size, len - t0);          // tokens of this block in range
-        const float* kb = rows_ptr(key_cache + table[b] * block_size * slot_stride, block.data(),
+        const auto* kb = rows_ptr(key_cache + table[b] * block_size * slot_stride, block.data(),
                                    nt * slot_stride);
         for (int64_t r = std::max<int64_t>(0, t0 - base); r < nq; ++r) {
           const int64_t seen = std::min(nt, base + r + 1 - t0);    // causal: keys <= base + r
           for (int64_t h = 0; h < num_heads; ++h) {
             const float* qh = q.data() + r * q_stride + h * head_size;
-            const float* k0 = kb + kv_offset[h];
+            const auto* k0 = kb + kv_offset[h];
             float* lg = logits.data() + (r * num_heads + h) * len + t0;
             // a short last group repeats its last key and drops those sums: every
             // logit comes from this one loop, so block size never changes a bit
             for (int64_t o = 0; o < seen; o += 4) {
-              const float* ka = k0 + o * slot_stride;
-              const float* kb1 = k0 + std::min(o + 1, seen - 1) * slot_stride;
-              const float* kc = k0 + std::min(o + 2, seen - 1) * slot_stride;
-              const float* kd = k0 + std::min(o + 3, seen - 1) * slot_stride;
-              float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
-#pragma omp simd reduction(+ : d0, d1, d2, d3)
-              for (int64_t d = 0; d < head_size; ++d) {
-                d0 += qh[d] * ka[d];
-                d1 += qh[d] * kb1[d];
-                d2 += qh[d] * kc[d];
-                d3 += qh[d] * kd[d];
+              const auto* ka = k0 + o * slot_stride;
+              const auto* kb1 = k0 + std::min(o + 1, seen - 1) * slot_stride;
+              const auto* kc = k0 + std::min(o + 2, seen - 1) * slot_stride;
+              const auto* kd = k0 + std::min(o + 3, seen - 1) * slot_stride;
+              mm::vec d0 = mm::vzero(), d1 = mm::vzero(), d2 = mm::vzero(), d3 = mm::vzero();
+              for (int64_t d = 0; d < head_size; d += mm::kLanes) {
+                const int64_t left = head_size - d;
+                const mm::vec qv = mm::vload(qh + d, left);
+                d0 = mm::vfma(qv, mm::vload(ka + d, left), d0);
+                d1 = mm::vfma(qv, mm::vload(kb1 + d, left), d1);
+                d2 = mm::vfma(qv, mm::vload(kc + d, left), d2);
+                d3 = mm::vfma(qv, mm::vload(kd + d, left), d3);
               }
-              const float dots[4] = {d0, d1, d2, d3};
+              const float dots[4] = {mm::vsum(d0), mm::vsum(d1), mm::vsum(d2), mm::vsum(d3)};
               for (int64_t i = 0; i < 4 && o + i < seen; ++i) lg[o + i] = dots[i];
             }
           }
@@ -165,30 +280,37 @@ void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_
           float max = lg[0];
 #pragma omp simd reduction(max : max)
           for (int64_t t = 1; t < n; ++t) max = std::max(max, lg[t]);
-          float total = 0.f;
-#pragma omp simd reduction(+ : total)
-          for (int64_t t = 0; t < n; ++t) {
-            lg[t] = fast_exp(lg[t] - max);
-            total += lg[t];
-          }
-          sum[r * num_heads + h] = total;
+#pragma omp simd
+          for (int64_t t = 0; t < n; ++t) lg[t] = fast_exp(lg[t] - max);
+          sum[r * num_heads + h] = mm::sum(lg, n);
         }
       // 3. weighted sum of V rows, a block at a time, each row read once for the tile.
       acc.assign(nq * q_stride, 0.f);
       for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
         const int64_t nt = std::min(block_size, len - t0);
-        const float* vb = rows_ptr(value_cache + table[b] * block_size * slot_stride, block.data(),
+        const auto* vb = rows_ptr(value_cache + table[b] * block_size * slot_stride, block.data(),
                                    nt * slot_stride);
         for (int64_t r = std::max<int64_t>(0, t0 - base); r < nq; ++r) {
           const int64_t seen = std::min(nt, base + r + 1 - t0);
           for (int64_t h = 0; h < num_heads; ++h) {
             const float* p = logits.data() + (r * num_heads + h) * len + t0;
-            const float* v0 = vb + kv_offset[h];
+            const auto* v0 = vb + kv_offset[h];
             float* ah = acc.data() + r * q_stride + h * head_size;
-            for (int64_t o = 0; o < seen; ++o) {
-              const float* v = v0 + o * slot_stride;
-#pragma omp simd
-              for (int64_t d = 0; d < head_size; ++d) ah[d] += p[o] * v[d];
+            // up to 4 vectors of the head's output stay in registers over the keys
+            constexpr int64_t kSpan = 4 * mm::kLanes;
+            for (int64_t d0 = 0; d0 < head_size; d0 += kSpan) {
+              mm::vec a[4];
+              for (int64_t c = 0; c < 4; ++c)
+                if (d0 + c * mm::kLanes < head_size) a[c] = mm::vload(ah + d0 + c * mm::kLanes, head_size - d0 - c * mm::kLanes);
+              for (int64_t o = 0; o < seen; ++o) {
+                const auto* v = v0 + o * slot_stride + d0;
+                const mm::vec po = mm::vset1(p[o]);
+                for (int64_t c = 0; c < 4; ++c)
+                  if (d0 + c * mm::kLanes < head_size)
+                    a[c] = mm::vfma(po, mm::vload(v + c * mm::kLanes, head_size - d0 - c * mm::kLanes), a[c]);
+              }
+              for (int64_t c = 0; c < 4; ++c)
+                if (d0 + c * mm::kLanes < head_size) mm::vstore(ah + d0 + c * mm::kLanes, a[c], head_size - d0 - c * mm::kLanes);
             }
           }
         }
@@ -198,7 +320,7 @@ void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_
           scalar_t* dst = out + (first + r) * q_stride + h * head_size;
           const float* ah = acc.data() + r * q_stride + h * head_size;
           const float inv = 1.f / sum[r * num_heads + h];
-          for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<scalar_t>(ah[d] * inv);
+          for (int64_t d = 0; d < head_size; ++d) dst[d] = from_f32<scalar_t>(ah[d] * inv);
         }
     }
   });
@@ -401,21 +523,21 @@ void rms_norm_impl(torch::Tensor out, torch::Tensor x, std::optional<torch::Tens
         const scalar_t* src = xp + i * xs;
         if (rp) {
           scalar_t* res = rp + i * rs;
+          _Pragma("omp simd")
           for (int64_t d = 0; d < hidden; ++d) {
-            res[d] = static_cast<scalar_t>(static_cast<float>(res[d]) + static_cast<float>(src[d]));
-            buf[d] = static_cast<float>(res[d]);
+            res[d] = from_f32<scalar_t>(to_f32(res[d]) + to_f32(src[d]));
+            buf[d] = to_f32(res[d]);
           }
         } else {
-          for (int64_t d = 0; d < hidden; ++d) buf[d] = static_cast<float>(src[d]);
+          _Pragma("omp simd")
+          for (int64_t d = 0; d < hidden; ++d) buf[d] = to_f32(src[d]);
         }
-        float ss = 0.f;
-        _Pragma("omp simd reduction(+ : ss)")   // a #pragma cannot sit inside the dispatch macro
-        for (int64_t d = 0; d < hidden; ++d) ss += buf[d] * buf[d];
+        const float ss = mm::sum_squares(buf.data(), hidden);
         const float inv = 1.f / std::sqrt(ss / hidden + static_cast<float>(eps));
         scalar_t* dst = op + i * os;
+        _Pragma("omp simd")
         for (int64_t d = 0; d < hidden; ++d)
-          dst[d] = static_cast<scalar_t>(static_cast<float>(w[d]) *
-                                         static_cast<float>(static_cast<scalar_t>(buf[d] * inv)));
+          dst[d] = from_f32<scalar_t>(to_f32(w[d]) * to_f32(from_f32<scalar_t>(buf[d] * inv)));
       }
     });
   });
@@ -454,9 +576,9 @@ void silu_and_mul(torch::Tensor out, const torch::Tensor& x) {
         scalar_t* dst = op + i * os;
         _Pragma("omp simd")
         for (int64_t j = 0; j < d; ++j) {
-          const float g = static_cast<float>(gate[j]);
-          const scalar_t act = static_cast<scalar_t>(g / (1.f + fast_exp(-g)));
-          dst[j] = static_cast<scalar_t>(static_cast<float>(act) * static_cast<float>(up[j]));
+          const float g = to_f32(gate[j]);
+          const scalar_t act = from_f32<scalar_t>(g / (1.f + fast_exp(-g)));
+          dst[j] = from_f32<scalar_t>(to_f32(act) * to_f32(up[j]));
         }
       }
     });
@@ -488,15 +610,16 @@ void rotary_embedding(const torch::Tensor& positions, torch::Tensor query, torch
                 "table [0, ", max_pos, ")");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "rotary_embedding", [&] {
     auto rotate = [&](scalar_t* x, const scalar_t* c, const scalar_t* s) {
+      _Pragma("omp simd")
       for (int64_t j = 0; j < half; ++j) {
-        const float x1 = static_cast<float>(x[j]), x2 = static_cast<float>(x[j + half]);
+        const float x1 = to_f32(x[j]), x2 = to_f32(x[j + half]);
         // transformers: x * cos + rotate_half(x) * sin, each product rounded to the dtype
-        const auto t1 = static_cast<scalar_t>(x1 * static_cast<float>(c[j]));
-        const auto t2 = static_cast<scalar_t>(-x2 * static_cast<float>(s[j]));
-        const auto t3 = static_cast<scalar_t>(x2 * static_cast<float>(c[j + half]));
-        const auto t4 = static_cast<scalar_t>(x1 * static_cast<float>(s[j + half]));
-        x[j] = static_cast<scalar_t>(static_cast<float>(t1) + static_cast<float>(t2));
-        x[j + half] = static_cast<scalar_t>(static_cast<float>(t3) + static_cast<float>(t4));
+        const auto t1 = from_f32<scalar_t>(x1 * to_f32(c[j]));
+        const auto t2 = from_f32<scalar_t>(-x2 * to_f32(s[j]));
+        const auto t3 = from_f32<scalar_t>(x2 * to_f32(c[j + half]));
+        const auto t4 = from_f32<scalar_t>(x1 * to_f32(s[j + half]));
+        x[j] = from_f32<scalar_t>(to_f32(t1) + to_f32(t2));
+        x[j + half] = from_f32<scalar_t>(to_f32(t3) + to_f32(t4));
       }
     };
     scalar_t* qp = query.data_ptr<scalar_t>();
@@ -534,53 +657,6 @@ void rotary_embedding(const torch::Tensor& positions, torch::Tensor query, torch
 // instruction, summed in pairs into fp32) where the CPU has it, else widens bf16 to fp32
 // and uses fp32 FMAs (exact products; other bits than vdpbf16ps, same on every batch).
 namespace mm {
-
-#if defined(__AVX512F__)
-using vec = __m512;
-constexpr int64_t kLanes = 16;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vfma(vec a, vec b, vec acc) { return _mm512_fmadd_ps(a, b, acc); }
-inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
-inline vec vload(const float* p, int64_t n) {
-  return n >= kLanes ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
-}
-inline vec vload(const at::BFloat16* p, int64_t n) {     // 16 bf16 widened: the bits shifted up
-  const __m256i h = n >= kLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#elif defined(__AVX2__)
-using vec = __m256;
-constexpr int64_t kLanes = 8;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vfma(vec a, vec b, vec acc) { return _mm256_fmadd_ps(a, b, acc); }
-inline float vsum(vec a) {        // a fixed tree: (lo + hi), then pairs
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-inline vec vload(const float* p, int64_t n) {
-  if (n >= kLanes) return _mm256_loadu_ps(p);
-  alignas(32) float buf[kLanes] = {};
-  std::memcpy(buf, p, n * sizeof(float));
-  return _mm256_load_ps(buf);
-}
-inline vec vload(const at::BFloat16* p, int64_t n) {
-  alignas(16) uint16_t buf[kLanes] = {};
-  std::memcpy(buf, p, std::min(n, kLanes) * sizeof(uint16_t));
-  const __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-#else
-using vec = float;               // no vector unit we know: one lane, the same scheme
-constexpr int64_t kLanes = 1;
-inline vec vzero() { return 0.f; }
-inline vec vfma(vec a, vec b, vec acc) { return std::fma(a, b, acc); }
-inline float vsum(vec a) { return a; }
-inline vec vload(const float* p, int64_t) { return *p; }
-inline vec vload(const at::BFloat16* p, int64_t) { return static_cast<float>(*p); }
-#endif
 
 // acc[r][c] = x_r . w_c for R rows of x (stride k) and 4 weight rows.
 template <typename T, int R>

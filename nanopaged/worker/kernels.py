@@ -373,7 +373,10 @@ def build_extension(name: str, source: Path, kind: str):
     if kind == "cpu":
         name += "_" + torch.backends.cpu.get_cpu_capability().lower()
         name += "".join(f"_{f[2:].replace('-', '_')}" for f in _cpu_flags() if f in ("-mavx512bf16", "-mamx-tile"))
-        flags = dict(extra_cflags=["-O3", "-fopenmp", *_cpu_flags()], extra_ldflags=["-fopenmp"])
+        # -fno-trapping-math: GCC keeps a loop with a float select (fast_exp's clamp) scalar
+        # unless it may compute both sides; no result changes (no reassociation, no fast-math)
+        flags = dict(extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *_cpu_flags()],
+                     extra_ldflags=["-fopenmp"])
     else:
         flags = dict(extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])   # __expf is explicit: no fast-math
         if torch.version.cuda is None:
