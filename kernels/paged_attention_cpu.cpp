@@ -813,12 +813,15 @@ void linear_amx_kernel(O* out, const at::BFloat16* x, const at::BFloat16* packed
     std::vector<at::BFloat16> pad(tail < m ? 32 * k : 0, at::BFloat16(0.f));
     if (tail < m) std::memcpy(pad.data(), x + tail * k, (m - tail) * k * sizeof(at::BFloat16));
     alignas(64) float c[4][256];
+    // x in chunks of 256 rows (300 KB at k = 576) that stay in this core's L2 while
+    // every column pair of the task passes over them; a prefill's whole x does not fit
+    for (int64_t m0 = 0; m0 < m; m0 += 256)
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t j0 = pair * 32;
       const bool two_cols = 2 * pair + 1 < nb;
       const at::BFloat16* b0 = packed + (2 * pair) * kc * 512;
       const at::BFloat16* b1 = b0 + kc * 512;
-      for (int64_t i = 0; i < m; i += 32) {
+      for (int64_t i = m0; i < std::min(m, m0 + 256); i += 32) {
         const int64_t rows = std::min<int64_t>(32, m - i);
         const bool two_rows = rows > 16;
         const at::BFloat16* a = i == tail ? pad.data() : x + i * k;
