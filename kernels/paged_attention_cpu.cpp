@@ -701,11 +701,17 @@ inline void dot_tile(const T* const* xs, const T* const* ws, int64_t k, float (&
 template <typename T, typename O>
 void linear_kernel(O* out, const T* x, const T* w, int64_t m, int64_t k, int64_t n) {
   constexpr int64_t kRowsPerTask = 32;          // weight rows a task keeps in cache for every x row
+  // rows of x a tile holds in registers: 4 x 4 sums + 4 weight vectors + x fit AVX512's 32
+  // registers; AVX2 has 16, so 2 x 4 there
+  constexpr int64_t kTileRows = kLanes >= 16 ? 4 : 2;
+  // x in chunks of ~256 KB, which stay in L2 while the thread's weight rows pass over them
+  const int64_t chunk = std::max<int64_t>(kTileRows, (256 * 1024 / (k * sizeof(T))) / kTileRows * kTileRows);
   at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i0 = 0; i0 < m; i0 += chunk)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t j0 = task * kRowsPerTask, j1 = std::min(n, j0 + kRowsPerTask);
-      for (int64_t i = 0; i < m; i += 4) {
-        const int64_t rows = std::min<int64_t>(4, m - i);
+      for (int64_t i = i0; i < std::min(m, i0 + chunk); i += kTileRows) {
+        const int64_t rows = std::min<int64_t>(kTileRows, m - i);
         const T* xs[4];
         for (int r = 0; r < 4; ++r) xs[r] = x + std::min(i + r, m - 1) * k;
         for (int64_t j = j0; j < j1; j += 4) {
@@ -796,10 +802,18 @@ void configure() {
   _tile_loadconfig(&cfg);
 }
 
+// A C tile's rows x cols corner to out (row stride ldo), rounded to O by bit operations:
+// with c10's scalar conversion these stores took most of a decode step's matmul time.
 template <typename O>
 void store(O* out, const float* c, int64_t rows, int64_t cols, int64_t ldo) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < cols; ++j) out[r * ldo + j] = static_cast<O>(c[r * 16 + j]);
+  for (int64_t r = 0; r < rows; ++r) {
+    if constexpr (std::is_same_v<O, float>) {
+      std::memcpy(out + r * ldo, c + r * 16, cols * sizeof(float));
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) out[r * ldo + j] = from_f32<O>(c[r * 16 + j]);
+    }
+  }
 }
 
 template <typename O>
