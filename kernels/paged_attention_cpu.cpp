@@ -21,12 +21,13 @@
 //   2. softmax over each row's own keys (max-subtracted, as always),
 //   3. out_rh = sum_t p[r][h][t] * v_t, then one division by the sum.
 //
-// Inner loops over head_size are plain loops the compiler vectorizes (`omp simd`,
-// -O3 with the machine's vector flags, see nanopaged/worker/kernels.py); bf16 and fp16
-// blocks are widened to fp32 a block at a time. Also here: the cache ops the engine needs
+// Dot products and sums run in explicit vectors (namespace mm: AVX512, AVX2 or one lane,
+// by the machine's flags, see nanopaged/worker/kernels.py) in one fixed order, so a row's
+// bits never depend on its batch (chapters/05-llama.md, "Batch invariance"); bf16 K/V are
+// widened as they load, fp16 a block at a time. Also here: the cache ops the engine needs
 // (reshape_and_cache, copy_blocks, swap_blocks), the Llama layer's elementwise ops fused
-// (rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding) and a matmul for
-// decode-sized batches (linear). chapters/12-kernels.md, "Performance", has the numbers.
+// (rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding) and the matmuls (linear,
+// and linear_amx on AMX tiles). chapters/12-kernels.md, "Performance", has the numbers.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

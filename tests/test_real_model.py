@@ -214,8 +214,7 @@ def test_c20_tied_embeddings(default_model_dir, hf_model, tmp_path):
         llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=SMALL_KV)
         model = llm.engine.model_runner.model
         assert model.lm_head is None                      # the head is the embedding matrix
-        # (close, not equal: decode-sized rows go through our matmul kernel, which sums
-        # in another order than MKL's `@`)
+        # (close, not equal: our matmul kernel sums in another order than MKL's `@`)
         torch.testing.assert_close(model.compute_logits(model.embed_tokens.weight[:3]),
                                    model.embed_tokens.weight[:3] @ model.embed_tokens.weight.T,
                                    rtol=1e-5, atol=1e-4)

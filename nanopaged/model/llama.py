@@ -282,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
     def set_attention_backend(self, backend: TorchBackend) -> None:
         """Give every layer this kernel backend (kernels.get_attn_backend picks one): its
         attention, the fused RMSNorm, RoPE and SiLU-and-mul ops, and the linear layers'
-        matmuls (a streaming kernel for decode-sized batches)."""
+        matmuls (batch-invariant: one order of additions for every batch size)."""
         for module in self.modules():
             if hasattr(module, "ops"):          # norms, MLPs, the linear layers
                 module.ops = backend
