@@ -842,6 +842,12 @@ void linear_amx_kernel(O* out, const at::BFloat16* x, const at::BFloat16* packed
         const at::BFloat16* a = i == tail ? pad.data() : x + i * k;
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int64_t q = 0; q < kc; ++q) {
+          // B tiles 4 chunks ahead, into L1: at decode sizes the weights stream from
+          // memory, and tile loads alone left the prefetcher behind
+          for (int64_t line = 0; line < 1024; line += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(b0 + (q + 4) * 512) + line, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(b1 + (q + 4) * 512) + line, _MM_HINT_T0);
+          }
           _tile_loadd(4, a + q * 32, xs);
           _tile_loadd(6, b0 + q * 512, 64);
           _tile_dpbf16ps(0, 4, 6);
