@@ -296,7 +296,8 @@ def get_attn_backend(name: str, device: torch.device | str) -> TorchBackend:
         if kind not in _warned_kinds:
             _warned_kinds.add(kind)
             warnings.warn(f"nanopaged: the {kind} paged-attention kernel is not available ({e}); "
-                          "using the PyTorch reference attention instead (same results, slower).",
+                          "using the PyTorch reference instead (the same math, slower, and not "
+                          "batch-invariant).",
                           stacklevel=_user_stacklevel())
         return TorchBackend()
 
