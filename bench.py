@@ -545,19 +545,21 @@ def bench_gpu_bandwidth(kernel, num_seqs=256, context=2048, head=128, heads=32, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: what LLM(dtype='auto') picks on this machine (both sides use it)")
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--max-output", type=int, default=128, help="outputs are U[32, this] tokens")
+    ap.add_argument("--max-output", type=int, default=128,
+                    help="the workload's outputs are U[32, this] tokens (throughput, vllm; default 128)")
     ap.add_argument("--vllm-python", default=None,
                     help="vllm: the interpreter of vLLM's venv (else $NANOPAGED_VLLM_PYTHON or ./.venv-vllm)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
     ap.add_argument("--sections",
-                    default="throughput,chat,sampling,structured,overlap,prefix,sharing,pressure,memory,kernels")
+                    default="throughput,chat,sampling,structured,overlap,prefix,sharing,pressure,memory,kernels",
+                    help="comma-separated, from the list above; serve, tp and vllm are not in the default")
     ap.add_argument("--kernels", action="store_true", help="only the kernels section")
     ap.add_argument("--request-rates", default="0.5,2,inf", help="serve: requests per second")
     ap.add_argument("--serve-requests", type=int, default=32, help="serve: requests per rate")
