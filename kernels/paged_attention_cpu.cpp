@@ -222,9 +222,16 @@ void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_
       item_seq.push_back(s);
       item_first.push_back(j);
     }
-  at::parallel_for(0, static_cast<int64_t>(item_seq.size()), 1, [&](int64_t begin, int64_t end) {
+  // Items differ in cost (a sequence's length, a tile's rows), so they are handed out one
+  // at a time as threads come free (at::parallel_for would give each thread one
+  // contiguous range); the threads are torch's OpenMP pool, sized by torch.set_num_threads.
+  // Which thread computes an item never changes its bits.
+  const int64_t num_items = static_cast<int64_t>(item_seq.size());
+#pragma omp parallel if (num_items > 1)
+  {
     std::vector<float> q, acc, block(block_size * slot_stride), logits, sum;
-    for (int64_t item = begin; item < end; ++item) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
       const int64_t s = item_seq[item], first = item_first[item];
       const int64_t last = std::min(first + kQueryTile, query_start_loc[s + 1]);   // rows [first, last)
       const int64_t nq = last - first, seq_len = seq_lens[s];
@@ -324,7 +331,7 @@ void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_
           for (int64_t d = 0; d < head_size; ++d) dst[d] = from_f32<scalar_t>(ah[d] * inv);
         }
     }
-  });
+  }
 }
 
 void check_cache(const torch::Tensor& cache, const char* name) {
