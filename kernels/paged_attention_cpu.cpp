@@ -17,7 +17,7 @@
 //
 //   1. logits[r][h][t] = scale * q_rh . k_t for its rows r and every head h; a slot's row
 //      (all KV heads, contiguous) is read once for the whole tile (GQA: head h reads KV
-//      head h / group),
+//      head h / group, and the up to 4 heads of one KV head share each load),
 //   2. softmax over each row's own keys (max-subtracted, as always),
 //   3. out_rh = sum_t p[r][h][t] * v_t, then one division by the sum.
 //
@@ -58,6 +58,8 @@ inline vec vfma(vec a, vec b, vec acc) { return _mm512_fmadd_ps(a, b, acc); }
 inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
 inline vec vset1(float f) { return _mm512_set1_ps(f); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline float vmax_all(vec a) { return _mm512_reduce_max_ps(a); }
 inline void vstore(float* p, vec a, int64_t n) {
   if (n >= kLanes) _mm512_storeu_ps(p, a);
   else _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), a);
@@ -69,6 +71,19 @@ inline vec vload(const at::BFloat16* p, int64_t n) {     // 16 bf16 widened: the
   const __m256i h = n >= kLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                                 : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// vsum of four vectors at once, each by vsum's own tree (GCC's _mm512_reduce_add_ps:
+// lane i + lane i+8, then i + i+4, then (0 + 2) + (1 + 3)), the four interleaved in
+// shuffles: 13 instructions instead of four reductions' ~32.
+inline void vsum4(const vec (&v)[4], float (&out)[4]) {
+  const vec ab = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
+  const vec cd = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
+  const vec s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  const vec t = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));       // 128-bit lane: s0+s2, s1+s3
+  const vec u = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));       // lane 0 of each: (s0+s2)+(s1+s3)
+  alignas(64) float lanes[kLanes];
+  _mm512_store_ps(lanes, u);
+  out[0] = lanes[0], out[1] = lanes[4], out[2] = lanes[8], out[3] = lanes[12];
 }
 #elif defined(__AVX2__)
 using vec = __m256;
@@ -83,6 +98,12 @@ inline float vsum(vec a) {        // a fixed tree: (lo + hi), then pairs
 }
 inline vec vset1(float f) { return _mm256_set1_ps(f); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline float vmax_all(vec a) {
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, a);
+  return *std::max_element(lanes, lanes + kLanes);
+}
 inline void vstore(float* p, vec a, int64_t n) {
   if (n >= kLanes) return _mm256_storeu_ps(p, a);
   alignas(32) float buf[kLanes];
@@ -101,6 +122,17 @@ inline vec vload(const at::BFloat16* p, int64_t n) {
   const __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+// vsum of four vectors at once, each by vsum's tree, the four interleaved in shuffles
+inline void vsum4(const vec (&v)[4], float (&out)[4]) {
+  const vec ab = _mm256_add_ps(_mm256_permute2f128_ps(v[0], v[1], 0x20), _mm256_permute2f128_ps(v[0], v[1], 0x31));
+  const vec cd = _mm256_add_ps(_mm256_permute2f128_ps(v[2], v[3], 0x20), _mm256_permute2f128_ps(v[2], v[3], 0x31));
+  // per 128-bit lane: [ab0 + ab2, ab1 + ab3, cd0 + cd2, cd1 + cd3] (a, c low; b, d high)
+  const vec t = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
+  const vec u = _mm256_add_ps(t, _mm256_permute_ps(t, 0xB1));
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, u);
+  out[0] = lanes[0], out[1] = lanes[4], out[2] = lanes[2], out[3] = lanes[6];
+}
 #else
 using vec = float;               // no vector unit we know: one lane, the same scheme
 constexpr int64_t kLanes = 1;
@@ -109,9 +141,12 @@ inline vec vfma(vec a, vec b, vec acc) { return std::fma(a, b, acc); }
 inline float vsum(vec a) { return a; }
 inline vec vset1(float f) { return f; }
 inline vec vadd(vec a, vec b) { return a + b; }
+inline vec vmax(vec a, vec b) { return std::max(a, b); }
+inline float vmax_all(vec a) { return a; }
 inline void vstore(float* p, vec a, int64_t) { *p = a; }
 inline vec vload(const float* p, int64_t) { return *p; }
 inline vec vload(const at::BFloat16* p, int64_t) { return static_cast<float>(*p); }
+inline void vsum4(const vec (&v)[4], float (&out)[4]) { for (int i = 0; i < 4; ++i) out[i] = v[i]; }
 #endif
 
 // x[0] + ... + x[n-1] and x . x in one fixed order (lane i sums i, i + kLanes, ...; then
@@ -121,6 +156,19 @@ inline float sum(const float* x, int64_t n) {
   vec acc = vzero();
   for (int64_t i = 0; i < n; i += kLanes) acc = vadd(acc, vload(x + i, n - i));
   return vsum(acc);
+}
+// max(x[0], ..., x[n-1]), n >= 1, in vectors (GCC leaves an `omp simd` max reduction a
+// scalar chain of maxss: 14% of the attention kernel). Max is exact, so any order agrees.
+inline float max(const float* x, int64_t n) {
+  float m = x[0];
+  int64_t i = 0;
+  if (n >= kLanes) {
+    vec acc = vload(x, kLanes);
+    for (i = kLanes; i + kLanes <= n; i += kLanes) acc = vmax(acc, vload(x + i, kLanes));
+    m = vmax_all(acc);
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
 }
 inline float sum_squares(const float* x, int64_t n) {
   vec acc = vzero();
@@ -197,6 +245,77 @@ inline float fast_exp(float x) {
 // Queries per work item in a prefill: they share every K/V row the item reads.
 constexpr int64_t kQueryTile = 16;
 
+// The logits of G query heads that share one KV head (GQA), for `seen` keys in a row:
+// lg[i * lg_stride + o] = q_i . k_o, where q_i = q + i * head_size and key o's row starts
+// at k0 + o * slot_stride. Each key row is loaded once for the G heads, and four keys go
+// at a time (4G independent sums keep the FMA units busy; one sum alone is a chain of
+// dependent adds). Every logit is one vector sum over head_size in order, then vsum's
+// tree, whatever G, the group or the key's place: a short last group of keys repeats its
+// last key and drops those sums, so block size never changes a bit.
+template <int G, typename K>
+inline void head_logits(const float* q, const K* k0, float* lg, int64_t seen, int64_t head_size,
+                        int64_t slot_stride, int64_t lg_stride) {
+  for (int64_t o = 0; o < seen; o += 4) {
+    const K* kr[4];
+    for (int64_t i = 0; i < 4; ++i) kr[i] = k0 + std::min(o + i, seen - 1) * slot_stride;
+    mm::vec d[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) d[g][i] = mm::vzero();
+    for (int64_t c = 0; c < head_size; c += mm::kLanes) {
+      const int64_t left = head_size - c;
+      mm::vec kv[4];
+      for (int i = 0; i < 4; ++i) kv[i] = mm::vload(kr[i] + c, left);
+      for (int g = 0; g < G; ++g) {
+        const mm::vec qv = mm::vload(q + g * head_size + c, left);
+        for (int i = 0; i < 4; ++i) d[g][i] = mm::vfma(qv, kv[i], d[g][i]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float dots[4];
+      mm::vsum4(d[g], dots);
+      for (int64_t i = 0; i < 4 && o + i < seen; ++i) lg[g * lg_stride + o + i] = dots[i];
+    }
+  }
+}
+
+// acc_i += sum_o p[i * p_stride + o] * v_o for G query heads that share one KV head, on
+// NC vectors of the head's output starting at acc + c0 (NC is a template argument so the
+// G x NC sums stay in registers over the keys). Each V row is loaded once for the G
+// heads. Each output element is one chain of FMAs over the keys in order.
+template <int G, int NC, typename V>
+inline void head_values_span(const float* p, const V* v0, float* acc, int64_t seen, int64_t head_size,
+                             int64_t slot_stride, int64_t p_stride, int64_t c0) {
+  mm::vec a[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c)
+      a[g][c] = mm::vload(acc + g * head_size + c0 + c * mm::kLanes, head_size - c0 - c * mm::kLanes);
+  for (int64_t o = 0; o < seen; ++o) {
+    const V* v = v0 + o * slot_stride + c0;
+    mm::vec vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = mm::vload(v + c * mm::kLanes, head_size - c0 - c * mm::kLanes);
+    for (int g = 0; g < G; ++g) {
+      const mm::vec po = mm::vset1(p[g * p_stride + o]);
+      for (int c = 0; c < NC; ++c) a[g][c] = mm::vfma(po, vv[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c)
+      mm::vstore(acc + g * head_size + c0 + c * mm::kLanes, a[g][c], head_size - c0 - c * mm::kLanes);
+}
+
+// The whole head: spans of up to 4 vectors.
+template <int G, typename V>
+inline void head_values(const float* p, const V* v0, float* acc, int64_t seen, int64_t head_size,
+                        int64_t slot_stride, int64_t p_stride) {
+  for (int64_t c0 = 0; c0 < head_size; c0 += 4 * mm::kLanes) {
+    const int64_t nc = std::min<int64_t>(4, (head_size - c0 + mm::kLanes - 1) / mm::kLanes);
+    if (nc == 4) head_values_span<G, 4>(p, v0, acc, seen, head_size, slot_stride, p_stride, c0);
+    else if (nc == 3) head_values_span<G, 3>(p, v0, acc, seen, head_size, slot_stride, p_stride, c0);
+    else if (nc == 2) head_values_span<G, 2>(p, v0, acc, seen, head_size, slot_stride, p_stride, c0);
+    else head_values_span<G, 1>(p, v0, acc, seen, head_size, slot_stride, p_stride, c0);
+  }
+}
+
 // Attention for every query row of the batch. Sequence s owns query rows
 // [query_start_loc[s], query_start_loc[s + 1]), the last q_len of its seq_len positions,
 // so its j-th query attends to keys 0 .. seq_len - q_len + j (causal). A decode is the
@@ -246,37 +365,22 @@ void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_
 
       // 1. logits, a block at a time: token t = b * block_size + o is slot
       //    table[b] * block_size + o, so a block's tokens are consecutive rows of memory.
-      //    Four keys per pass over a query head: four independent sums keep both FMA
-      //    units busy (one sum is a chain of dependent adds, latency-bound).
       for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += block_size) {
         const int64_t nt = std::min(block_size, len - t0);          // tokens of this block in range
         const auto* kb = rows_ptr(key_cache + table[b] * block_size * slot_stride, block.data(),
                                    nt * slot_stride);
         for (int64_t r = std::max<int64_t>(0, t0 - base); r < nq; ++r) {
           const int64_t seen = std::min(nt, base + r + 1 - t0);    // causal: keys <= base + r
-          for (int64_t h = 0; h < num_heads; ++h) {
+          for (int64_t h = 0; h < num_heads;) {                    // up to 4 heads of one kv head
+            const int64_t g = std::min<int64_t>(4, group - h % group);
             const float* qh = q.data() + r * q_stride + h * head_size;
-            const auto* k0 = kb + kv_offset[h];
             float* lg = logits.data() + (r * num_heads + h) * len + t0;
-            // a short last group repeats its last key and drops those sums: every
-            // logit comes from this one loop, so block size never changes a bit
-            for (int64_t o = 0; o < seen; o += 4) {
-              const auto* ka = k0 + o * slot_stride;
-              const auto* kb1 = k0 + std::min(o + 1, seen - 1) * slot_stride;
-              const auto* kc = k0 + std::min(o + 2, seen - 1) * slot_stride;
-              const auto* kd = k0 + std::min(o + 3, seen - 1) * slot_stride;
-              mm::vec d0 = mm::vzero(), d1 = mm::vzero(), d2 = mm::vzero(), d3 = mm::vzero();
-              for (int64_t d = 0; d < head_size; d += mm::kLanes) {
-                const int64_t left = head_size - d;
-                const mm::vec qv = mm::vload(qh + d, left);
-                d0 = mm::vfma(qv, mm::vload(ka + d, left), d0);
-                d1 = mm::vfma(qv, mm::vload(kb1 + d, left), d1);
-                d2 = mm::vfma(qv, mm::vload(kc + d, left), d2);
-                d3 = mm::vfma(qv, mm::vload(kd + d, left), d3);
-              }
-              const float dots[4] = {mm::vsum(d0), mm::vsum(d1), mm::vsum(d2), mm::vsum(d3)};
-              for (int64_t i = 0; i < 4 && o + i < seen; ++i) lg[o + i] = dots[i];
-            }
+            const auto* k0 = kb + kv_offset[h];
+            if (g == 4) head_logits<4>(qh, k0, lg, seen, head_size, slot_stride, len);
+            else if (g == 3) head_logits<3>(qh, k0, lg, seen, head_size, slot_stride, len);
+            else if (g == 2) head_logits<2>(qh, k0, lg, seen, head_size, slot_stride, len);
+            else head_logits<1>(qh, k0, lg, seen, head_size, slot_stride, len);
+            h += g;
           }
         }
       }
@@ -285,9 +389,7 @@ void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_
         for (int64_t h = 0; h < num_heads; ++h) {
           float* lg = logits.data() + (r * num_heads + h) * len;
           const int64_t n = base + r + 1;
-          float max = lg[0];
-#pragma omp simd reduction(max : max)
-          for (int64_t t = 1; t < n; ++t) max = std::max(max, lg[t]);
+          const float max = mm::max(lg, n);
 #pragma omp simd
           for (int64_t t = 0; t < n; ++t) lg[t] = fast_exp(lg[t] - max);
           sum[r * num_heads + h] = mm::sum(lg, n);
@@ -300,26 +402,16 @@ void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_
                                    nt * slot_stride);
         for (int64_t r = std::max<int64_t>(0, t0 - base); r < nq; ++r) {
           const int64_t seen = std::min(nt, base + r + 1 - t0);
-          for (int64_t h = 0; h < num_heads; ++h) {
+          for (int64_t h = 0; h < num_heads;) {
+            const int64_t g = std::min<int64_t>(4, group - h % group);
             const float* p = logits.data() + (r * num_heads + h) * len + t0;
-            const auto* v0 = vb + kv_offset[h];
             float* ah = acc.data() + r * q_stride + h * head_size;
-            // up to 4 vectors of the head's output stay in registers over the keys
-            constexpr int64_t kSpan = 4 * mm::kLanes;
-            for (int64_t d0 = 0; d0 < head_size; d0 += kSpan) {
-              mm::vec a[4];
-              for (int64_t c = 0; c < 4; ++c)
-                if (d0 + c * mm::kLanes < head_size) a[c] = mm::vload(ah + d0 + c * mm::kLanes, head_size - d0 - c * mm::kLanes);
-              for (int64_t o = 0; o < seen; ++o) {
-                const auto* v = v0 + o * slot_stride + d0;
-                const mm::vec po = mm::vset1(p[o]);
-                for (int64_t c = 0; c < 4; ++c)
-                  if (d0 + c * mm::kLanes < head_size)
-                    a[c] = mm::vfma(po, mm::vload(v + c * mm::kLanes, head_size - d0 - c * mm::kLanes), a[c]);
-              }
-              for (int64_t c = 0; c < 4; ++c)
-                if (d0 + c * mm::kLanes < head_size) mm::vstore(ah + d0 + c * mm::kLanes, a[c], head_size - d0 - c * mm::kLanes);
-            }
+            const auto* v0 = vb + kv_offset[h];
+            if (g == 4) head_values<4>(p, v0, ah, seen, head_size, slot_stride, len);
+            else if (g == 3) head_values<3>(p, v0, ah, seen, head_size, slot_stride, len);
+            else if (g == 2) head_values<2>(p, v0, ah, seen, head_size, slot_stride, len);
+            else head_values<1>(p, v0, ah, seen, head_size, slot_stride, len);
+            h += g;
           }
         }
       }

@@ -143,3 +143,50 @@ def test_pack_weight_takes_bf16_weights_whose_k_is_a_multiple_of_32(kernels):
     assert (kernels.pack_weight(torch.zeros(10, 64, dtype=torch.bfloat16)) is not None) == has_amx
     assert kernels.pack_weight(torch.zeros(10, 48, dtype=torch.bfloat16)) is None
     assert kernels.pack_weight(torch.zeros(10, 64)) is None
+
+
+# -- the attention kernel itself ----------------------------------------------------------
+
+def _paged(kernels, q, k, v, q_lens, block_size, seed):
+    """paged_attention over sequences whose K/V (lists of [len, kv_heads, head_size]) are
+    scattered into shuffled blocks of `block_size` slots. q: [sum(q_lens), heads, head_size]."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-len(kk) // block_size) for kk in k)
+    num_blocks = len(k) * max_blocks
+    kv_heads, head_size = k[0].shape[1:]
+    key_cache = torch.zeros(num_blocks, block_size, kv_heads, head_size, dtype=q.dtype)
+    value_cache = torch.zeros_like(key_cache)
+    block_tables = torch.randperm(num_blocks, generator=g).view(len(k), max_blocks).contiguous()
+    for s, (kk, vv) in enumerate(zip(k, v)):
+        slots = (block_tables[s].repeat_interleave(block_size) * block_size +
+                 torch.arange(block_size).repeat(max_blocks))[:len(kk)]
+        key_cache.view(-1, kv_heads, head_size)[slots] = kk
+        value_cache.view(-1, kv_heads, head_size)[slots] = vv
+    seq_lens = torch.tensor([len(kk) for kk in k])
+    query_start_loc = torch.tensor([0, *q_lens]).cumsum(0)
+    out = torch.empty_like(q)
+    kernels.ops.paged_attention(out, q.contiguous(), key_cache, value_cache, block_tables, seq_lens,
+                                query_start_loc, len(q[0][0]) ** -0.5)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_size", [(9, 3, 64), (14, 2, 64), (4, 4, 80)])
+def test_attention_kernel_gives_a_row_the_same_bits_in_every_batch_and_block_size(
+        kernels, dtype, heads, kv_heads, head_size):
+    """A sequence's output rows are equal, bit for bit, computed alone at block size 16
+    and beside other sequences at block sizes 16, 4 and 1 (keys land at other offsets of
+    a block, so the kernel's groups of four keys fall elsewhere), for prefill, chunk and
+    decode rows. Groups of 3 and 7 query heads per KV head: the kernel takes up to 4
+    heads per pass over a K/V row, so 7 is a pass of 4 and one of 3."""
+    torch.manual_seed(heads + head_size)
+    lens, q_lens = [37, 1, 50, 23], [37, 1, 9, 1]           # prefill, decode, chunk, decode
+    k = [torch.randn(n, kv_heads, head_size, dtype=dtype) for n in lens]
+    v = [torch.randn(n, kv_heads, head_size, dtype=dtype) for n in lens]
+    q = [torch.randn(n, heads, head_size, dtype=dtype) for n in q_lens]
+    together = {bs: _paged(kernels, torch.cat(q), k, v, q_lens, bs, seed=bs).split(q_lens)
+                for bs in (16, 4, 1)}
+    for s in range(len(lens)):
+        alone = _paged(kernels, q[s], [k[s]], [v[s]], [q_lens[s]], 16, seed=s)
+        for bs, outs in together.items():
+            assert torch.equal(outs[s], alone), (s, bs)
