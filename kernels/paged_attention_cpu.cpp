@@ -348,7 +348,10 @@ void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_
   const int64_t num_items = static_cast<int64_t>(item_seq.size());
 #pragma omp parallel if (num_items > 1)
   {
-    std::vector<float> q, acc, block(block_size * slot_stride), logits, sum;
+    // the thread's scratch, kept between calls (a prefill tile's logits are ~150 KB,
+    // which malloc maps fresh, and faults in page by page, on every call)
+    thread_local std::vector<float> q, acc, block, logits, sum;
+    if (static_cast<int64_t>(block.size()) < block_size * slot_stride) block.resize(block_size * slot_stride);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const int64_t s = item_seq[item], first = item_first[item];
@@ -922,10 +925,16 @@ void linear_amx_kernel(O* out, const at::BFloat16* x, const at::BFloat16* packed
   const int64_t nb = (n + 15) / 16, kc = k / 32, xs = k * 2;   // column blocks, k chunks, x stride (bytes)
   at::parallel_for(0, (nb + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     configure();
-    // A last block of other than 16 or 32 rows is read from a zero-filled copy
+    // A last block of other than 16 or 32 rows is read from a zero-filled copy. The
+    // buffer is the thread's own and kept between calls: allocated per call, its pages
+    // were faulted in again every time (m = 17 took 1.6x as long as m = 32).
     const int64_t tail = m % 32 == 0 || m % 32 == 16 ? m : m - m % 32;
-    std::vector<at::BFloat16> pad(tail < m ? 32 * k : 0, at::BFloat16(0.f));
-    if (tail < m) std::memcpy(pad.data(), x + tail * k, (m - tail) * k * sizeof(at::BFloat16));
+    thread_local std::vector<at::BFloat16> pad;
+    if (tail < m) {
+      if (static_cast<int64_t>(pad.size()) < 32 * k) pad.resize(32 * k);
+      std::memcpy(pad.data(), x + tail * k, (m - tail) * k * sizeof(at::BFloat16));
+      std::memset(static_cast<void*>(pad.data() + (m - tail) * k), 0, (32 - (m - tail)) * k * sizeof(at::BFloat16));
+    }
     alignas(64) float c[4][256];
     // x in chunks of 256 rows (300 KB at k = 576) that stay in this core's L2 while
     // every column pair of the task passes over them; a prefill's whole x does not fit
