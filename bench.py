@@ -370,7 +370,7 @@ def _time(fn, repeat: int) -> float:
 
 def decode_batch(num_seqs, context, num_heads, num_kv_heads, head_size, block_size, dtype, device):
     """Random decode inputs with each sequence's blocks scattered over the pool."""
-    from nanopaged.worker.attention import AttentionMetadata
+    from nanopaged.layers.attention import AttentionMetadata
     blocks_per_seq = -(-context // block_size)
     num_blocks = num_seqs * blocks_per_seq
     shape = (num_blocks, block_size, num_kv_heads, head_size)
@@ -389,7 +389,7 @@ def decode_batch(num_seqs, context, num_heads, num_kv_heads, head_size, block_si
 
 def bench_kernels(model, args) -> None:
     """Compiled decode attention vs the reference, then end to end with each backend."""
-    from nanopaged.worker.kernels import TorchBackend, get_attn_backend
+    from nanopaged.layers.backends import TorchBackend, get_attn_backend
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kernel, ref = get_attn_backend(device, device), TorchBackend()
     heads, kv_heads, head = 9, 3, 64                          # SmolLM2-135M
@@ -567,7 +567,7 @@ def main() -> None:
     args = ap.parse_args()
     sections = ["kernels"] if args.kernels else args.sections.split(",")
     if args.dtype == "auto":
-        from nanopaged.engine.config import EngineConfig
+        from nanopaged.config import EngineConfig
         args.dtype = str(EngineConfig(model=args.model).torch_dtype).removeprefix("torch.")
     print(cpu_flags(), f"| dtype {args.dtype}")
     if "vllm" in sections:

@@ -1,7 +1,7 @@
 // Paged attention on the CPU (prefill and decode rows), the C++ twin of paged_attention.cu
 // (which has decode rows only so far), plus the other kernels of a CPU step.
 //
-// Same results as the PyTorch reference (nanopaged/worker/attention.py): each query of a
+// Same results as the PyTorch reference (nanopaged/layers/attention.py): each query of a
 // sequence attends causally to that sequence's K/V, which live scattered in a block pool
 //
 //     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
@@ -22,7 +22,7 @@
 //   3. out_rh = sum_t p[r][h][t] * v_t, then one division by the sum.
 //
 // Dot products and sums run in explicit vectors (namespace mm: AVX512, AVX2 or one lane,
-// by the machine's flags, see nanopaged/worker/kernels.py) in one fixed order, so a row's
+// by the machine's flags, see nanopaged/layers/backends.py) in one fixed order, so a row's
 // bits never depend on its batch (chapters/05-llama.md, "Batch invariance"); bf16 K/V are
 // widened as they load, fp16 a block at a time. Also here: the cache ops the engine needs
 // (reshape_and_cache, copy_blocks, swap_blocks), the Llama layer's elementwise ops fused

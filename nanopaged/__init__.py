@@ -5,10 +5,10 @@ Start at chapters/00-overview.md. The public API mirrors vLLM's offline one:
     from nanopaged import LLM, SamplingParams
 """
 from .core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from .engine.config import EngineConfig
-from .engine.engine import LLMEngine
-from .engine.outputs import CompletionOutput, RequestOutput
-from .engine.sampling_params import SamplingParams, StructuredOutputsParams
+from .config import EngineConfig
+from .engine.llm_engine import LLMEngine
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams, StructuredOutputsParams
 from .entrypoints.llm import LLM
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",

@@ -1,7 +1,7 @@
-"""`python -m nanopaged.exercise`: the code is in nanopaged/entrypoints/exercise.py."""
+"""`python -m nanopaged.exercise`: the code is in nanopaged/exercises/runner.py."""
 import sys
 
-from .entrypoints.exercise import main
+from .exercises.runner import main
 
 if __name__ == "__main__":
     sys.exit(main())

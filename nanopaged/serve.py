@@ -1,7 +1,7 @@
-"""`python -m nanopaged.serve`: the code is in nanopaged/entrypoints/serve.py."""
+"""`python -m nanopaged.serve`: the code is in nanopaged/entrypoints/openai/api_server.py."""
 import sys
 
-from .entrypoints.serve import main
+from .entrypoints.openai.api_server import main
 
 if __name__ == "__main__":
     sys.exit(main())

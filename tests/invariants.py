@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from concurrent.futures import wait
 
-from nanopaged.engine import events as ev
+from nanopaged import events as ev
 from nanopaged.core.block_manager import hash_block_tokens
 from nanopaged.core.sequence import SequenceStatus
 

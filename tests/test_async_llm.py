@@ -12,9 +12,9 @@ import time
 import pytest
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.entrypoints.async_llm import AsyncLLM, EngineDeadError
-from nanopaged.engine.messages import EngineCoreRequestType
-from nanopaged.engine.sampling_params import RequestOutputKind
+from nanopaged.engine.async_llm import AsyncLLM, EngineDeadError
+from nanopaged.messages import EngineCoreRequestType
+from nanopaged.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -285,7 +285,7 @@ def test_no_core_process_outlives_its_parent(tiny_model_dir, tmp_path, how):
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(f"""
         import sys
-        from nanopaged.entrypoints.async_llm import AsyncLLM
+        from nanopaged.engine.async_llm import AsyncLLM
         eng = AsyncLLM({str(tiny_model_dir)!r}, num_gpu_blocks=16, preemption_mode="recompute")
         print(eng.engine_core.proc.pid, flush=True)
         sys.stdin.readline()                      # until the test says go

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.worker.kernels import KernelBackend, get_attn_backend
+from nanopaged.layers.backends import KernelBackend, get_attn_backend
 
 from conftest import make_tiny_llama
 

@@ -229,7 +229,7 @@ def test_c18_streaming_multibyte_text(tiny_model_dir):
 def test_dtype_auto_is_bf16_only_where_the_cpu_has_bf16_dot_products(monkeypatch):
     """Issue 13: "auto" picks bf16 on a CPU with AVX512-BF16 or AMX, fp32 elsewhere; an
     explicit dtype wins either way. The probe is torch's (cpuinfo)."""
-    from nanopaged.engine import config
+    from nanopaged import config
     for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(config, "cpu_has_bf16_dot_products", lambda: has_bf16)
         assert EngineConfig(device="cpu").torch_dtype == expected

@@ -10,7 +10,7 @@ import torch
 
 from nanopaged import LLM, BeamSearchParams, SamplingParams
 from nanopaged.entrypoints.chat import build_prompt
-from nanopaged.engine.sampling_params import RequestOutputKind
+from nanopaged.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.slow
 SMALL_KV = 64 << 20

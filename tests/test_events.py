@@ -4,8 +4,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from nanopaged import EngineConfig, LLMEngine, SamplingParams
-from nanopaged.engine import events as ev
-from nanopaged.engine.events import Observers
+from nanopaged import events as ev
+from nanopaged.events import Observers
 
 from invariants import EventReplay, check_block_invariants
 from test_randomized import get_engine, run_workload, workloads

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from nanopaged.entrypoints.exercise import exercise_file, reference_source, run_checks, stub_source
+from nanopaged.exercises.runner import exercise_file, reference_source, run_checks, stub_source
 from nanopaged.exercises import SWAPS, all_exercises
 
 EXERCISES = all_exercises()

@@ -20,23 +20,24 @@ import torch
 from torch.utils import cpp_extension
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.worker import attention, kernels
-from nanopaged.worker.kernels import KernelBackend, KernelBuildError, TorchBackend, get_attn_backend
+from nanopaged.layers import attention, backends, build
+from nanopaged.layers.backends import KernelBackend, TorchBackend, get_attn_backend
+from nanopaged.layers.build import KernelBuildError
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 @pytest.fixture(scope="module")
 def ops():
-    return kernels.load_kernels("cpu")
+    return build.load_kernels("cpu")
 
 
 @pytest.fixture(autouse=True)
 def fresh_kernel_state():
     """No loaded kernel, remembered build failure or fallback warning leaks between tests."""
-    kernels.forget_kernel_builds()
+    backends.forget_kernel_builds()
     yield
-    kernels.forget_kernel_builds()
+    backends.forget_kernel_builds()
 
 
 def random_paged_kv(seq_lens, num_kv_heads, head_size, block_size, dtype, seed=0):
@@ -96,7 +97,7 @@ def test_cpu_decode_reads_only_the_first_seq_len_tokens(ops):
 def mixed_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
     """A step's batch: sequence s brings q_lens[s] queries, its last of seq_lens[s]
     positions (1 = decode, = seq_len: a whole prompt, in between: a chunk or a prefix hit)."""
-    from nanopaged.worker.attention import AttentionMetadata
+    from nanopaged.layers.attention import AttentionMetadata
     kc, vc, tables = random_paged_kv(seq_lens, num_kv_heads, head_size, block_size, dtype, seed)
     qsl = [0]
     for n in q_lens:
@@ -245,7 +246,7 @@ def test_backend_names_are_checked():
 def test_auto_falls_back_to_the_reference_with_a_warning(monkeypatch):
     def broken(kind):
         raise KernelBuildError("no C++ compiler ('nope' is not on PATH)")
-    monkeypatch.setattr(kernels, "load_kernels", broken)
+    monkeypatch.setattr(backends, "load_kernels", broken)
     with pytest.warns(UserWarning, match="not available .*no C\\+\\+ compiler.*PyTorch reference"):
         backend = get_attn_backend("auto", "cpu")
     assert backend.name == "torch"
@@ -257,17 +258,17 @@ def test_a_missing_compiler_is_a_clear_build_error(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path))          # no cached build to load
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(KernelBuildError, match="'no-such-compiler' is not on PATH"):
-        kernels.load_kernels("cpu")
+        build.load_kernels("cpu")
 
 
 def test_a_cached_build_loads_without_compiler_or_ninja(ops, monkeypatch):
     """The `ops` fixture left a build in the cache; a new process (here: forgotten caches)
     on a machine with neither c++ nor ninja imports it without calling either."""
-    kernels.forget_kernel_builds()
+    backends.forget_kernel_builds()
     monkeypatch.setattr(shutil, "which", lambda *a, **k: None)
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("cpp_extension.load was called"))
-    loaded = kernels.load_kernels("cpu")
+    loaded = build.load_kernels("cpu")
     assert get_attn_backend("auto", "cpu").name == "cpu"
     kc, vc, tables = random_paged_kv([5], 2, 64, 4, torch.float32)
     query, out = torch.randn(1, 4, 64), torch.empty(1, 4, 64)
@@ -279,7 +280,7 @@ def test_a_cached_build_loads_without_compiler_or_ninja(ops, monkeypatch):
 def test_a_broken_cached_library_is_not_loaded(tmp_path):
     """A .so cut short (a build killed while linking) means "build again", not a crash."""
     (tmp_path / "nanopaged_cpu_x.so").write_bytes(b"\x7fELF cut short")
-    assert kernels._load_cached_build("nanopaged_cpu_x", tmp_path / "nanopaged_cpu_x.so") is None
+    assert build._load_cached_build("nanopaged_cpu_x", tmp_path / "nanopaged_cpu_x.so") is None
 
 
 def test_a_failed_build_is_tried_once_and_auto_warns_once_at_the_callers_line(monkeypatch):
@@ -288,7 +289,7 @@ def test_a_failed_build_is_tried_once_and_auto_warns_once_at_the_callers_line(mo
     def failing_build(name, source, kind):
         builds.append(name)
         raise KernelBuildError("no C++ compiler ('nope' is not on PATH)")
-    monkeypatch.setattr(kernels, "build_extension", failing_build)
+    monkeypatch.setattr(build, "build_extension", failing_build)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         backends = [get_attn_backend("auto", "cpu"), get_attn_backend("auto", "cpu")]
@@ -319,7 +320,7 @@ def test_greedy_output_is_identical_whichever_backend_runs(tiny_model_dir):
 
 
 def test_auto_engine_serves_with_the_reference_when_the_build_fails(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(kernels, "load_kernels", lambda kind: (_ for _ in ()).throw(KernelBuildError("x")))
+    monkeypatch.setattr(backends, "load_kernels", lambda kind: (_ for _ in ()).throw(KernelBuildError("x")))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llm = LLM(str(tiny_model_dir), num_gpu_blocks=32, block_size=4)

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from nanopaged.model.model_loader import cache_dir
-from nanopaged.worker.attention import _decode, write_kv
+from nanopaged.layers.attention import _decode, write_kv
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = ROOT / "kernels" / "paged_attention.cu"
@@ -46,7 +46,7 @@ HAS_GPU = torch.cuda.is_available()
 
 def load_cuda_extension():
     """Build (first time, ~1-3 minutes) and import the extension through the engine's loader."""
-    from nanopaged.worker.kernels import load_kernels
+    from nanopaged.layers.build import load_kernels
     return load_kernels("cuda")
 
 

@@ -6,7 +6,7 @@ block tables), so these tests also pin the attention op for prefill and decode.
 import pytest
 import torch
 
-from nanopaged.worker.attention import AttentionMetadata
+from nanopaged.layers.attention import AttentionMetadata
 from nanopaged.core.block_table import BlockTable
 from nanopaged.model.llama import LlamaConfig, load_model, rope_inv_freq
 

@@ -9,11 +9,11 @@ import pytest
 
 from nanopaged.core.beam_search import BeamSearchParams
 from nanopaged.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
-from nanopaged.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+from nanopaged.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                 FinishReason, Logprobs)
 from nanopaged.engine.output_processor import OutputProcessor
-from nanopaged.engine.outputs import Logprob
-from nanopaged.engine.sampling_params import RequestOutputKind, SamplingParams
+from nanopaged.outputs import Logprob
+from nanopaged.sampling_params import RequestOutputKind, SamplingParams
 
 from conftest import make_tiny_tokenizer
 

@@ -1,5 +1,8 @@
-"""`pip install .` (not editable) ships the kernel sources: the wheel carries kernels/ as
-nanopaged/_kernels/ (pyproject.toml), and an installed nanopaged finds them there.
+"""`pip install .` (not editable) ships every package and the kernel sources: the wheel
+carries each package that setup.py finds (a hand-kept list once left out
+nanopaged.exercises, so `python -m nanopaged.exercise` failed after a wheel install) and
+kernels/ as nanopaged/_kernels/ (pyproject.toml), and an installed nanopaged finds them
+there, runs the course's exercise runner and the tracer from outside the checkout.
 
 The wheel is built from a copy of the repository in tmp_path, so no build/ or
 *.egg-info lands in the checkout; without build isolation (offline, a few seconds)."""
@@ -16,11 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ["paged_attention_cpu.cpp", "paged_attention.cu", "dev/paged_attention_cpu_dev.cpp"]
 
 
-@pytest.mark.timeout(180)
-def test_an_installed_wheel_carries_and_finds_the_kernel_sources(tmp_path):
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """The wheel built from a copy of the checkout, installed into a scratch folder:
+    (the folder to put on PYTHONPATH, the wheel's file names)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     repo, wheels, target = tmp_path / "repo", tmp_path / "wheels", tmp_path / "site"
     repo.mkdir()
     shutil.copy(ROOT / "pyproject.toml", repo)
+    shutil.copy(ROOT / "setup.py", repo)
     shutil.copy(ROOT / "README.md", repo)
     for folder in ("nanopaged", "kernels"):
         shutil.copytree(ROOT / folder, repo / folder, ignore=shutil.ignore_patterns("__pycache__"))
@@ -28,15 +35,47 @@ def test_an_installed_wheel_carries_and_finds_the_kernel_sources(tmp_path):
     subprocess.run([*pip, "wheel", ".", "--no-deps", "--no-build-isolation", "-w", str(wheels)],
                    cwd=repo, check=True, timeout=150)
     (wheel,) = wheels.glob("nanopaged-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert all(f"nanopaged/_kernels/{s}" in names for s in SOURCES), sorted(names)
-
     subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, timeout=150)
-    check = ("import nanopaged.worker.kernels as k; "
+    return target, zipfile.ZipFile(wheel).namelist()
+
+
+def run_installed(target, args, cwd, timeout=150):
+    """python args, importing nanopaged from the scratch install only (cwd is outside the
+    checkout, so the checkout's nanopaged/ is not on the path)."""
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(target)), timeout=timeout)
+
+
+def test_the_wheel_carries_every_package_of_the_checkout(installed):
+    _, names = installed
+    packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "nanopaged").rglob("__init__.py")}
+    assert packages and all(f"{p}/__init__.py" in names for p in packages), sorted(packages - {
+        n.rsplit("/", 1)[0] for n in names})
+    assert all(f"nanopaged/_kernels/{s}" in names for s in SOURCES), sorted(names)
+
+
+@pytest.mark.timeout(180)
+def test_an_installed_wheel_carries_and_finds_the_kernel_sources(installed, tmp_path):
+    target, _ = installed
+    check = ("import nanopaged.layers.build as k; "
              "print(k.KERNELS_DIR); print(all((k.KERNELS_DIR / s).is_file() for s in k.KERNEL_SOURCES.values()))")
-    out = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(target)), timeout=150)
+    out = run_installed(target, ["-c", check], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     kernels_dir, found = out.stdout.split()
     assert Path(kernels_dir) == target / "nanopaged" / "_kernels" and found == "True"
+
+
+@pytest.mark.timeout(180)
+def test_an_installed_wheel_runs_the_exercises_and_the_tracer(installed, tmp_path, tiny_model_dir):
+    target, _ = installed
+    listed = run_installed(target, ["-m", "nanopaged.exercise", "list"], cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert "ex12" in listed.stdout or "12" in listed.stdout, listed.stdout
+    where = run_installed(target, ["-c", "import nanopaged.exercises, nanopaged.trace.cli as c; print(c.__file__)"],
+                          cwd=tmp_path)
+    assert Path(where.stdout.strip()).is_relative_to(target), where
+    traced = run_installed(target, ["-m", "nanopaged.trace", "--model", str(tiny_model_dir), "--scenario", "cow",
+                                    "--no-pause"], cwd=tmp_path)
+    assert traced.returncode == 0, traced.stderr
+    assert "copy-on-write" in traced.stdout.lower() or "cow" in traced.stdout.lower(), traced.stdout[-2000:]

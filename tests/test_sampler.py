@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from nanopaged import SamplingParams
-from nanopaged.engine.messages import Logprobs
+from nanopaged.messages import Logprobs
 from nanopaged.worker.sampler import (Sampler, SamplerOutput, SamplingMetadata, apply_min_p,
                                apply_top_k_top_p, compute_logprobs)
-from nanopaged.engine.sampling_params import RequestOutputKind
+from nanopaged.sampling_params import RequestOutputKind
 
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")

@@ -136,7 +136,7 @@ def _greedy(llm, prompt, max_tokens, **kw):
 # ---- the command line ------------------------------------------------------------
 
 def test_every_engine_config_field_is_a_typed_flag():
-    from nanopaged.entrypoints.serve import parse_args
+    from nanopaged.entrypoints.openai.api_server import parse_args
     args = parse_args(["--block-size", "4", "--no-enable-prefix-caching", "--swap-space", "0.5",
                        "--max-model-len", "64", "--dtype", "float32"])
     assert (args.block_size, args.enable_prefix_caching, args.swap_space, args.max_model_len, args.dtype) == \
@@ -149,7 +149,7 @@ def test_every_engine_config_field_is_a_typed_flag():
 
 
 def test_bad_engine_flag_exits_1_naming_the_field(tiny_model_dir, capsys):
-    from nanopaged.entrypoints.serve import main
+    from nanopaged.entrypoints.openai.api_server import main
     assert main(["--model", str(tiny_model_dir), "--block-size", "0"]) == 1
     assert "block_size" in capsys.readouterr().err
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanopaged import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
-from nanopaged.engine.messages import EngineCoreRequest
+from nanopaged.messages import EngineCoreRequest
 from nanopaged.worker.sampler import apply_grammar_bitmask
 
 from invariants import run_checked

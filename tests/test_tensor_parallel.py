@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from nanopaged import LLM, SamplingParams, StructuredOutputsParams
-from nanopaged.engine.engine_core_client import EngineDeadError
+from nanopaged.utils.proc import EngineDeadError
 from nanopaged.model.llama import load_model
-from nanopaged.model.parallel_layers import TPGroup, shard_heads
+from nanopaged.layers.parallel import TPGroup, shard_heads
 
 from conftest import make_tiny_llama
 from test_llama_tiny import paged_logits

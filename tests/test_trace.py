@@ -1,4 +1,4 @@
-"""The tracer, `python -m nanopaged.trace` (trace.py, trace_view.py, scenarios.py).
+"""The tracer, `python -m nanopaged.trace` (nanopaged/trace/: cli.py, view.py, scenarios.py).
 
 Fast tests use the tiny random Llama: the scenarios' mechanics with token-id prompts as
 long as the real ones, the command line (bad arguments, --no-pause, --steps, --export,
@@ -19,9 +19,9 @@ import torch
 from rich.console import Console
 
 from nanopaged import SamplingParams
-from nanopaged.engine import events as ev
-from nanopaged.entrypoints.scenarios import SCENARIOS, TraceRequest
-from nanopaged.entrypoints.trace import main, run_trace
+from nanopaged import events as ev
+from nanopaged.trace.scenarios import SCENARIOS, TraceRequest
+from nanopaged.trace.cli import main, run_trace
 
 from invariants import EventReplay, check_block_invariants
 

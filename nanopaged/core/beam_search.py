@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..engine.messages import Logprobs
+from ..messages import Logprobs
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 

@@ -34,7 +34,7 @@ import hashlib
 from array import array
 from collections import Counter, OrderedDict
 
-from ..engine.events import (BlockAllocated, BlockCached, BlockEvicted, BlockFreed, BlocksShared, CopyOnWrite,
+from ..events import (BlockAllocated, BlockCached, BlockEvicted, BlockFreed, BlocksShared, CopyOnWrite,
                      Observers, PrefixCacheHit, SwapIn, SwapOut)
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 

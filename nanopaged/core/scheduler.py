@@ -43,8 +43,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..engine.events import Preempted, RequestAdded, RequestFinished, scheduled_events
-from ..engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, GrammarOutput,
+from ..events import Preempted, RequestAdded, RequestFinished, SequenceScheduled
+from ..messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, GrammarOutput,
                        ModelRunnerOutput, NewRequestData, PreemptionCosts, SchedulerOutput)
 from .beam_search import BeamState, beam_search_step
 from .block_manager import BlockManager
@@ -73,6 +73,14 @@ class ScheduledSequence:
     forks: list[Sequence] = field(default_factory=list)
     num_blocks_before: int = 0
     table_replaced: bool = False
+
+    def event(self) -> SequenceScheduled:
+        """This record as the tracer's SequenceScheduled event (taken before the step
+        runs, while num_computed_tokens is still the sequence's start)."""
+        seq, start = self.seq, self.seq.num_computed_tokens
+        decode = self.num_new_tokens == 1 and seq.output_token_ids and start == seq.num_tokens - 1
+        return SequenceScheduled(self.seq_group.request_id, seq.seq_id, "decode" if decode else "prefill",
+                                 start, self.num_new_tokens, tuple(f.seq_id for f in self.forks))
 
 
 @dataclass
@@ -264,7 +272,7 @@ class Scheduler:
         self._schedule_swapped(step)
         self._schedule_waiting(step)
         if self.observers:               # the block manager's observers: see events.py
-            self.observers.publish(*scheduled_events(step.scheduled))
+            self.observers.publish(*(s.event() for s in step.scheduled))
         return self._scheduler_output(step)
 
     def _schedule_running(self, step: _Step) -> None:

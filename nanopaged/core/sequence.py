@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import enum
 
-from ..engine.messages import EngineCoreRequest
-from ..engine.sampling_params import SamplingParams
+from ..messages import EngineCoreRequest
+from ..sampling_params import SamplingParams
 from .block_table import BlockTable
 
 

@@ -34,8 +34,8 @@ import time
 
 import torch
 
-from ..engine.messages import GrammarOutput, SchedulerOutput
-from ..engine.sampling_params import StructuredOutputsParams
+from ..messages import GrammarOutput, SchedulerOutput
+from ..sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

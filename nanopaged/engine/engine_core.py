@@ -45,13 +45,13 @@ from ..core.block_manager import BlockManager
 from ..core.scheduler import Scheduler
 from ..core.structured_output import StructuredOutputManager
 from ..model.llama import LlamaConfig, check_tensor_parallel
-from ..model.parallel_layers import shard_heads
+from ..layers.parallel import shard_heads
 from ..worker.executor import Executor
-from ..worker.kernels import get_attn_backend
+from ..layers.backends import get_attn_backend
 from ..worker.model_runner import ModelRunner
-from .config import EngineConfig
-from .events import Observers
-from .messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
+from ..config import EngineConfig
+from ..events import Observers
+from ..messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

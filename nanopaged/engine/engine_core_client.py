@@ -31,7 +31,6 @@ import os
 import pickle
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,15 +40,11 @@ import traceback
 import zmq
 import zmq.asyncio
 
-from .messages import EngineCoreDead, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from ..messages import EngineCoreDead, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from ..utils.proc import EngineDeadError, die_with_parent, exit_reason
 
 _STARTUP_TIMEOUT_S = 600.0        # loading a model and building the kernels, at most
 _SEND_TIMEOUT_MS = 5000           # a send waits this long for the child at most
-
-
-class EngineDeadError(RuntimeError):
-    """The EngineCore process is gone; no request can finish (vLLM's name). The
-    message says why when the core could tell (its traceback), else its exit code."""
 
 
 class InprocClient:
@@ -175,23 +170,6 @@ class EngineCoreProc:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code)                    # skip interpreter teardown (torch's threads)
-
-
-def die_with_parent() -> None:
-    """On Linux, ask the kernel to SIGKILL this process when its parent dies (the
-    one-second parent check covers other systems)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
-def exit_reason(returncode: int) -> str:
-    if returncode < 0:
-        return f"killed by {signal.Signals(-returncode).name}"
-    return f"it exited with code {returncode}"
 
 
 # -- the parent's side -----------------------------------------------------------------

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from .detokenizer import IncrementalDetokenizer, check_stop_strings
-from .messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, Logprobs
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import RequestOutputKind, SamplingParams
+from ..messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, Logprobs
+from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass

@@ -15,8 +15,8 @@ import time
 
 from ..core import structured_output
 from ..core.beam_search import BeamSearchParams, num_candidates
-from .messages import EngineCoreRequest
-from .sampling_params import SamplingParams
+from ..messages import EngineCoreRequest
+from ..sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20          # vLLM's default max_logprobs: top-k asked per token at most
 

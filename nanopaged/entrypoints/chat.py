@@ -21,7 +21,7 @@ import signal
 import sys
 
 from ..engine.processor import apply_chat_template
-from ..engine.sampling_params import RequestOutputKind, SamplingParams
+from ..sampling_params import RequestOutputKind, SamplingParams
 
 
 def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:

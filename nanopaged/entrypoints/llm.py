@@ -16,10 +16,10 @@ import sys
 from typing import Sequence as Seq
 
 from ..core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from ..engine.config import EngineConfig
-from ..engine.engine import LLMEngine
-from ..engine.outputs import RequestOutput
-from ..engine.sampling_params import RequestOutputKind, SamplingParams
+from ..config import EngineConfig
+from ..engine.llm_engine import LLMEngine
+from ..outputs import RequestOutput
+from ..sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:

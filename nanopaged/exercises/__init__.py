@@ -16,7 +16,7 @@ An exercise is a module `exNN_name.py` in this package with:
     `answer(text)`, which parses the student's answer; their checks take it.)
 
 The checks run the real engine (the tiny random Llama of `tiny_model_folder()`, or unit-sized
-inputs) around the student's function; nanopaged/entrypoints/exercise.py does the
+inputs) around the student's function; nanopaged/exercises/runner.py does the
 swapping, the running and the reporting.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from types import ModuleType
 
 # (holder, name, engine's function, student's function) of every swap in force
-# (nanopaged/entrypoints/exercise.py's swapped_in fills it)
+# (nanopaged/exercises/runner.py's swapped_in fills it)
 SWAPS: list[tuple[object, str, object, object]] = []
 
 

@@ -43,8 +43,8 @@ def _scheduler(num_blocks=6, budget=16, max_num_seqs=3, chunked=True):
 
 
 def _add(sched, request_id, first_token, num_prompt_tokens, max_tokens=4):
-    from nanopaged.engine.messages import EngineCoreRequest
-    from nanopaged.engine.sampling_params import SamplingParams
+    from nanopaged.messages import EngineCoreRequest
+    from nanopaged.sampling_params import SamplingParams
 
     prompt = list(range(first_token, first_token + num_prompt_tokens))
     sched.add_request(EngineCoreRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens),

@@ -4,8 +4,8 @@ from __future__ import annotations
 NUMBER = 4
 CHAPTER = "04-model-runner-and-attention.md"
 TITLE = "Paged attention: write_kv and the decode path"
-TARGETS = ["nanopaged.worker.attention:write_kv",
-           "nanopaged.worker.attention:_decode"]
+TARGETS = ["nanopaged.layers.attention:write_kv",
+           "nanopaged.layers.attention:_decode"]
 TASK = """
 Write the two halves of paged attention in plain PyTorch (PagedAttention §4.1; vLLM's
 reshape_and_cache and paged_attention_v1): `write_kv` stores this step's K and V of
@@ -41,7 +41,7 @@ def check_write_kv_slots():
     """write_kv puts token t's K and V in slot slot_mapping[t] (block slot // block_size, offset slot % block_size), nowhere else"""
     import torch
 
-    from nanopaged.worker.attention import write_kv
+    from nanopaged.layers.attention import write_kv
 
     key_cache, value_cache, g = _pool()
     before_k, before_v = key_cache.clone(), value_cache.clone()
@@ -92,7 +92,7 @@ def check_decode_matches_plain_attention():
     """_decode equals plain attention over each sequence's first seq_len keys, read in block-table order (GQA included)"""
     import torch
 
-    from nanopaged.worker.attention import _decode
+    from nanopaged.layers.attention import _decode
 
     query, key_cache, value_cache, tables, seq_lens = _decode_case()
     got = _decode(query, key_cache, value_cache, tables, seq_lens, 8 ** -0.5)
@@ -109,7 +109,7 @@ def check_decode_ignores_slots_past_seq_len():
     """_decode ignores every slot past seq_len: garbage in them (stale tokens, padding blocks) changes nothing"""
     import torch
 
-    from nanopaged.worker.attention import _decode
+    from nanopaged.layers.attention import _decode
 
     query, key_cache, value_cache, tables, seq_lens = _decode_case(seed=1)
     clean = _decode(query, key_cache, value_cache, tables, seq_lens, 8 ** -0.5)

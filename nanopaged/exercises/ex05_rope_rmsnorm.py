@@ -4,8 +4,8 @@ from __future__ import annotations
 NUMBER = 5
 CHAPTER = "05-llama.md"
 TITLE = "The Llama layer's own math: RoPE and RMSNorm"
-TARGETS = ["nanopaged.worker.kernels:TorchBackend.rotary_embedding",
-           "nanopaged.worker.kernels:TorchBackend.rms_norm"]
+TARGETS = ["nanopaged.layers.backends:TorchBackend.rotary_embedding",
+           "nanopaged.layers.backends:TorchBackend.rms_norm"]
 TASK = """
 Write the two pieces of a Llama layer that are neither a matmul nor attention, as the
 reference backend computes them. `rotary_embedding` rotates each query and key head by
@@ -39,7 +39,7 @@ def _tables(max_positions=32, head_size=8, theta=10000.0):
 
 
 def _backend():
-    from nanopaged.worker.kernels import TorchBackend
+    from nanopaged.layers.backends import TorchBackend
 
     return TorchBackend()
 

@@ -129,7 +129,7 @@ def check_engine_streams_the_same():
     from transformers import AutoTokenizer
 
     from nanopaged import SamplingParams
-    from nanopaged.engine.sampling_params import RequestOutputKind
+    from nanopaged.sampling_params import RequestOutputKind
 
     from . import engines_own, tiny_model_folder
 

@@ -37,8 +37,8 @@ def _seq(tokens, seq_id=0, block_size=4):
 
 def _group(seq, **params):
     from nanopaged.core.sequence import SequenceGroup
-    from nanopaged.engine.messages import EngineCoreRequest
-    from nanopaged.engine.sampling_params import SamplingParams
+    from nanopaged.messages import EngineCoreRequest
+    from nanopaged.sampling_params import SamplingParams
 
     request = EngineCoreRequest(f"r{seq.seq_id}", seq.prompt_token_ids, SamplingParams(**params),
                                 eos_token_ids=frozenset(), arrival_time=0.0)

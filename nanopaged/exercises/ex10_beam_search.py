@@ -46,7 +46,7 @@ def _beams(*cumulative_logprobs):
 
 
 def _row(tokens, logprobs):
-    from nanopaged.engine.messages import Logprobs
+    from nanopaged.messages import Logprobs
 
     return Logprobs([list(tokens)], [list(logprobs)], [1])
 

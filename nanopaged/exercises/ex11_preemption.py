@@ -49,8 +49,8 @@ def _world(mode, num_cpu_blocks=8, costs=None):
     from nanopaged.core.block_manager import BlockManager
     from nanopaged.core.scheduler import Scheduler
     from nanopaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
-    from nanopaged.engine.messages import EngineCoreRequest
-    from nanopaged.engine.sampling_params import SamplingParams
+    from nanopaged.messages import EngineCoreRequest
+    from nanopaged.sampling_params import SamplingParams
 
     bm = BlockManager(num_gpu_blocks=8, block_size=4, num_cpu_blocks=num_cpu_blocks)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, preemption_mode=mode,
@@ -170,7 +170,7 @@ def _under_pressure(num_cpu_blocks, seconds_per_block_swap, n):
     costs that make some preemptions swaps and others recomputes: (tokens, swaps,
     recomputes)."""
     from nanopaged import LLM, SamplingParams
-    from nanopaged.engine.messages import PreemptionCosts
+    from nanopaged.messages import PreemptionCosts
 
     from . import tiny_model_folder
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 NUMBER = 12
 CHAPTER = "12-kernels.md"
 TITLE = "Paged attention decode: walk each sequence's block table"
-TARGETS = ["nanopaged.worker.attention:_decode"]
+TARGETS = ["nanopaged.layers.attention:_decode"]
 TASK = """
 Write the decode attention of the PyTorch backend: one query per sequence, attending to
 that sequence's keys and values where they lie in the block pool. Write it the way the
@@ -60,7 +60,7 @@ def _case(seq_lens, tables, num_blocks=8, block_size=4, num_heads=2, num_kv_head
 def _compare(args, want, what):
     import torch
 
-    from nanopaged.worker.attention import _decode
+    from nanopaged.layers.attention import _decode
 
     got = _decode(*args)
     assert isinstance(got, torch.Tensor) and got.shape == want.shape, (
@@ -79,7 +79,7 @@ def check_one_sequence():
     """one sequence in one block: out = softmax(scale * q . k) @ v over its seq_len keys"""
     import torch
 
-    from nanopaged.worker.attention import _decode
+    from nanopaged.layers.attention import _decode
 
     key_cache = torch.zeros(2, 4, 1, 2)
     value_cache = torch.zeros(2, 4, 1, 2)

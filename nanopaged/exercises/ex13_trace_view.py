@@ -4,8 +4,8 @@ from __future__ import annotations
 NUMBER = 13
 CHAPTER = "13-tracer.md"
 TITLE = "Tracer: a block table's rows, where the next token goes"
-TARGETS = ["nanopaged.entrypoints.trace_view:TraceView.table_rows",
-           "nanopaged.entrypoints.trace_view:TraceView.next_slot"]
+TARGETS = ["nanopaged.trace.view:TraceView.table_rows",
+           "nanopaged.trace.view:TraceView.next_slot"]
 TASK = """
 Write the part of the tracer's picture that is the paper's Figures 6 and 7: a
 sequence's block table, one row per logical block (its physical block, how full it is,
@@ -45,7 +45,7 @@ def _view():
     from rich.console import Console
 
     from nanopaged.core.block_manager import BlockManager
-    from nanopaged.entrypoints.trace_view import TraceView
+    from nanopaged.trace.view import TraceView
 
     bm = BlockManager(num_gpu_blocks=8, block_size=4)
     return TraceView(SimpleNamespace(block_manager=bm, tokenizer=_Tokenizer()), Console(file=io.StringIO()))
@@ -132,8 +132,8 @@ def _trace_text():
     from rich.console import Console
 
     from nanopaged import EngineConfig, LLMEngine
-    from nanopaged.entrypoints.scenarios import SCENARIOS
-    from nanopaged.entrypoints.trace import run_trace
+    from nanopaged.trace.scenarios import SCENARIOS
+    from nanopaged.trace.cli import run_trace
 
     from . import tiny_model_folder
 

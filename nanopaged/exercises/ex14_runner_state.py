@@ -45,7 +45,7 @@ def _runner():
 
 def _new(seq_id, prompt, output, block_ids, computed, **params):
     from nanopaged import SamplingParams
-    from nanopaged.engine.messages import NewRequestData
+    from nanopaged.messages import NewRequestData
 
     return NewRequestData(seq_id, 0, list(prompt), list(output), SamplingParams(**params), list(block_ids), computed)
 
@@ -53,7 +53,7 @@ def _new(seq_id, prompt, output, block_ids, computed, **params):
 def _message(new=(), cached=(), finished=()):
     """A SchedulerOutput with NewRequestData `new` and cached deltas `cached`, each
     (seq_id, new tokens, new block ids, replaced, num_computed_tokens)."""
-    from nanopaged.engine.messages import CachedRequestData, SchedulerOutput
+    from nanopaged.messages import CachedRequestData, SchedulerOutput
 
     c = CachedRequestData()
     for seq_id, tokens, blocks, replaced, computed in cached:

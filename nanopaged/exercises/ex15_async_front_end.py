@@ -8,8 +8,8 @@ from contextlib import contextmanager
 NUMBER = 15
 CHAPTER = "15-entry-layer.md"
 TITLE = "AsyncLLM: one queue per stream, one output handler"
-TARGETS = ["nanopaged.entrypoints.async_llm:AsyncLLM.generate",
-           "nanopaged.entrypoints.async_llm:AsyncLLM._handle_outputs"]
+TARGETS = ["nanopaged.engine.async_llm:AsyncLLM.generate",
+           "nanopaged.engine.async_llm:AsyncLLM._handle_outputs"]
 TASK = """
 Write the two halves of AsyncLLM's front end. `generate` is one request's stream: check,
 tokenize (self.processor), give the request a queue of its own, send it to the core,
@@ -65,7 +65,7 @@ class _CoreHere:
         return self.dead_reason is not None
 
     def _check_alive(self) -> None:
-        from nanopaged.engine.engine_core_client import EngineDeadError
+        from nanopaged.utils.proc import EngineDeadError
 
         if self._closed:
             raise EngineDeadError("the EngineCore process was shut down")
@@ -91,8 +91,8 @@ class _CoreHere:
         self._news = True
 
     async def get_output_async(self):
-        from nanopaged.engine.engine_core_client import EngineDeadError
-        from nanopaged.engine.messages import EngineCoreOutputs
+        from nanopaged.utils.proc import EngineDeadError
+        from nanopaged.messages import EngineCoreOutputs
 
         while True:
             self._check_alive()
@@ -125,7 +125,7 @@ _ENGINE_ARGS = dict(block_size=4, num_gpu_blocks=32, attention_backend="torch", 
 @contextmanager
 def _front_end():
     """A real AsyncLLM on the tiny model, its core in this process (_CoreHere)."""
-    import nanopaged.entrypoints.async_llm as async_llm
+    import nanopaged.engine.async_llm as async_llm
 
     from . import tiny_model_folder
 
@@ -144,7 +144,7 @@ def _run(engine, scenario, seconds=15, why=("is the output handler started (self
                                            "does every output go to its request's queue?")):
     """Run a coroutine to its end; a stream that never ends is a failure, not a hang,
     and an exception that ends the output handler task is raised here."""
-    from nanopaged.engine.engine_core_client import EngineDeadError
+    from nanopaged.utils.proc import EngineDeadError
 
     async def bounded():
         task = asyncio.ensure_future(scenario)
@@ -169,7 +169,7 @@ def _run(engine, scenario, seconds=15, why=("is the output handler started (self
 
 def _params(max_tokens, **kw):
     from nanopaged import SamplingParams
-    from nanopaged.engine.sampling_params import RequestOutputKind
+    from nanopaged.sampling_params import RequestOutputKind
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                           output_kind=RequestOutputKind.DELTA, **kw)
@@ -265,9 +265,9 @@ def check_core_dies():
     """when the core dies, every waiting stream raises EngineDeadError (none hangs), and so does a new request"""
     import logging
 
-    from nanopaged.engine.engine_core_client import EngineDeadError
+    from nanopaged.utils.proc import EngineDeadError
 
-    log = logging.getLogger("nanopaged.entrypoints.async_llm")       # the handler logs the death:
+    log = logging.getLogger("nanopaged.engine.async_llm")       # the handler logs the death:
     level = log.level                                                 # expected here, so quiet
     log.setLevel(logging.CRITICAL)
     with _front_end() as (engine, client):

@@ -33,7 +33,7 @@ def _sequence(num_prompt, num_output, placeholders, max_tokens):
     `placeholders` in flight."""
     from nanopaged import SamplingParams
     from nanopaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
-    from nanopaged.engine.messages import EngineCoreRequest
+    from nanopaged.messages import EngineCoreRequest
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     seq = Sequence(0, 0, list(range(1, num_prompt + 1)), _BLOCK)

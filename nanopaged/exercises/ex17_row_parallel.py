@@ -6,9 +6,9 @@ import threading
 NUMBER = 17
 CHAPTER = "17-tensor-parallelism.md"
 TITLE = "RowParallelLinear and the LM head: the all-reduce and the all-gather"
-TARGETS = ["nanopaged.model.parallel_layers:RowParallelLinear.load",
-           "nanopaged.model.parallel_layers:RowParallelLinear.forward",
-           "nanopaged.model.parallel_layers:VocabParallelEmbedding.logits"]
+TARGETS = ["nanopaged.layers.parallel:RowParallelLinear.load",
+           "nanopaged.layers.parallel:RowParallelLinear.forward",
+           "nanopaged.layers.parallel:VocabParallelEmbedding.logits"]
 TASK = """
 Write the tensor-parallel pieces where ranks exchange results (Megatron-LM §3).
 RowParallelLinear: `load` keeps this rank's slice of the checkpoint matrix's input
@@ -84,7 +84,7 @@ def _on_ranks(size: int, work) -> list:
     """Run work(TPGroup of rank r) for r in 0..size-1, each rank a thread; return the
     results in rank order. A rank's exception is raised here (the others then fail at
     their next collective rather than wait for it)."""
-    from nanopaged.model.parallel_layers import TPGroup
+    from nanopaged.layers.parallel import TPGroup
 
     shared, results, errors = _Collectives(size), [None] * size, [None] * size
 
@@ -114,7 +114,7 @@ def check_row_parallel_linear():
     """RowParallelLinear over 1, 2 and 4 ranks: each loads its columns of W, and every rank's forward gives the whole x @ W^T"""
     import torch
 
-    from nanopaged.model.parallel_layers import RowParallelLinear
+    from nanopaged.layers.parallel import RowParallelLinear
 
     torch.manual_seed(0)
     weight, x = torch.randn(6, 8), torch.randn(3, 8)               # W: [out 6, in 8], x: [3 tokens, 8]
@@ -144,7 +144,7 @@ def check_row_parallel_load_refuses_bad_shape():
     """RowParallelLinear.load refuses a checkpoint matrix of the wrong shape, naming the tensor"""
     import torch
 
-    from nanopaged.model.parallel_layers import RowParallelLinear, TPGroup
+    from nanopaged.layers.parallel import RowParallelLinear, TPGroup
 
     layer = RowParallelLinear(8, 6, TPGroup())
     try:
@@ -159,7 +159,7 @@ def check_lm_head_logits():
     """VocabParallelEmbedding.logits over 1, 2 and 3 ranks (10 rows: the last range is padded): every rank gets all 10 logits, in float32"""
     import torch
 
-    from nanopaged.model.parallel_layers import VocabParallelEmbedding
+    from nanopaged.layers.parallel import VocabParallelEmbedding
 
     torch.manual_seed(0)
     table, hidden = torch.randn(10, 4), torch.randn(3, 4)
@@ -186,7 +186,7 @@ def check_tiny_llama_at_tp2():
     import torch
 
     from nanopaged.model.llama import LlamaConfig, LlamaForCausalLM
-    from nanopaged.worker.attention import AttentionMetadata
+    from nanopaged.layers.attention import AttentionMetadata
 
     from . import tiny_model_folder
 

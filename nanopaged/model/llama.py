@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..worker.attention import AttentionMetadata
-from ..worker.kernels import TorchBackend
-from .parallel_layers import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
+from ..layers.attention import AttentionMetadata
+from ..layers.backends import TorchBackend
+from ..layers.parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
                               _check_shape, shard_heads, valid_tp_size)
 
 
@@ -214,7 +214,7 @@ class LlamaDecoderLayer(nn.Module):
 def check_tensor_parallel(config: LlamaConfig, tp_size: int) -> None:
     """Raise ValueError (naming the sizes, tp, and the sizes that would split this
     model) unless the model splits over tp_size ranks: the heads by vLLM's GQA rules
-    (parallel_layers.shard_heads), and the intermediate size evenly."""
+    (layers/parallel.py, shard_heads), and the intermediate size evenly."""
     heads, kv_heads, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     try:
         shard_heads(heads, kv_heads, tp_size)
@@ -280,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def set_attention_backend(self, backend: TorchBackend) -> None:
-        """Give every layer this kernel backend (kernels.get_attn_backend picks one): its
+        """Give every layer this kernel backend (backends.get_attn_backend picks one): its
         attention, the fused RMSNorm, RoPE and SiLU-and-mul ops, and the linear layers'
         matmuls (batch-invariant: one order of additions for every batch size)."""
         for module in self.modules():

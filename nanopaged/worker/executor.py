@@ -38,8 +38,8 @@ import weakref
 import torch
 import zmq
 
-from ..engine.engine_core_client import EngineDeadError, die_with_parent, exit_reason
-from ..engine.messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from ..utils.proc import EngineDeadError, die_with_parent, exit_reason
+from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
 from .worker import Worker, init_process_group
 
 EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("NANOPAGED_EXECUTE_MODEL_TIMEOUT_S", "300"))

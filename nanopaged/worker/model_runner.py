@@ -37,11 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.messages import GrammarOutput, Logprobs, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
-from ..engine.sampling_params import SamplingParams
+from ..messages import GrammarOutput, Logprobs, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from ..sampling_params import SamplingParams
 from ..model.llama import LlamaForCausalLM
-from .attention import AttentionMetadata
-from .kernels import TorchBackend
+from ..layers.attention import AttentionMetadata
+from ..layers.backends import TorchBackend
 from .sampler import Sampler, SamplingMetadata, apply_grammar_bitmask, compute_logprobs
 
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.messages import Logprobs
-from ..engine.sampling_params import SamplingParams
+from ..messages import Logprobs
+from ..sampling_params import SamplingParams
 
 _INITIAL_CAPACITY = 8     # rows of the counts state allocated the first time one is needed
 

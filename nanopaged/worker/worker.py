@@ -5,7 +5,7 @@ Every rank gets the same SchedulerOutput each step and runs the same code on it:
 same tokens, the same block tables, the same slot_mapping. What differs is only which
 heads (and which MLP rows and vocabulary rows) its matrices hold, so each rank's KV
 cache holds K/V of its own KV heads, in the same blocks the central scheduler chose.
-The ranks meet only in the model's collectives (parallel_layers.py): two all-reduces
+The ranks meet only in the model's collectives (layers/parallel.py): two all-reduces
 per layer, one all-reduce for the embedding, one all-gather for the logits. Every rank
 then samples with the same generators from the same gathered logits, so every rank
 knows the sampled tokens without another message (chapter 17 says why we chose this).
@@ -22,10 +22,10 @@ from datetime import timedelta
 
 import torch
 
-from ..engine.messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
 from ..model.llama import LlamaConfig, load_model
-from ..model.parallel_layers import TPGroup
-from .kernels import TorchBackend, get_attn_backend
+from ..layers.parallel import TPGroup
+from ..layers.backends import TorchBackend, get_attn_backend
 from .model_runner import ModelRunner
 
 # Seconds a collective may wait for the other ranks before it raises (gloo and NCCL):

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from invariants import EventReplay, check_block_invariants
 from nanopaged.core.block_manager import BlockManager
 from nanopaged.core.scheduler import Scheduler
-from nanopaged.engine.events import Preempted
-from nanopaged.engine.messages import (EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput,
+from nanopaged.events import Preempted
+from nanopaged.messages import (EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput,
                                        SchedulerOutput)
-from nanopaged.engine.sampling_params import SamplingParams
+from nanopaged.sampling_params import SamplingParams
 
 
 @dataclass

@@ -18,7 +18,7 @@ import pytest
 from sched_harness import Harness
 
 from nanopaged.core.sequence import SequenceStatus
-from nanopaged.engine.messages import FinishReason
+from nanopaged.messages import FinishReason
 
 
 def tokens(first: int, n: int) -> list[int]:

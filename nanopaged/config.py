@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..worker.kernels import ATTENTION_BACKENDS
+
+# LLM(attention_backend=...): "auto" picks the compiled kernels where they build, else the
+# PyTorch reference (nanopaged/layers/backends.py, get_attn_backend)
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -30,11 +30,12 @@ import logging
 import weakref
 from typing import AsyncIterator
 
-from ..engine.config import EngineConfig
-from ..engine.engine_core_client import AsyncMPClient, EngineDeadError
-from ..engine.output_processor import OutputProcessor
-from ..engine.outputs import RequestOutput
-from ..engine.processor import Processor
+from ..config import EngineConfig
+from ..utils.proc import EngineDeadError
+from .engine_core_client import AsyncMPClient
+from .output_processor import OutputProcessor
+from ..outputs import RequestOutput
+from .processor import Processor
 
 __all__ = ["AsyncLLM", "EngineDeadError"]
 

@@ -33,11 +33,11 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ..engine import events as ev
+from .. import events as ev
 
 if TYPE_CHECKING:
     from ..core.sequence import Sequence
-    from ..engine.engine import LLMEngine
+    from ..engine.llm_engine import LLMEngine
     from .scenarios import History, Scenario
 
 PALETTE = ["green", "magenta", "cyan", "yellow", "bright_blue", "red", "bright_green", "bright_magenta"]

@@ -35,16 +35,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.config import EngineConfig
+from ...config import EngineConfig
 from . import serving
-from .async_llm import AsyncLLM, EngineDeadError
+from ...engine.async_llm import AsyncLLM
+from ...utils.proc import EngineDeadError
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIError,
                        error_body, random_id)
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"   # what model=None serves
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-logger = logging.getLogger("nanopaged.entrypoints.serve")
+logger = logging.getLogger("nanopaged.entrypoints.openai.api_server")
 
 
 async def _send_error(send, status: int, message: str, code: str) -> None:
@@ -232,7 +233,7 @@ def _add_engine_flags(ap: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineConfig)
     docs = {m[1]: " ".join(m[2].split()) for m in
             re.finditer(r"^ {8}(\w+): (.*?)(?=^ {8}\w+: |\Z)", EngineConfig.__doc__, re.M | re.S)}
-    group = ap.add_argument_group("engine", "EngineConfig fields (nanopaged/engine/config.py)")
+    group = ap.add_argument_group("engine", "EngineConfig fields (nanopaged/config.py)")
     for f in dataclasses.fields(EngineConfig):
         if f.name == "model":
             continue
@@ -294,7 +295,7 @@ def main(argv=None) -> int:
     try:
         asyncio.run(serve(args))
     except (ValueError, TypeError, RuntimeError) as e:
-        print(f"nanopaged.entrypoints.serve: error: {e}", file=sys.stderr)
+        print(f"nanopaged.entrypoints.openai.api_server: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass

@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from ..engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from ...sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-logger = logging.getLogger("nanopaged.entrypoints.serve")
+logger = logging.getLogger("nanopaged.entrypoints.openai.api_server")
 
 
 class OpenAIBaseModel(BaseModel):

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .engine_core import EngineCore
 from .engine_core_client import InprocClient
-from .events import Observer, Observers
+from ..events import Observer, Observers
 from .output_processor import OutputProcessor
-from .outputs import RequestOutput
+from ..outputs import RequestOutput
 from .processor import Processor
 
 

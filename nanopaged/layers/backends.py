@@ -14,13 +14,10 @@ forwards): `linear`, `rms_norm` (optionally fused with the residual add),
 
 `TorchBackend` is plain PyTorch (attention.py); `KernelBackend` calls the hand-written
 kernels, `kernels/paged_attention.cu` on a GPU and its C++ twin
-`kernels/paged_attention_cpu.cpp` on the CPU, compiled on first use by ninja through
-`torch.utils.cpp_extension.load` and cached under the nanopaged cache folder (a cached
-build loads without ninja or a compiler). The CPU kernel takes every row of a step,
-prefill and decode; the CUDA kernel decode rows (prefill rows stay on the reference
-path there), and the layer ops are CPU-only so far (CUDA runs the reference's). An
-installed package carries the sources in nanopaged/_kernels/ (pyproject.toml), a
-checkout in kernels/.
+`kernels/paged_attention_cpu.cpp` on the CPU, compiled on first use (build.py). The CPU
+kernel takes every row of a step, prefill and decode; the CUDA kernel decode rows
+(prefill rows stay on the reference path there), and the layer ops are CPU-only so far
+(CUDA runs the reference's).
 
 `get_attn_backend("auto" | "torch" | "cpu" | "cuda", device)` picks one; "auto" takes the
 kernel of the device when it builds and otherwise warns (once per process, at the user's
@@ -31,11 +28,7 @@ Attention layer holds its `impl`. vLLM: `vllm/attention/selector.py`,
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.util
 import os
-import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -43,40 +36,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import attention
+from ..config import ATTENTION_BACKENDS
+from . import attention, build
 from .attention import AttentionMetadata
+from .build import KernelBuildError, load_kernels
 
 PACKAGE_DIR = Path(__file__).parents[1]     # nanopaged/, as its frames spell it (_user_stacklevel)
 
 
-def _kernels_dir() -> Path:
-    """The kernel sources: nanopaged/_kernels/ in an installed package (pyproject.toml
-    copies kernels/ there), else the checkout's kernels/ beside the package."""
-    installed = PACKAGE_DIR / "_kernels"
-    return installed if installed.is_dir() else PACKAGE_DIR.parent / "kernels"
-
-
-KERNELS_DIR = _kernels_dir()
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
-KERNEL_SOURCES = {"cpu": "paged_attention_cpu.cpp", "cuda": "paged_attention.cu"}
-
-
-class KernelBuildError(RuntimeError):
-    """The compiled kernels could not be built or loaded (no compiler, no ninja, ...)."""
-
-
-# A process tries each kernel build once. load_kernels' cache keeps a built module, but
-# functools.cache keeps no exceptions, so the failures are kept here (kind -> error) and
-# every later LLM() gets the same error at once instead of another build. _warned_kinds:
-# the kinds "auto" has already warned about falling back from.
-_build_errors: dict[str, KernelBuildError] = {}
+# the kinds "auto" has already warned about falling back from (once per process each)
 _warned_kinds: set[str] = set()
 
 
 def forget_kernel_builds() -> None:
     """Forget loaded kernels, failed builds and warnings: the next load tries again (tests)."""
-    load_kernels.cache_clear()
-    _build_errors.clear()
+    build.forget_builds()
     _warned_kinds.clear()
 
 
@@ -315,115 +289,3 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _cpu_flags() -> list[str]:
-    """Vector flags for the CPU kernel: the instruction set torch itself dispatches to."""
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap.startswith("AVX512"):
-        bf16 = ["-mavx512bf16"] if torch.cpu._is_avx512_bf16_supported() else []   # vdpbf16ps
-        amx = ["-mamx-tile", "-mamx-bf16"] if torch.cpu._is_amx_tile_supported() else []
-        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", *bf16, *amx]
-    if cap == "AVX2":
-        return ["-mavx2", "-mfma", "-mf16c"]
-    return []
-
-
-@functools.cache
-def load_kernels(kind: str):
-    """Build (first call: ~1 min, ninja) or load (cached) the kernel extension for `kind`.
-
-    kind: "cpu" (kernels/paged_attention_cpu.cpp) or "cuda" (kernels/paged_attention.cu).
-    Returns the extension module: paged_attention_decode, reshape_and_cache, copy_blocks,
-    swap_blocks. A failed build is not retried in this process (forget_kernel_builds).
-
-    Raises:
-        ValueError: kind is not "cpu" or "cuda".
-        KernelBuildError: sources missing, no ninja, no C++ compiler / nvcc, or the build
-            failed (now, or earlier in this process).
-    """
-    if kind not in KERNEL_SOURCES:
-        raise ValueError(f"kind={kind!r}: expected 'cpu' or 'cuda'")
-    if kind in _build_errors:
-        raise _build_errors[kind].with_traceback(None)
-    try:
-        return build_extension(f"nanopaged_{kind}", KERNELS_DIR / KERNEL_SOURCES[kind], kind)
-    except KernelBuildError as e:
-        _build_errors[kind] = e
-        raise
-
-
-def build_extension(name: str, source: Path, kind: str):
-    """Compile one kernel source with ninja (torch.utils.cpp_extension.load) and import it,
-    or import the build cached for exactly this source and flags (no ninja, no compiler).
-
-    The build folder is <nanopaged cache>/kernels/<name>-<python>-<torch>-<hash of the
-    source's path, contents and flags>, so a build is reused only for exactly this source.
-    CPU builds are named after the instruction set they target (e.g. nanopaged_cpu_avx2)
-    and use OpenMP, torch's own thread pool.
-
-    Raises:
-        KernelBuildError: source missing, or no cached build and no ninja, no compiler, or
-            the build failed.
-    """
-    from torch.utils import cpp_extension
-
-    from ..model.model_loader import cache_dir
-
-    if not source.is_file():
-        raise KernelBuildError(f"kernel source {source} not found (nanopaged installed without its "
-                               "kernels/ folder?)")
-    if kind == "cpu":
-        name += "_" + torch.backends.cpu.get_cpu_capability().lower()
-        name += "".join(f"_{f[2:].replace('-', '_')}" for f in _cpu_flags() if f in ("-mavx512bf16", "-mamx-tile"))
-        # -fno-trapping-math: GCC keeps a loop with a float select (fast_exp's clamp) scalar
-        # unless it may compute both sides; no result changes (no reassociation, no fast-math)
-        flags = dict(extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *_cpu_flags()],
-                     extra_ldflags=["-fopenmp"])
-    else:
-        flags = dict(extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])   # __expf is explicit: no fast-math
-        if torch.version.cuda is None:
-            raise KernelBuildError(f"torch {torch.__version__} is a CPU build: no CUDA kernels")
-    # One folder per python and torch version (an extension only loads into the torch it
-    # was built for) and per source file, contents and flags: two checkouts, or an edited
-    # kernel, never rebuild over each other, and a missing .so means a build is coming.
-    py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    key = hashlib.sha256(f"{source.resolve()}\n{sorted(flags.items())}\n".encode() + source.read_bytes())
-    build_dir = cache_dir() / "kernels" / f"{name}-{py}-torch{torch.__version__}-{key.hexdigest()[:12]}"
-    cached = _load_cached_build(name, build_dir / f"{name}{cpp_extension.LIB_EXT}")
-    if cached is not None:
-        return cached
-    if kind == "cuda" and cpp_extension.CUDA_HOME is None:
-        raise KernelBuildError("nvcc not found (set CUDA_HOME)")
-    if not cpp_extension.is_ninja_available():
-        raise KernelBuildError("ninja not found (pip install ninja)")
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        raise KernelBuildError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)")
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob("*.so")):
-        print(f"nanopaged: building {source.name} (once, about a minute; cached in {build_dir})",
-              file=sys.stderr)
-    try:
-        return cpp_extension.load(name=name, sources=[str(source)], build_directory=str(build_dir),
-                                  verbose=False, **flags)
-    except Exception as e:       # compiler errors arrive as RuntimeError, CalledProcessError, ...
-        raise KernelBuildError(f"building {source.name} failed: {str(e)[-2000:]}") from e
-
-
-def _load_cached_build(name: str, library: Path):
-    """Import the extension module `name` from a finished build's `library` (the .so), as
-    cpp_extension.load's last step does; None if there is none to load.
-
-    cpp_extension.load itself runs ninja (and the compiler's version check) in every new
-    process, even when nothing changed; our build folder's name already pins the source,
-    flags, python and torch, so a .so there is the right one. A lock file means a build
-    is writing it (cpp_extension.load then waits for that build); a .so that does not
-    import (a build killed halfway) is rebuilt.
-    """
-    if not library.is_file() or (library.parent / "lock").exists():
-        return None
-    spec = importlib.util.spec_from_file_location(name, library)
-    try:
-        module = importlib.util.module_from_spec(spec)      # dlopen and the module's init
-        spec.loader.exec_module(module)
-    except ImportError:
-        return None
-    return module

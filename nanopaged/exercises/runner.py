@@ -31,7 +31,7 @@ import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from ..exercises import SWAPS, all_exercises
+from . import SWAPS, all_exercises
 
 CHECK_TIMEOUT_S = 120          # a check taking longer is a failure (an endless loop?)
 

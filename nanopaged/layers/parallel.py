@@ -38,14 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..worker.kernels import TorchBackend
+from .backends import TorchBackend
 
 _REFERENCE = TorchBackend()     # plain F.linear until the model is given its kernel backend
 
 
 def _linear(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ layer.weight^T by the layer's backend (`layer.ops`), with the weight in the
-    layout that backend wants (AMX tiles: kernels.KernelBackend.pack_weight), packed on
+    layout that backend wants (AMX tiles: backends.KernelBackend.pack_weight), packed on
     first use and again after a new backend or a change to the weight (its version
     counter moves, or `load` clears `_packed_for`)."""
     w = layer.weight

@@ -23,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from ..engine import events as ev
-from ..engine.sampling_params import SamplingParams
+from .. import events as ev
+from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ..engine.engine import LLMEngine
+    from ..engine.llm_engine import LLMEngine
 
 History = list[list[ev.Event]]          # the events of each step; index 0 is step 1
 
@@ -78,8 +78,8 @@ class Scenario:
                      num_gpu_blocks: int | None = None) -> LLMEngine:
         """The scenario's engine on `model` (None: the default model), optionally with
         another block size or pool size. Raises what EngineConfig / LLMEngine raise."""
-        from ..engine.config import EngineConfig
-        from ..engine.engine import LLMEngine
+        from ..config import EngineConfig
+        from ..engine.llm_engine import LLMEngine
         return LLMEngine(EngineConfig(
             model=model, block_size=block_size or self.block_size,
             num_gpu_blocks=num_gpu_blocks or self.num_gpu_blocks, num_cpu_blocks=self.num_cpu_blocks,

@@ -20,13 +20,13 @@ import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from .async_llm import EngineDeadError
+from ...utils.proc import EngineDeadError
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
                        ChatLogProbs, ChatResponseMessage, ChatTokenLogprob, CompletionChoice,
                        CompletionLogProbs, CompletionResponse, DeltaMessage, TopLogprob, UsageInfo,
                        error_body)
 
-logger = logging.getLogger("nanopaged.entrypoints.serve")
+logger = logging.getLogger("nanopaged.entrypoints.openai.api_server")
 _MIN_LOGPROB = -9999.0     # OpenAI's JSON stand-in for -inf (as vLLM clamps)
 
 

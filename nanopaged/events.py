@@ -37,10 +37,7 @@ EngineCoreEventType: QUEUED, SCHEDULED, PREEMPTED).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Union
-
-if TYPE_CHECKING:
-    from ..core.scheduler import ScheduledSequence
+from typing import Callable, Union
 
 
 class Observers(list):
@@ -270,15 +267,3 @@ Event = Union[RequestAdded, RequestFinished, SequenceScheduled, Preempted, Block
               BlockFreed, BlocksShared, PrefixCacheHit, CopyOnWrite, BlockCached, BlockEvicted,
               SwapOut, SwapIn]
 Observer = Callable[[Event], None]
-
-
-def scheduled_events(scheduled: list[ScheduledSequence]) -> list[SequenceScheduled]:
-    """The SequenceScheduled events of a step's batch (called before the step runs,
-    while num_computed_tokens is still each sequence's start)."""
-    events = []
-    for s in scheduled:
-        seq, start = s.seq, s.seq.num_computed_tokens
-        decode = s.num_new_tokens == 1 and seq.output_token_ids and start == seq.num_tokens - 1
-        events.append(SequenceScheduled(s.seq_group.request_id, seq.seq_id, "decode" if decode else "prefill",
-                                        start, s.num_new_tokens, tuple(f.seq_id for f in s.forks)))
-    return events

@@ -33,17 +33,17 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.text import Text
 
-from ..engine import events as ev
+from .. import events as ev
 from .scenarios import SCENARIOS, History, Scenario, prompt_scenario
-from .trace_view import TraceView
+from .view import TraceView
 
 if TYPE_CHECKING:
-    from ..engine.engine import LLMEngine
+    from ..engine.llm_engine import LLMEngine
 
 
 def run_trace(engine: LLMEngine, scenario: Scenario, console: Console, *, steps: int | None = None,
               pause: bool = False) -> History:
-    """Run a scenario on `engine`, drawing every step on `console` (trace_view.py).
+    """Run a scenario on `engine`, drawing every step on `console` (view.py).
 
     Each request is added before step `arrival + 1` (at once if the engine is idle);
     then the engine steps until it has nothing left to do, or for `steps` steps. With

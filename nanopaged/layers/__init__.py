@@ -1,0 +1,5 @@
+"""What a model is built from, below the model: attention over the paged KV cache (the
+PyTorch reference and its metadata), the kernels' Python side (backends.py: one object
+per implementation of the layer ops) and Megatron's column/row-parallel linear layers
+(parallel.py). Imports only the vocabulary at the package root (chapters 04, 05, 12, 17).
+"""

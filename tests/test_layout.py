@@ -1,0 +1,140 @@
+"""The package's layout rules (issue 23; the design note's "Layout"), read from the source.
+
+Imports run downward only:
+
+    entrypoints / trace / exercises  ->  engine  ->  core, worker  ->  model  ->  layers
+        ->  the vocabulary (config, sampling_params, outputs, messages, events) and utils
+
+`core` and `worker` never import each other, and no module imports itself back through
+others (no import circles). Every import statement counts, also one inside a function or
+under `if TYPE_CHECKING:`: a student reading a file should never have to look upward.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "nanopaged"
+
+VOCABULARY = {"config", "sampling_params", "outputs", "messages", "events"}
+RANKS = {"utils": 0, **{name: 0 for name in VOCABULARY}, "layers": 1, "model": 2, "core": 3, "worker": 3,
+         "engine": 4, "entrypoints": 5, "trace": 5, "exercises": 5}
+SHIMS = {"chat", "serve", "exercise", "__main__"}       # `python -m nanopaged.X` doors: the top
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def group(module: str) -> str:
+    """The layer a module belongs to: its first name below nanopaged ("" for the
+    package itself, the public API, which sits with the entry layer)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def rank(module: str) -> int:
+    g = group(module)
+    return 5 if g == "" or g in SHIMS else RANKS[g]
+
+
+def imports(module: str) -> list[tuple[str, int, bool]]:
+    """(imported nanopaged module, line, at module level) for every import in module."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            # `from pkg import module` imports the module; `from module import name` the module
+            targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target.split(".")[0] == "nanopaged" and target != module:
+                found.append((target, node.lineno, id(node) in top_level))
+    return found
+
+
+def test_every_import_runs_downward():
+    upward = []
+    for module in sorted(MODULES):
+        for target, line, _ in imports(module):
+            if group(target) == group(module):
+                continue
+            same_rank_allowed = rank(module) in (0, 5)          # the vocabulary; the entry layer
+            if rank(target) > rank(module) or (rank(target) == rank(module) and not same_rank_allowed):
+                upward.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {target}")
+    assert upward == [], "\n".join(upward)
+
+
+def test_no_import_circles():
+    graph = {m: {t for t, _, top in imports(m) if top and t in MODULES} for m in MODULES}
+    # a module imports its package's __init__ too (Python runs it first), but that is not
+    # an edge a reader follows: count only what the source names
+    circles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(m):                      # Tarjan's strongly connected components
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for t in graph[m]:
+            if t not in index:
+                visit(t)
+                low[m] = min(low[m], low[t])
+            elif t in on_stack:
+                low[m] = min(low[m], index[t])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                t = stack.pop()
+                on_stack.discard(t)
+                component.append(t)
+                if t == m:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    assert circles == []
+
+
+def test_the_rules_can_see_a_violation(tmp_path, monkeypatch):
+    """The checker itself: an upward import and a circle planted in a copy are found."""
+    import shutil
+    copy = tmp_path / "nanopaged"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / "core" / "block_table.py", "a") as f:
+        f.write("\nfrom ..worker import sampler\n")
+    with open(copy / "messages.py", "a") as f:
+        f.write("\nfrom . import events\n")
+    with open(copy / "events.py", "a") as f:
+        f.write("\nfrom . import messages\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", copy)
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", {module_name(p): p for p in copy.rglob("*.py")})
+    with pytest.raises(AssertionError, match="block_table.py.*imports nanopaged.worker.sampler"):
+        test_every_import_runs_downward()
+    with pytest.raises(AssertionError, match="nanopaged.events"):
+        test_no_import_circles()
+
+
+@pytest.mark.parametrize("layer", sorted(RANKS))
+def test_each_layer_is_a_package_or_a_vocabulary_module(layer):
+    assert f"nanopaged.{layer}" in MODULES, f"nanopaged/{layer} is missing"
