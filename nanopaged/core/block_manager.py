@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter, OrderedDict
+from dataclasses import dataclass
 
 from ..events import (BlockAllocated, BlockCached, BlockEvicted, BlockFreed, BlocksShared, CopyOnWrite,
                      Observers, PrefixCacheHit, SwapIn, SwapOut)
@@ -44,6 +45,22 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     h = hashlib.sha256(parent_hash or b"")
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+@dataclass
+class ComputedBlocks:
+    """What a waiting request already has in the pool (get_computed_blocks' answer).
+
+    Attributes:
+        block_ids: cached blocks holding its first sequence's longest cached prefix.
+        num_computed_tokens: the tokens they hold (len(block_ids) * block_size).
+        num_shared_tokens: the tokens in its prompt's full blocks, which its other
+            sequences (only after a recompute preemption of n > 1) share with the first.
+    """
+
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_shared_tokens: int
 
 
 class BlockManager:
@@ -114,14 +131,16 @@ class BlockManager:
             blocks.append(block_id)
         return blocks
 
-    def num_tokens_to_compute(self, seq_group: SequenceGroup) -> tuple[int, int]:
-        """(first sequence's uncached tokens, the other sequences' tokens) that a waiting
-        request's prefill computes (no side effects). The others exist only after a
-        recompute preemption; they skip the shared full prompt blocks (see allocate)."""
-        first, *rest = seq_group.seqs_to_compute()
+    def get_computed_blocks(self, seq_group: SequenceGroup) -> ComputedBlocks:
+        """What a waiting request already has in the pool (no side effects): its first
+        sequence's longest cached prefix, and the full prompt blocks its other sequences
+        will share with the first (they exist only after a recompute preemption; see
+        allocate). The scheduler's one question before allocate (vLLM v1's
+        KVCacheManager.get_computed_blocks)."""
+        first = seq_group.seqs_to_compute()[0]
+        hits = self._cached_prefix(seq_group, first)
         shared = len(first.prompt_token_ids) // self.block_size * self.block_size
-        return (first.num_tokens - len(self._cached_prefix(seq_group, first)) * self.block_size,
-                sum(s.num_tokens - shared for s in rest))
+        return ComputedBlocks(hits, len(hits) * self.block_size, shared)
 
     def cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Name the blocks that became full when seq's positions [start, end) were
@@ -155,23 +174,16 @@ class BlockManager:
 
     # -- questions the scheduler asks before it commits to anything ----------------------
 
-    def _blocks_to_take(self, seq_group: SequenceGroup, first_end: int) -> int:
+    def _blocks_to_take(self, seq_group: SequenceGroup, computed: ComputedBlocks, first_end: int) -> int:
         """Blocks a waiting request would take from the free queue: fresh blocks plus
         cached hits that are currently free. Sequences recomputed together share the
         full blocks of their common prompt (see allocate)."""
         first, *rest = seq_group.seqs_to_compute()
-        hits = self._cached_prefix(seq_group, first)
+        hits = computed.block_ids
         take = first.block_table.num_blocks_for(first_end) - len(hits)
         take += sum(1 for b in set(hits) if self.ref_count[b] == 0)
-        shared = len(first.prompt_token_ids) // self.block_size
+        shared = computed.num_shared_tokens // self.block_size
         return take + sum(s.block_table.num_blocks_for(s.num_tokens) - shared for s in rest)
-
-    def can_allocate(self, seq_group: SequenceGroup, first_end: int | None = None) -> bool:
-        """Can a waiting request get its blocks right now? Its first sequence needs slots
-        for positions < first_end (default: all its tokens; fewer when chunked)."""
-        if first_end is None:
-            first_end = seq_group.seqs_to_compute()[0].num_tokens
-        return self._blocks_to_take(seq_group, first_end) <= self.get_num_free_gpu_blocks()
 
     def never_fits(self, seq_group: SequenceGroup) -> bool:
         """True if the request needs more blocks than the whole pool, even with the pool
@@ -201,23 +213,30 @@ class BlockManager:
 
     # -- the changes ------------------------------------------------------------------------
 
-    def allocate(self, seq_group: SequenceGroup, first_end: int | None = None) -> None:
-        """Give a waiting request its blocks, reusing cached prefix blocks.
+    def allocate(self, seq_group: SequenceGroup, computed: ComputedBlocks,
+                 first_end: int | None = None) -> list[int] | None:
+        """Give a waiting request its blocks, reusing its cached prefix blocks (`computed`,
+        from get_computed_blocks in the same schedule()), or say no.
 
-        The first sequence gets slots for positions < first_end (its first chunk) and
-        its num_computed_tokens is set to its cache hit. A fresh request with n > 1 is
-        computed once, by the first sequence; the others fork it when its prefill is
-        done (Scheduler.update_from_output). Sequences recomputed after a preemption share the
+        The first sequence gets slots for positions < first_end (its first chunk; default
+        all its tokens). A fresh request with n > 1 is computed once, by the first
+        sequence; the others fork it when its prefill is done
+        (Scheduler.update_from_output). Sequences recomputed after a preemption share the
         first one's full prompt blocks (computed by it in this same step: each layer
         writes K/V before it reads them) and compute only their own tokens.
-        Raises RuntimeError if the pool runs out (call can_allocate first).
+        Returns each sequence's num_computed_tokens (seqs_to_compute order: the first's
+        cache hit, the others' shared prompt tokens), which the scheduler, their one
+        writer, sets; or None, changing nothing, when the free blocks do not suffice
+        (vLLM v1's allocate_slots says no the same way).
         """
         first, *rest = seq_group.seqs_to_compute()
         first_end = first.num_tokens if first_end is None else first_end
-        hits = self._cached_prefix(seq_group, first)
+        if self._blocks_to_take(seq_group, computed, first_end) > self.get_num_free_gpu_blocks():
+            return None
+        hits = computed.block_ids
         if self.enable_prefix_caching:
             self.prefix_cache_queries += first.num_tokens
-            self.prefix_cache_hits += len(hits) * self.block_size
+            self.prefix_cache_hits += computed.num_computed_tokens
         for block_id in hits:
             if self.ref_count[block_id] == 0:
                 del self.free_block_ids[block_id]
@@ -225,18 +244,19 @@ class BlockManager:
             first.block_table.append_block(block_id)
         if hits and self.observers:
             self.observers.publish(PrefixCacheHit(seq_group.request_id, first.seq_id, tuple(hits),
-                                                  len(hits) * self.block_size))
-        first.num_computed_tokens = len(hits) * self.block_size
+                                                  computed.num_computed_tokens))
+        first.block_table.num_tokens = computed.num_computed_tokens
         self.append_slots(first, first_end)
-        shared = first.block_table.block_ids[:len(first.prompt_token_ids) // self.block_size]
+        shared = first.block_table.block_ids[:computed.num_shared_tokens // self.block_size]
         for seq in rest:
             for block_id in shared:
                 self.ref_count[block_id] += 1
                 seq.block_table.append_block(block_id)
             if self.observers:
                 self.observers.publish(BlocksShared(seq.seq_id, first.seq_id, tuple(shared)))
-            seq.num_computed_tokens = seq.block_table.num_tokens = len(shared) * self.block_size
+            seq.block_table.num_tokens = computed.num_shared_tokens
             self.append_slots(seq, seq.num_tokens)
+        return [computed.num_computed_tokens] + [computed.num_shared_tokens] * len(rest)
 
     def append_slots(self, seq: Sequence, end: int | None = None) -> list[tuple[int, int]]:
         """Give seq slots for positions < end (the tokens it computes this step; default
@@ -274,14 +294,14 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Make child share all of parent's blocks (ref_count + 1 each), e.g. a new sample
         or a surviving beam. Any blocks child held are freed first. The child's table
-        gets its own copy of the parent's block ids and its num_tokens; the child's
-        num_computed_tokens and block_hashes (a copy) are the parent's too."""
+        gets its own copy of the parent's block ids and its num_tokens, and its
+        block_hashes (a copy) are the parent's. Its num_computed_tokens is the
+        scheduler's to set (Scheduler._fork), as every num_computed_tokens is."""
         self.free(child)
         for block_id in parent.block_table.block_ids:
             self.ref_count[block_id] += 1
         child.block_table.block_ids = list(parent.block_table.block_ids)
         child.block_table.num_tokens = parent.block_table.num_tokens
-        child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
         if self.observers:
             self.observers.publish(BlocksShared(child.seq_id, parent.seq_id, tuple(parent.block_table.block_ids)))
@@ -367,7 +387,7 @@ class BlockManager:
     def _allocate_block(self) -> int:
         """Take the least recently freed block off the free queue for one holder
         (ref_count 1); a name it still had in the prefix cache is forgotten (evicted).
-        The caller has checked that a block is free (can_allocate, can_append_slots)."""
+        The caller has checked that a block is free (allocate, can_append_slots)."""
         block_id, _ = self.free_block_ids.popitem(last=False)   # least recently freed
         self._evict(block_id)
         self.ref_count[block_id] = 1

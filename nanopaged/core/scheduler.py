@@ -329,10 +329,10 @@ class Scheduler:
         """Waiting requests join the batch strictly in order (FCFS: never skip ahead of
         the head) while the step has room: fewer than max_num_seqs running, token budget
         left (step.budget; a lone sequence's prompt is cut to fit by _chunk) and free
-        blocks (can_allocate). Nobody joins while a request is swapped out, nor in a step
-        that had to preempt: memory is tight, admitting more would only cause more
-        preemption (vLLM too). A request the whole pool can never hold is finished
-        (_finish_too_long) instead of blocking the queue forever."""
+        blocks (allocate says None when they are short). Nobody joins while a request is
+        swapped out, nor in a step that had to preempt: memory is tight, admitting more
+        would only cause more preemption (vLLM too). A request the whole pool can never
+        hold is finished (_finish_too_long) instead of blocking the queue forever."""
         while (self.waiting and not step.preempted and not self.swapped
                and len(self.running) < self.max_num_seqs):
             group = self.waiting[0]
@@ -341,24 +341,29 @@ class Scheduler:
                 self._finish_too_long(group)
                 continue
             first, *rest = group.seqs_to_compute()
-            first_tokens, rest_tokens = self.block_manager.num_tokens_to_compute(group)
+            computed = self.block_manager.get_computed_blocks(group)   # cache hits: not computed
+            first_tokens = first.num_tokens - computed.num_computed_tokens
+            rest_tokens = sum(s.num_tokens - computed.num_shared_tokens for s in rest)
             # Only a lone sequence is chunked. A recomputed n > 1 request may need more
             # than the whole budget: it then runs in a step of its own rather than never.
             n_first = first_tokens if rest else self._chunk(first_tokens, step.budget)
             if n_first == 0 or (n_first + rest_tokens > step.budget and step.scheduled):
                 break
-            first_end = first.num_tokens - first_tokens + n_first
-            if not self.block_manager.can_allocate(group, first_end):
+            first_end = computed.num_computed_tokens + n_first
+            starts = self.block_manager.allocate(group, computed, first_end)
+            if starts is None:                    # not enough free blocks: wait
                 break
             self.waiting.popleft()
-            self._admit(step, group, first_end)
+            self._admit(step, group, first_end, starts)
 
-    def _admit(self, step: _Step, group: SequenceGroup, first_end: int) -> None:
-        """A waiting request joins: its blocks are allocated (its first sequence's for
-        positions < first_end), it is put in this step's batch and in the running queue."""
+    def _admit(self, step: _Step, group: SequenceGroup, first_end: int, starts: list[int]) -> None:
+        """A waiting request joins, its blocks allocated: each sequence to compute starts
+        at starts[i] (its cache hit or shared prompt), its first sequence computes up to
+        first_end; it is put in this step's batch and in the running queue."""
         first, *rest = group.seqs_to_compute()
         forks = [s for s in group.get_seqs(SequenceStatus.WAITING) if s is not first and s not in rest]
-        self.block_manager.allocate(group, first_end)   # num_computed_tokens = cache hit
+        for seq, start in zip([first, *rest], starts):
+            seq.num_computed_tokens = start
         if not first.output_token_ids:
             group.num_cached_tokens = first.num_computed_tokens
         for seq in group.get_seqs(SequenceStatus.WAITING):
@@ -548,7 +553,7 @@ class Scheduler:
                 continue
             parent = scheduler_output.sample_from.get(seq_id)
             if parent is not None:            # prefill done: the other n - 1 fork it
-                self.block_manager.fork(self._seqs[parent][0], seq)
+                self._fork(self._seqs[parent][0], seq)
             if group.beam_state is not None:
                 beam_groups[group.request_id] = group
                 continue                      # beams advance together, below
@@ -621,6 +626,12 @@ class Scheduler:
         elif num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH
 
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares parent's blocks (BlockManager.fork) and has computed what the
+        parent has: a new sample of n > 1, or a surviving beam."""
+        self.block_manager.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+
     def _beam_step(self, group: SequenceGroup, runner_output: ModelRunnerOutput,
                    result: EngineCoreOutputs) -> None:
         """Extend a beam-search request by one token per beam (beam_search.py), from the
@@ -630,7 +641,7 @@ class Scheduler:
             return                       # not sampled this step (e.g. mid-recompute)
         candidates = {b.seq_id: runner_output.logprobs[b.seq_id] for b in beams}
         forked = beam_search_step(group, candidates, group.request.eos_token_ids, self.max_model_len,
-                                  self.block_manager.fork)
+                                  self._fork)
         for seq_id in forked:
             self._runner_knows.pop(seq_id, None)
         if self.async_scheduling:            # the runner appended the token it sampled,

@@ -23,14 +23,18 @@ is admitted; `break` at the first one that does not fit: FCFS never skips the he
 - stop when the queue is empty, when step.preempted, when self.swapped is not empty, or
   when len(self.running) reaches self.max_num_seqs;
 - self.block_manager.never_fits(group): pop it and self._finish_too_long(group);
-- first, *rest = group.seqs_to_compute(); first_tokens, rest_tokens =
-  self.block_manager.num_tokens_to_compute(group) (what it computes, cache hits excluded);
+- first, *rest = group.seqs_to_compute(); ask the block manager once what it already has:
+  computed = self.block_manager.get_computed_blocks(group). The first sequence computes
+  first_tokens = first.num_tokens - computed.num_computed_tokens (cache hits excluded),
+  each other one s.num_tokens - computed.num_shared_tokens (rest_tokens, their sum);
 - only a lone sequence is chunked: n_first = first_tokens if rest else self._chunk(...);
 - it does not fit if n_first == 0, or if n_first + rest_tokens > step.budget while the
   step already has work (step.scheduled): a request alone may take a whole step;
-- its first sequence computes up to first_end = first.num_tokens - first_tokens + n_first,
-  which needs self.block_manager.can_allocate(group, first_end);
-- admit it: pop it, then self._admit(step, group, first_end) does the rest.
+- its first sequence computes up to first_end = computed.num_computed_tokens + n_first;
+  starts = self.block_manager.allocate(group, computed, first_end) takes the blocks, or
+  says None (changing nothing) when too few are free: then it does not fit;
+- admit it: pop it, then self._admit(step, group, first_end, starts) does the rest (it
+  sets each sequence's num_computed_tokens to its start: the scheduler is their writer).
 """
 
 
