@@ -79,7 +79,7 @@ def check_runner_state(engine) -> None:
         wait([in_flight.future])          # the worker thread writes runner state meanwhile
     for group in sched.running:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
-            if seq.seq_id not in sched._runner_knows:
+            if seq.seq_id not in sched.runner_view.known:
                 continue
             state = runner.seqs[seq.seq_id]
             assert state.block_ids == seq.block_table.block_ids, (seq, state.block_ids)
@@ -88,7 +88,7 @@ def check_runner_state(engine) -> None:
                 (seq, len(tokens))
             assert tokens[:seq.num_tokens] == seq.token_ids[:len(tokens)], seq
     live = {s.seq_id for g in sched.requests.values() for s in g.seqs if not s.status.is_finished}
-    assert set(runner.seqs) - live <= sched._finished_seq_ids, "runner keeps a finished sequence"
+    assert set(runner.seqs) - live <= sched.runner_view.finished_seq_ids, "runner keeps a finished sequence"
 
 
 def run_checked(engine, max_steps: int = 10_000) -> dict[str, object]:

@@ -45,9 +45,10 @@ from dataclasses import dataclass, field
 
 from ..events import Preempted, RequestAdded, RequestFinished, SequenceScheduled
 from ..messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, GrammarOutput,
-                       ModelRunnerOutput, NewRequestData, PreemptionCosts, SchedulerOutput)
+                       ModelRunnerOutput, PreemptionCosts, SchedulerOutput)
 from .beam_search import BeamState, beam_search_step
 from .block_manager import BlockManager
+from .runner_view import RunnerView
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 from .structured_output import StructuredOutputManager
 
@@ -73,6 +74,13 @@ class ScheduledSequence:
     forks: list[Sequence] = field(default_factory=list)
     num_blocks_before: int = 0
     table_replaced: bool = False
+
+    def samples(self) -> bool:
+        """Whether the step samples a token for seq: it computes seq's last position (a
+        prompt's last chunk, or a decode), counting the tokens steps in flight will
+        sample. Asked before the step's tokens are counted as computed."""
+        seq = self.seq
+        return seq.num_computed_tokens + self.num_new_tokens >= seq.num_tokens + seq.num_output_placeholders
 
     def event(self) -> SequenceScheduled:
         """This record as the tracer's SequenceScheduled event (taken before the step
@@ -146,10 +154,7 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()    # preempted by swap, arrival order
         self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
         self._seq_ids = itertools.count()
-        # seq_id -> tokens the runner knows of it, for sequences whose runner state is
-        # current (tokens only grow; anything else makes it unknown: sent in full again)
-        self._runner_knows: dict[int, int] = {}
-        self._finished_seq_ids: set[int] = set()        # left since the last schedule()
+        self.runner_view = RunnerView(async_scheduling)  # what the model runner knows
         self._finished_in_schedule: list[SequenceGroup] = []
         self.num_preemptions = self.num_preemptions_swap = self.num_preemptions_recompute = 0
         self.num_generated_tokens = 0
@@ -236,7 +241,7 @@ class Scheduler:
                     queue.remove(group)
             for seq in group.seqs:
                 seq.num_output_placeholders = 0
-                self._runner_knows.pop(seq.seq_id, None)
+                self.runner_view.forget(seq.seq_id)
                 if not seq.status.is_finished:
                     self.block_manager.free(seq)
                     seq.num_computed_tokens = 0
@@ -248,8 +253,7 @@ class Scheduler:
         if not seq.status.is_finished:
             seq.status = status
         self.block_manager.free(seq)
-        self._runner_knows.pop(seq.seq_id, None)
-        self._finished_seq_ids.add(seq.seq_id)
+        self.runner_view.finished(seq.seq_id)
 
     def _remove(self, group: SequenceGroup) -> None:
         """A request whose sequences are all finished leaves every queue and the books."""
@@ -322,7 +326,7 @@ class Scheduler:
             step.blocks_to_swap_in += self.block_manager.swap_in(group)
             for seq in group.get_seqs(SequenceStatus.SWAPPED):
                 seq.status = SequenceStatus.RUNNING
-                self._runner_knows.pop(seq.seq_id, None)      # every block moved
+                self.runner_view.forget(seq.seq_id)      # every block moved
             self._add_running(group)
 
     def _schedule_waiting(self, step: _Step) -> None:
@@ -369,7 +373,7 @@ class Scheduler:
         for seq in group.get_seqs(SequenceStatus.WAITING):
             seq.status = SequenceStatus.RUNNING
         for seq in [first, *rest]:
-            self._runner_knows.pop(seq.seq_id, None)      # (re)starts: send it in full
+            self.runner_view.forget(seq.seq_id)      # (re)starts: send it in full
             n = (first_end if seq is first else seq.num_tokens) - seq.num_computed_tokens
             step.add(ScheduledSequence(seq, group, n, forks if seq is first else []))
         self._add_running(group)
@@ -383,55 +387,21 @@ class Scheduler:
         step.add(ScheduledSequence(seq, group, n, forks, before, bool(copies)))
 
     def _scheduler_output(self, step: _Step) -> SchedulerOutput:
-        """Turn the step into the runner's message: sequences it has not seen (or whose
-        tokens or blocks were replaced) in full, the others as deltas (vLLM v1's
-        NewRequestData / CachedRequestData)."""
-        out = SchedulerOutput(blocks_to_copy=step.blocks_to_copy, blocks_to_swap_out=step.blocks_to_swap_out,
-                              blocks_to_swap_in=step.blocks_to_swap_in, finished_seq_ids=self._finished_seq_ids)
-        self._finished_seq_ids = set()
-        self._waits_for_output = False
-        cached = out.scheduled_cached_reqs
-        for s in step.scheduled:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            pending = seq.num_output_placeholders      # tokens steps in flight sample
-            samples = start + s.num_new_tokens >= seq.num_tokens + pending   # not a chunk
-            known = self._runner_knows.get(seq.seq_id)
-            if known is not None:
-                cached.seq_ids.append(seq.seq_id)
-                cached.new_token_ids.append(seq.output_token_ids[known - len(seq.prompt_token_ids):])
-                cached.new_block_ids.append(list(seq.block_table.block_ids) if s.table_replaced
-                                            else seq.block_table.block_ids[s.num_blocks_before:])
-                cached.block_ids_replaced.append(s.table_replaced)
-                cached.num_computed_tokens.append(start)
-            else:
-                out.scheduled_new_reqs.append(self._new_request_data(seq, s.seq_group, seq.block_table.block_ids))
-            out.num_scheduled_tokens[seq.seq_id] = s.num_new_tokens
-            out.total_num_scheduled_tokens += s.num_new_tokens
-            if self.async_scheduling:
-                # the runner appends its own samples: it will know the in-flight ones and
-                # this step's; and the step's tokens count as computed from now on
-                self._runner_knows[seq.seq_id] = seq.num_tokens + pending + samples
-                seq.num_computed_tokens += s.num_new_tokens
-                seq.num_output_placeholders += samples
-            else:
-                self._runner_knows[seq.seq_id] = seq.num_tokens
-            if not samples:
-                continue                     # a chunk: nobody samples yet
-            if seq.grammar is not None:
-                out.structured_output_seq_ids += [seq.seq_id, *(f.seq_id for f in s.forks)]
-            if s.seq_group.beam_state is not None or s.forks:
-                self._waits_for_output = True
-            for fork in s.forks:             # samples only: its blocks come when it forks
-                out.scheduled_new_reqs.append(self._new_request_data(fork, s.seq_group, []))
-                out.num_scheduled_tokens[fork.seq_id] = 0
-                out.sample_from[fork.seq_id] = seq.seq_id
-                fork.num_output_placeholders += self.async_scheduling
+        """Turn the step into the runner's message (RunnerView.message: what it has not
+        seen in full, the rest as deltas). With async scheduling the step's tokens count
+        as computed from now on, and each sample gets a placeholder."""
+        samples = [s.samples() for s in step.scheduled]       # before anything counts
+        out = self.runner_view.message(step.scheduled, samples, step.blocks_to_copy, step.blocks_to_swap_out,
+                                       step.blocks_to_swap_in)
+        self._waits_for_output = any(sample and (s.seq_group.beam_state is not None or s.forks)
+                                     for s, sample in zip(step.scheduled, samples))
+        if self.async_scheduling:
+            for s, sample in zip(step.scheduled, samples):
+                s.seq.num_computed_tokens += s.num_new_tokens
+                s.seq.num_output_placeholders += sample
+                for fork in s.forks if sample else []:
+                    fork.num_output_placeholders += 1
         return out
-
-    @staticmethod
-    def _new_request_data(seq: Sequence, group: SequenceGroup, block_ids: list[int]) -> NewRequestData:
-        return NewRequestData(seq.seq_id, seq.index, seq.prompt_token_ids, list(seq.output_token_ids),
-                              group.sampling_params, list(block_ids), seq.num_computed_tokens)
 
     def _add_running(self, group: SequenceGroup) -> None:
         """Keep the running queue in arrival order (preemption takes its tail): a request
@@ -486,7 +456,7 @@ class Scheduler:
             self.observers.publish(Preempted(group.request_id, "swap" if swap else "recompute"))
         running = group.get_seqs(SequenceStatus.RUNNING)
         for seq in running:
-            self._runner_knows.pop(seq.seq_id, None)
+            self.runner_view.forget(seq.seq_id)
         if swap:
             step.blocks_to_swap_out += self.block_manager.swap_out(group)
             for seq in running:
@@ -643,10 +613,10 @@ class Scheduler:
         forked = beam_search_step(group, candidates, group.request.eos_token_ids, self.max_model_len,
                                   self._fork)
         for seq_id in forked:
-            self._runner_knows.pop(seq_id, None)
+            self.runner_view.forget(seq_id)
         if self.async_scheduling:            # the runner appended the token it sampled,
             for seq in beams:                # which a beam may not have kept: resend all
-                self._runner_knows.pop(seq.seq_id, None)
+                self.runner_view.forget(seq.seq_id)
         self.num_generated_tokens += len(beams)
         state = group.beam_state
         if state.done:

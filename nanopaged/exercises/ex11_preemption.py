@@ -22,7 +22,7 @@ their distinct block ids once (a set: forked sequences share blocks) and add up 
 num_computed_tokens; the CPU question is self.block_manager.can_swap_out(group).
 _preempt: self.num_preemptions += 1; step.preempted = True; swap = self._should_swap(
 group); take running = group.get_seqs(SequenceStatus.RUNNING) before changing any status
-(a finished sequence stays finished) and self._runner_knows.pop(seq.seq_id, None) each.
+(a finished sequence stays finished) and self.runner_view.forget(seq.seq_id) each.
 Swap: step.blocks_to_swap_out += self.block_manager.swap_out(group), statuses SWAPPED,
 self.swapped.appendleft(group), num_preemptions_swap += 1. Recompute: for each,
 self.block_manager.free(seq), num_computed_tokens = 0, status WAITING; then
@@ -70,7 +70,7 @@ def _world(mode, num_cpu_blocks=8, costs=None):
             bm.ref_count[block_id] += 1
             seq.block_table.append_block(block_id)
         seq.block_table.num_tokens = seq.num_computed_tokens = 6
-        sched._runner_knows[seq.seq_id] = 7
+        sched.runner_view.known[seq.seq_id] = 7
     done = b.seqs[2]
     done.output_token_ids, done.num_computed_tokens, done.status = [11, 12, 13, 14], 9, SequenceStatus.FINISHED_STOPPED
     sched.waiting.append(group("C", [20, 21, 22]))
