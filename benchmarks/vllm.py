@@ -9,8 +9,8 @@ made once as the README says:
         && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 (the torchvision it brings does not match its CPU torch). The interpreter comes from
---vllm-python, else $NANOPAGED_VLLM_PYTHON, else .venv-vllm/bin/python beside this file;
-without one the section prints how to make it and is skipped.
+--vllm-python, else $NANOPAGED_VLLM_PYTHON, else .venv-vllm/bin/python in the repository's
+root (beside bench.py); without one the section prints how to make it and is skipped.
 
 Two workloads, the same for both engines, same model folder, same dtype, same threads:
 - throughput: bench.py's workload, --num-requests requests with random token-id prompts
@@ -72,7 +72,7 @@ if __name__ == "__main__":
 def vllm_python(flag: str | None) -> str | None:
     """The interpreter of vLLM's venv: the flag, $NANOPAGED_VLLM_PYTHON, or ./.venv-vllm."""
     for candidate in (flag, os.environ.get("NANOPAGED_VLLM_PYTHON"),
-                      str(Path(__file__).resolve().parent / ".venv-vllm" / "bin" / "python")):
+                      str(Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python")):
         if candidate and Path(candidate).is_file():
             return candidate
     return None
@@ -98,13 +98,15 @@ def run_vllm(python: str, spec: dict, timeout_s: float = 1800) -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def bench_vllm(model, args, workload, run_nanopaged) -> None:
+def bench_vllm(model, args) -> None:
     """Print nanopaged's and vLLM's throughput and batch-1 decode, and the ratios
     (targets on a bf16 CPU: throughput >= 1.5x vLLM, batch-1 decode >= 1.5x vLLM)."""
     import io
 
     from nanopaged import LLM, SamplingParams
     from nanopaged.entrypoints.chat import stream_answer
+
+    from .common import run_nanopaged, workload
 
     python = vllm_python(getattr(args, "vllm_python", None))
     if python is None:

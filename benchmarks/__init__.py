@@ -1,0 +1,20 @@
+"""nanopaged's benchmarks, one module per section of `python bench.py --sections ...`.
+
+    driver.py       the flags, the --help text (every section described), the dispatch
+    common.py       the throughput workload, running it on nanopaged and on transformers,
+                    the CPU flags, the decode-attention inputs and timer (kernels, chapter 12)
+    throughput.py   nanopaged vs transformers `generate`, the matmul roofline, --profile
+    chat.py         batch-1 time per output token
+    prefix.py, sharing.py, pressure.py, memory.py
+                    prefix caching on vs off; block sharing (n=4, beam search); preemption
+                    modes under a small KV pool; paged vs contiguous KV reservation
+    sampling.py, structured.py, overlap.py
+                    full sampling vs greedy; JSON-schema constrained vs free; async
+                    scheduling off vs on
+    kernels.py      the compiled paged-attention kernel vs the PyTorch reference
+    serve.py        the OpenAI server vs `transformers serve`, Poisson arrivals (not default)
+    tp.py           tensor parallelism vs one rank (not default)
+    vllm.py         vLLM's CPU backend, in a child process of its own venv (not default)
+
+Not part of the installed package (setup.py finds nanopaged* only): run from a checkout.
+"""

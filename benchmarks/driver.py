@@ -1,0 +1,140 @@
+"""nanopaged's benchmarks, each measured side by side with its baseline in one run.
+
+    python bench.py [--dtype float32|bfloat16] [--num-requests 64] [--profile]
+                    [--attention-backend auto|torch|cpu|cuda]
+                    [--sections throughput,chat,sampling,structured,overlap,prefix,sharing,pressure,
+                                memory,kernels]
+                    [--kernels] [--sections serve --request-rates 0.5,2,inf --serve-requests 32]
+                    [--sections tp] [--sections vllm --vllm-python PATH] [--max-output 128]
+
+throughput: nanopaged vs HF transformers `generate` (below).
+prefix:     one 512-token system prompt shared by 32 short questions, prefix caching on
+            vs off: prompt tokens computed and end-to-end time.
+sharing:    the paper's §6.3 memory saving: peak KV blocks in use with block sharing vs
+            the blocks the same sequences would hold without it, for parallel sampling
+            (n=4) and beam search (width 4).
+pressure:   a KV pool far too small for the batch: throughput with preemption by swap,
+            by recompute, and auto (the cheaper by the costs measured at start).
+memory:     the paper's Fig. 2 under one fixed KV budget: the share of reserved KV slots
+            that hold live tokens (averaged over steps) and the peak number of concurrent
+            requests, paged vs a contiguous baseline that reserves max_model_len slots
+            per request up front (the same engine, another BlockManager).
+sampling:   the cost of full sampling: the throughput workload greedy vs with
+            temperature 0.8, top_p 0.9, min_p 0.05, repetition/presence/frequency
+            penalties and logprobs=5 on every request (target: within 10%).
+serve:      (not in the default list: minutes) nanopaged's OpenAI server vs `transformers
+            serve --continuous-batching`, streaming clients with Poisson arrivals at
+            --request-rates: throughput, TTFT and inter-token latency p50/p99, and
+            async scheduling off vs on (benchmarks/serve.py).
+tp:         (not in the default list: a few minutes) tensor parallelism
+            (chapters/17-tensor-parallelism.md): tp=1 vs tp=2 on a random Llama with even
+            heads and tp=1 vs tp=3 on the default model: tokens/s, the share of the
+            generate spent in collectives and in delivering the control message, and
+            our pyzmq push of it vs a broadcast over the process group (benchmarks/tp.py;
+            fp32 and its own two models whatever --model and --dtype say).
+structured: structured outputs (chapters/18-structured-outputs.md): the throughput
+            workload with every request constrained by a JSON schema vs unconstrained
+            (same tokens), best of two each, plus the bitmask's fill and apply cost per
+            step (target: within 15%).
+overlap:    async scheduling (chapters/16-async-scheduling.md): the throughput workload
+            with async_scheduling off vs on (runs off, on, on, off), best of two each: time per
+            engine step (ms) and tokens/s, and the ratio on / off.
+vllm:       (not in the default list: needs vLLM's own venv) nanopaged vs vLLM's CPU
+            backend on the throughput workload and batch-1 decode, vLLM in a child
+            process of its own interpreter (benchmarks/vllm.py says how to make its venv).
+kernels:    (also --kernels) the compiled paged-attention kernel vs the PyTorch
+            reference: decode attention alone (64 sequences x 1024 tokens of context,
+            fp32 and bf16, the default model's heads), then the throughput workload end
+            to end with each backend. On a GPU: KV bytes read per second at 256 x 2048,
+            bf16, as a share of the H200's ~4.8 TB/s, and time vs SDPA on contiguous K/V.
+
+The workload (fixed seed): `--num-requests` requests with random token-id prompts of
+U[32, 256] tokens and outputs of U[32, --max-output (128)] tokens, ignore_eos, greedy. nanopaged gets all
+requests at once and batches them continuously; transformers runs static batches of 16,
+left-padded, each generating until its longest request is done. Only the requested
+output tokens count. Same model (the default SmolLM2-135M-Instruct unless --model), same
+dtype, same torch threads, same process. Prints tokens/s of each and the ratio.
+--profile adds where nanopaged's time goes (torch profiler, by operator, and by layer of
+the step: schedule / prepare inputs / forward / sample / update).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .chat import bench_chat_latency
+from .common import cpu_flags
+from .kernels import bench_kernels
+from .memory import bench_memory_utilization
+from .overlap import bench_overlap
+from .prefix import bench_prefix_caching
+from .pressure import bench_memory_pressure
+from .sampling import bench_sampling
+from .serve import bench_serve
+from .sharing import bench_sharing_memory
+from .structured import bench_structured
+from .throughput import bench_throughput
+from .tp import bench_tp
+from .vllm import bench_vllm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: what LLM(dtype='auto') picks on this machine (both sides use it)")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--max-output", type=int, default=128,
+                    help="the workload's outputs are U[32, this] tokens (throughput, vllm; default 128)")
+    ap.add_argument("--vllm-python", default=None,
+                    help="vllm: the interpreter of vLLM's venv (else $NANOPAGED_VLLM_PYTHON or ./.venv-vllm)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
+    ap.add_argument("--sections",
+                    default="throughput,chat,sampling,structured,overlap,prefix,sharing,pressure,memory,kernels",
+                    help="comma-separated, from the list above; serve, tp and vllm are not in the default")
+    ap.add_argument("--kernels", action="store_true", help="only the kernels section")
+    ap.add_argument("--request-rates", default="0.5,2,inf", help="serve: requests per second")
+    ap.add_argument("--serve-requests", type=int, default=32, help="serve: requests per rate")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="serve: threads per server")
+    args = ap.parse_args()
+    sections = ["kernels"] if args.kernels else args.sections.split(",")
+    if args.dtype == "auto":
+        from nanopaged.config import EngineConfig
+        args.dtype = str(EngineConfig(model=args.model).torch_dtype).removeprefix("torch.")
+    print(cpu_flags(), f"| dtype {args.dtype}")
+    # In this fixed order, whatever order --sections names them in
+    if "vllm" in sections:
+        bench_vllm(args.model, args)
+    if "chat" in sections:
+        bench_chat_latency(args.model, args.dtype)
+    if "serve" in sections:
+        bench_serve(args.model, args.dtype, args.serve_requests,
+                    [float(r) for r in args.request_rates.split(",")], args.threads,
+                    skip_transformers=args.skip_transformers)
+    if "tp" in sections:
+        bench_tp()
+    if "sampling" in sections:
+        bench_sampling(args.model, args)
+    if "overlap" in sections:
+        bench_overlap(args.model, args)
+    if "structured" in sections:
+        bench_structured(args.model, args)
+    if "kernels" in sections:
+        bench_kernels(args.model, args)
+    if "prefix" in sections:
+        bench_prefix_caching(args.model, args.dtype)
+    if "sharing" in sections:
+        bench_sharing_memory(args.model, args.dtype)
+    if "pressure" in sections:
+        bench_memory_pressure(args.model, args.dtype)
+    if "memory" in sections:
+        bench_memory_utilization(args.model, args.dtype)
+    if "throughput" in sections:
+        bench_throughput(args.model, args)
+
+
+if __name__ == "__main__":
+    main()
