@@ -16,7 +16,7 @@ def bench_memory_utilization(model, dtype) -> None:
         """Pre-vLLM systems: a request reserves max_model_len slots when admitted."""
         reserve_tokens = 0
 
-        def _blocks_to_take(self, seq_group, first_end):
+        def _blocks_to_take(self, seq_group, computed, first_end):
             return -(-self.reserve_tokens // self.block_size)
 
         def append_slots(self, seq, end=None):
