@@ -33,10 +33,11 @@ def bench_memory_utilization(model, dtype) -> None:
                   enable_prefix_caching=False, preemption_mode="recompute")
         eng = llm.engine
         if name == "contiguous":
-            old = eng.block_manager
-            eng.block_manager = ContiguousBlockManager(old.num_gpu_blocks, old.block_size, False)
-            eng.block_manager.reserve_tokens = eng.config.max_model_len
-            eng.scheduler.block_manager = eng.block_manager
+            old, core = eng.block_manager, eng.engine_core      # the engine's are read-only views
+            core.block_manager = ContiguousBlockManager(old.num_gpu_blocks, old.block_size, False,
+                                                        observers=old.observers)
+            core.block_manager.reserve_tokens = eng.config.max_model_len
+            core.scheduler.block_manager = core.block_manager
         for i, (p, sp) in enumerate(zip(prompts, params)):
             eng.add_request(str(i), p, sp)
         fractions, peak = [], 0
