@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import select
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import traceback
@@ -41,7 +38,8 @@ import zmq
 import zmq.asyncio
 
 from ..messages import EngineCoreDead, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
-from ..utils.proc import EngineDeadError, die_with_parent, exit_reason
+from ..utils.proc import (EngineDeadError, exit_child, exit_reason, read_settings, report_ready, spawn_child,
+                          stop_processes, wait_ready)
 
 _STARTUP_TIMEOUT_S = 600.0        # loading a model and building the kernels, at most
 _SEND_TIMEOUT_MS = 5000           # a send waits this long for the child at most
@@ -141,22 +139,17 @@ class EngineCoreProc:
         """The child's entry point (`python -c "...EngineCoreProc.main()"`): read the
         settings the parent pickled to stdin, build the core, say ready (or why not) on
         the pipe the parent named, then serve."""
-        die_with_parent()
-        config, model_path, input_address, output_address, ready_fd = pickle.load(sys.stdin.buffer)
+        (config, model_path, input_address, output_address), ready_fd = read_settings()
         parent_pid = os.getppid()
-        proc = None
-        with os.fdopen(ready_fd, "wb") as ready:
-            try:
-                from .engine_core import EngineCore
-                from ..model.llama import LlamaConfig
 
-                core = EngineCore(config, model_path, LlamaConfig.from_pretrained(model_path))
-                proc = EngineCoreProc(core, input_address, output_address, parent_pid)
-                pickle.dump(("ready", core.get_stats()), ready)
-            except BaseException:
-                pickle.dump(("failed", traceback.format_exc()), ready)
-                ready.flush()
-                os._exit(1)
+        def start():
+            from ..model.llama import LlamaConfig
+            from .engine_core import EngineCore
+
+            core = EngineCore(config, model_path, LlamaConfig.from_pretrained(model_path))
+            return (core, EngineCoreProc(core, input_address, output_address, parent_pid)), core.get_stats()
+
+        core, proc = report_ready(ready_fd, start)
         exit_code = 0
         try:
             proc.run()
@@ -167,9 +160,7 @@ class EngineCoreProc:
         proc.input.close(linger=0)
         proc.output.close(linger=1000)         # up to 1 s to deliver the last message
         proc.ctx.term()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)                    # skip interpreter teardown (torch's threads)
+        exit_child(exit_code)
 
 
 # -- the parent's side -----------------------------------------------------------------
@@ -203,18 +194,12 @@ class AsyncMPClient:
         self.dead_reason: str | None = None
         self._closed = False
 
-        # A fresh interpreter (not fork: torch's threads do not survive it; not
-        # multiprocessing's spawn: it re-runs the user's __main__), told its settings on
-        # stdin; it answers on a pipe of its own once the model is loaded.
-        ready_r, ready_w = os.pipe()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from nanopaged.engine.engine_core_client import EngineCoreProc; EngineCoreProc.main()"],
-            stdin=subprocess.PIPE, pass_fds=(ready_w,))
-        os.close(ready_w)
+        # a fresh interpreter, told its settings on stdin (utils/proc.py, spawn_child)
+        self.proc, ready_r = spawn_child("nanopaged.engine.engine_core_client:EngineCoreProc",
+                                         (config, str(model_path), input_address, output_address))
         try:
-            self.proc.stdin.write(pickle.dumps((config, str(model_path), input_address, output_address, ready_w)))
-            self.proc.stdin.close()
-            self.initial_stats = self._wait_ready(ready_r)
+            name = f"the EngineCore process (pid {self.proc.pid})"
+            self.initial_stats = wait_ready({ready_r: (name, self.proc)}, _STARTUP_TIMEOUT_S)[ready_r]
         except BaseException:
             self.shutdown()
             raise
@@ -222,20 +207,6 @@ class AsyncMPClient:
             os.close(ready_r)
         self._watcher = threading.Thread(target=self._watch, name="EngineCoreWatcher", daemon=True)
         self._watcher.start()
-
-    def _wait_ready(self, fd: int) -> dict:
-        ready, _, _ = select.select([fd], [], [], _STARTUP_TIMEOUT_S)
-        if not ready:
-            raise RuntimeError(f"the EngineCore process did not start within {_STARTUP_TIMEOUT_S:.0f} s")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            try:
-                status, payload = pickle.load(f)
-            except EOFError:
-                raise RuntimeError("the EngineCore process exited at start "
-                                   f"(exit code {self.proc.wait(5)})") from None
-        if status != "ready":
-            raise RuntimeError(f"the EngineCore process failed to start:\n{payload}")
-        return payload
 
     def _watch(self) -> None:
         """Wait for the child to end; if nobody asked it to, wake the output reader with
@@ -310,14 +281,7 @@ class AsyncMPClient:
                 self.input.send(pickle.dumps((EngineCoreRequestType.SHUTDOWN, None)), flags=zmq.NOBLOCK)
             except zmq.ZMQError:                 # no peer: the terminate below does it
                 pass
-        for stop in (None, self.proc.terminate, self.proc.kill):
-            if stop is not None and self.proc.poll() is None:
-                stop()
-            try:
-                self.proc.wait(5)
-                break
-            except subprocess.TimeoutExpired:
-                pass
+        stop_processes([self.proc])
         self.input.close(linger=0)
         self.output.close(linger=0)
         self.ctx.term()

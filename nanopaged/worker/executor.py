@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import select
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -38,7 +36,8 @@ import weakref
 import torch
 import zmq
 
-from ..utils.proc import EngineDeadError, die_with_parent, exit_reason
+from ..utils.proc import (EngineDeadError, exit_child, exit_reason, read_settings, report_ready, spawn_child,
+                          stop_processes, wait_ready)
 from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
 from .worker import Worker, init_process_group
 
@@ -198,45 +197,20 @@ class MultiprocExecutor(Executor):
                         init_method=f"file://{self._dir}/rendezvous", num_gpu_blocks=num_gpu_blocks,
                         num_cpu_blocks=num_cpu_blocks, attn_backend=getattr(attn_backend, "name", "torch"),
                         output_address=f"ipc://{self._dir}/output", num_threads=threads)
-        ready_fds = []
+        ready = {}
         try:
             for rank in range(n):
-                ready_r, ready_w = os.pipe()
-                proc = subprocess.Popen(
-                    [sys.executable, "-c", "from nanopaged.worker.executor import WorkerProc; WorkerProc.main()"],
-                    stdin=subprocess.PIPE, pass_fds=(ready_w,))
-                os.close(ready_w)
+                proc, fd = spawn_child("nanopaged.worker.executor:WorkerProc",
+                                       dict(settings, rank=rank, input_address=f"ipc://{self._dir}/rank{rank}"))
                 self.procs.append(proc)
-                ready_fds.append(ready_r)
-                proc.stdin.write(pickle.dumps(dict(settings, rank=rank, ready_fd=ready_w,
-                                                   input_address=f"ipc://{self._dir}/rank{rank}")))
-                proc.stdin.close()
-            self._wait_ready(ready_fds)
+                ready[fd] = (f"tensor-parallel worker rank {rank} (pid {proc.pid})", proc)
+            wait_ready(ready, _STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
         finally:
-            for fd in ready_fds:
-                os.close(fd)
-
-    def _wait_ready(self, fds: list[int]) -> None:
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        waiting = dict(zip(fds, range(len(fds))))
-        while waiting:
-            ready, _, _ = select.select(list(waiting), [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise RuntimeError(f"tensor-parallel workers {sorted(waiting.values())} did not start "
-                                   f"within {_STARTUP_TIMEOUT_S:.0f} s")
             for fd in ready:
-                rank = waiting.pop(fd)
-                with os.fdopen(os.dup(fd), "rb") as f:
-                    try:
-                        status, payload = pickle.load(f)
-                    except EOFError:
-                        raise RuntimeError(f"tensor-parallel worker rank {rank} exited at start "
-                                           f"({exit_reason(self.procs[rank].wait(5))})") from None
-                if status != "ready":
-                    raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start:\n{payload}")
+                os.close(fd)
 
     def collective_rpc(self, method: str, args: tuple = (), timeout: float = EXECUTE_MODEL_TIMEOUT_S) -> list:
         """Send (method, args) to every rank, wait for all answers.
@@ -328,19 +302,7 @@ def _stop_workers(procs, inputs, output, ctx, folder) -> None:
                 sock.send(pickle.dumps((0, "shutdown", (), 0.0)), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-    for stop in (None, "terminate", "kill"):
-        alive = [p for p in procs if p.poll() is None]
-        for p in alive:
-            if stop:
-                getattr(p, stop)()
-        end = time.monotonic() + 5
-        for p in alive:
-            try:
-                p.wait(max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        if all(p.poll() is not None for p in procs):
-            break
+    stop_processes(procs)
     for sock in [*inputs, output]:
         sock.close(linger=0)
     ctx.term()
@@ -394,26 +356,22 @@ class WorkerProc:
     def main() -> None:
         """Entry point of `python -c "...WorkerProc.main()"`: read the settings from
         stdin, join the process group, load this rank's shard, say ready, serve."""
-        die_with_parent()
-        s = pickle.load(sys.stdin.buffer)
+        s, ready_fd = read_settings()
         if s["num_threads"]:
             torch.set_num_threads(s["num_threads"])
-        parent_pid, proc, exit_code = os.getppid(), None, 0
-        with os.fdopen(s["ready_fd"], "wb") as ready:
-            try:
-                from ..model.llama import LlamaConfig
+        parent_pid, exit_code = os.getppid(), 0
 
-                config = s["config"]
-                group = init_process_group(s["rank"], s["world_size"], s["init_method"], config.torch_device)
-                worker = Worker(config, s["model_path"], LlamaConfig.from_pretrained(s["model_path"]),
-                                s["rank"], s["world_size"], group)
-                worker.initialize_cache(s["num_gpu_blocks"], s["num_cpu_blocks"], s["attn_backend"])
-                proc = WorkerProc(worker, s["rank"], s["input_address"], s["output_address"], parent_pid)
-                pickle.dump(("ready", None), ready)
-            except BaseException:
-                pickle.dump(("failed", traceback.format_exc()), ready)
-                ready.flush()
-                os._exit(1)
+        def start():
+            from ..model.llama import LlamaConfig
+
+            config = s["config"]
+            group = init_process_group(s["rank"], s["world_size"], s["init_method"], config.torch_device)
+            worker = Worker(config, s["model_path"], LlamaConfig.from_pretrained(s["model_path"]),
+                            s["rank"], s["world_size"], group)
+            worker.initialize_cache(s["num_gpu_blocks"], s["num_cpu_blocks"], s["attn_backend"])
+            return WorkerProc(worker, s["rank"], s["input_address"], s["output_address"], parent_pid), None
+
+        proc = report_ready(ready_fd, start)
         try:
             proc.run()
         except BaseException:
@@ -421,6 +379,4 @@ class WorkerProc:
         proc.input.close(linger=0)
         proc.output.close(linger=1000)
         proc.ctx.term()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code)          # skip interpreter teardown (torch's and gloo's threads)
+        exit_child(exit_code)
