@@ -1,15 +1,17 @@
-"""EngineConfig: every knob of the engine in one validated dataclass.
+"""EngineConfig: every knob of the engine in one validated, frozen dataclass.
 
 `LLM(**kwargs)` and `LLMEngine(config)` take these names, which are vLLM's
 (`vllm/config.py`: ModelConfig, CacheConfig, SchedulerConfig). An unknown keyword is a
 TypeError from the dataclass itself; a bad value is a ValueError naming the field.
-Fields left as None are filled in from the model and the machine when the engine starts
-(`resolve`): that is where the KV pool gets its size.
+Fields left as None or "auto" are filled in from the model and the machine once, when
+the engine starts (`resolve`, called by engine/arg_utils.py): the result is a new
+frozen EngineConfig that every part takes whole, so `llm.engine.config.dtype` says what
+the engine runs in. (The KV pool's size is the workers' to measure.)
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,7 +36,7 @@ def cpu_has_bf16_dot_products() -> bool:
     return any(probe is not None and probe() for probe in probes)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     """Configuration of one LLMEngine.
 
@@ -164,31 +166,40 @@ class EngineConfig:
             return torch.bfloat16 if fast_bf16 else torch.float32
         return _DTYPES[self.dtype]
 
-    def resolve(self, max_position_embeddings: int) -> None:
-        """Fill max_model_len and max_num_batched_tokens from the model; check they agree.
+    def resolve(self, max_position_embeddings: int) -> EngineConfig:
+        """This config with everything left to the engine filled in, as a new frozen
+        EngineConfig: max_model_len and max_num_batched_tokens from the model, dtype
+        (the name of torch_dtype), device ("cpu", "cuda" or "cuda:N") and
+        distributed_executor_backend from the machine and tensor_parallel_size.
+        Resolving a resolved config changes nothing.
 
         Raises:
             ValueError: max_model_len above the model's limit, or a token budget too
                 small for one full-length prompt.
         """
-        if self.max_model_len is None:
-            self.max_model_len = max_position_embeddings
-        elif self.max_model_len > max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = max_position_embeddings
+        elif max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_position_embeddings}")
-        if self.max_num_batched_tokens is None:
+        budget = self.max_num_batched_tokens
+        if budget is None:
             # vLLM's default for offline LLM use is 8192 (2048 for a server, where latency
             # matters more); without chunking a whole max_model_len prompt must fit
-            floor = 8192 if self.enable_chunked_prefill else max(8192, self.max_model_len)
-            self.max_num_batched_tokens = max(floor, self.max_num_seqs)
-        elif self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller "
+            floor = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+            budget = max(floor, self.max_num_seqs)
+        elif budget < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={budget} is smaller "
                              f"than max_num_seqs={self.max_num_seqs}: a full batch of decodes "
                              "(one token each) would not fit in one step")
-        elif self.max_num_batched_tokens < self.max_model_len and not self.enable_chunked_prefill:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller "
-                             f"than max_model_len={self.max_model_len}: a full-length prompt "
+        elif budget < max_model_len and not self.enable_chunked_prefill:
+            raise ValueError(f"max_num_batched_tokens={budget} is smaller "
+                             f"than max_model_len={max_model_len}: a full-length prompt "
                              "could never be scheduled (turn on enable_chunked_prefill)")
+        dtype = next(name for name, d in _DTYPES.items() if d == self.torch_dtype)   # canonical first
+        return replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget, dtype=dtype,
+                       device=str(self.torch_device), distributed_executor_backend=self.executor_backend)
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -239,3 +239,24 @@ def test_dtype_auto_is_bf16_only_where_the_cpu_has_bf16_dot_products(monkeypatch
     flags = open("/proc/cpuinfo").read().split() if sys.platform == "linux" else None
     if flags is not None:          # torch's probe agrees with what the kernel reports
         assert config.cpu_has_bf16_dot_products() == ("avx512_bf16" in flags or "amx_tile" in flags)
+
+
+def test_the_config_is_resolved_once_into_a_frozen_copy(tiny_model_dir):
+    """The engine resolves the user's EngineConfig once (arg_utils.create_engine_config)
+    into a new frozen one that every part takes whole: what "auto" and None became is
+    readable afterwards, the user's object is left as it was, and nobody can change it."""
+    import dataclasses
+
+    from nanopaged.config import cpu_has_bf16_dot_products
+
+    given = EngineConfig(model=str(tiny_model_dir), block_size=4, num_gpu_blocks=16)
+    eng = LLMEngine(given)
+    got = eng.config
+    assert (given.dtype, given.device, given.max_model_len, given.max_num_batched_tokens) == ("auto", "auto", None, None)
+    assert got.dtype == ("bfloat16" if cpu_has_bf16_dot_products() else "float32") and got.device == "cpu"
+    assert got.max_model_len == eng.model_config.max_position_embeddings
+    assert got.max_num_batched_tokens == 8192 and got.distributed_executor_backend == "uni"
+    assert got.resolve(got.max_model_len) == got                      # resolving again changes nothing
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.max_model_len = 3
+    assert eng.engine_core.config is got and eng.processor.max_model_len == got.max_model_len

@@ -32,6 +32,7 @@ from typing import AsyncIterator
 
 from ..config import EngineConfig
 from ..utils.proc import EngineDeadError
+from .arg_utils import create_engine_config
 from .engine_core_client import AsyncMPClient
 from .output_processor import OutputProcessor
 from ..outputs import RequestOutput
@@ -50,7 +51,7 @@ class AsyncLLM:
         **engine_args: the fields of EngineConfig (as LLM takes them).
 
     Attributes:
-        tokenizer, config (the EngineConfig, max_model_len resolved), model_path.
+        tokenizer, config (the resolved EngineConfig), model_path.
 
     Raises:
         TypeError / ValueError: a bad engine argument, named with its value.
@@ -58,9 +59,9 @@ class AsyncLLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.config = EngineConfig(model=model, **engine_args)
-        self.processor = Processor.from_config(self.config)
-        self.tokenizer, self.model_path = self.processor.tokenizer, self.processor.model_path
+        self.config, self.model_path, model_config = create_engine_config(EngineConfig(model=model, **engine_args))
+        self.processor = Processor.from_config(self.config, self.model_path, model_config)
+        self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = AsyncMPClient(self.config, self.model_path)
         self._stats: dict[str, int] = dict(self.engine_core.initial_stats)

@@ -44,7 +44,7 @@ import torch
 from ..core.block_manager import BlockManager
 from ..core.scheduler import Scheduler
 from ..core.structured_output import StructuredOutputManager
-from ..model.llama import LlamaConfig, check_tensor_parallel
+from ..model.llama import LlamaConfig
 from ..layers.parallel import shard_heads
 from ..worker.executor import Executor
 from ..layers.backends import get_attn_backend
@@ -76,7 +76,8 @@ class EngineCore:
     """Scheduler + block manager + model runner.
 
     Args:
-        config: a resolved EngineConfig (max_model_len filled in).
+        config: a resolved EngineConfig (arg_utils.create_engine_config: the model
+            checked to split over tensor_parallel_size, every None filled in).
         model_path: the local Hugging Face folder of the model.
         model_config: its LlamaConfig.
         observers: where the scheduler and block manager publish events (events.py).
@@ -85,7 +86,6 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model_path, model_config: LlamaConfig,
                  observers: Observers | None = None) -> None:
         self.config = config
-        check_tensor_parallel(model_config, config.tensor_parallel_size)
         # the KV budget is per rank: a rank's block holds its own KV heads only
         num_kv_heads = shard_heads(model_config.num_attention_heads, model_config.num_key_value_heads,
                                    config.tensor_parallel_size).num_kv_heads

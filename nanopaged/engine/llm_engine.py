@@ -24,11 +24,12 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..config import EngineConfig
+from ..events import Observer, Observers
+from ..outputs import RequestOutput
+from .arg_utils import create_engine_config
 from .engine_core import EngineCore
 from .engine_core_client import InprocClient
-from ..events import Observer, Observers
 from .output_processor import OutputProcessor
-from ..outputs import RequestOutput
 from .processor import Processor
 
 
@@ -36,7 +37,8 @@ class LLMEngine:
     """The engine: add requests, call step() until none are left.
 
     Args:
-        config: an EngineConfig (LLM builds one from its keyword arguments).
+        config: an EngineConfig (LLM builds one from its keyword arguments); the engine
+            keeps its resolved copy as `config` (arg_utils.create_engine_config).
 
     Attributes:
         processor, engine_core, output_processor: the three parts.
@@ -45,12 +47,11 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.processor = Processor.from_config(config)
-        self.model_path, self.model_config = self.processor.model_path, self.processor.model_config
+        self.config, self.model_path, self.model_config = create_engine_config(config)   # resolved once
+        self.processor = Processor.from_config(self.config, self.model_path, self.model_config)
         self.tokenizer, self.eos_token_ids = self.processor.tokenizer, self.processor.eos_token_ids
         self.observers = Observers()
-        self.engine_core = EngineCore(config, self.model_path, self.model_config, self.observers)
+        self.engine_core = EngineCore(self.config, self.model_path, self.model_config, self.observers)
         self.core_client = InprocClient(self.engine_core)     # AsyncLLM's runs it in a process
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -36,28 +36,16 @@ class Processor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.model_path = self.model_config = None      # set by from_config
 
     @classmethod
-    def from_config(cls, config) -> "Processor":
-        """The Processor of an EngineConfig's model: finds (or converts once) the model
-        folder, reads its config and tokenizer, and resolves config.max_model_len in
-        place. Sets `model_path` and `model_config` (a LlamaConfig) on the result, for
-        the core. Raises as EngineConfig.resolve, model_loader.resolve_model and
-        llama.check_tensor_parallel (a model that does not split over tensor_parallel_size)."""
+    def from_config(cls, config, model_path, model_config) -> "Processor":
+        """The Processor of a resolved EngineConfig's model (arg_utils.create_engine_config):
+        reads its tokenizer and eos token ids."""
         from transformers import AutoTokenizer
-        from ..model.llama import LlamaConfig, check_tensor_parallel
-        from ..model.model_loader import resolve_model
 
-        model_path = resolve_model(config.model)
-        model_config = LlamaConfig.from_pretrained(model_path)
-        config.resolve(model_config.max_position_embeddings)
-        check_tensor_parallel(model_config, config.tensor_parallel_size)     # before any process starts
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        processor = cls(tokenizer, model_config.vocab_size, config.max_model_len,
-                        eos_token_ids_of(model_path, model_config, tokenizer))
-        processor.model_path, processor.model_config = model_path, model_config
-        return processor
+        return cls(tokenizer, model_config.vocab_size, config.max_model_len,
+                   eos_token_ids_of(model_path, model_config, tokenizer))
 
     def process_inputs(self, request_id: str, prompt, params) -> tuple[EngineCoreRequest, str | None]:
         """Build the EngineCoreRequest of one request; also returns the prompt text (None
