@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..utils.checks import check_int
 from .backends import TorchBackend
 
 _REFERENCE = TorchBackend()     # plain F.linear until the model is given its kernel backend
@@ -129,8 +130,7 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp_size: int, rank: int = 0) 
         ValueError: num_heads not divisible by tp_size, or num_kv_heads neither divisible
             by tp_size nor a divisor of it (the message names the heads and tp).
     """
-    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
+    check_int("tensor_parallel_size", tp_size, minimum=1, rule="a positive integer")
     if num_heads % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} must divide num_attention_heads={num_heads} "
                          f"(num_key_value_heads={num_kv_heads})")
