@@ -126,12 +126,13 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         num_kv_heads = model.num_local_kv_heads          # this rank's (all of them at tp=1)
+        head_size = c.head_dim                           # config.json's name for it
         self.kv_cache = torch.zeros(c.num_hidden_layers, 2, num_gpu_blocks, block_size,
-                                    num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+                                    num_kv_heads, head_size, dtype=self.dtype, device=self.device)
         # The swap pool: host memory (pinned on CUDA for fast copies). Never read where
         # it was not written, so it needs no zeroing.
         self.cpu_kv_cache = torch.empty((c.num_hidden_layers, 2, num_cpu_blocks, block_size,
-                                         num_kv_heads, c.head_dim), dtype=self.dtype,
+                                         num_kv_heads, head_size), dtype=self.dtype,
                                         pin_memory=self.device.type == "cuda")
         self.sampler = Sampler(c.vocab_size, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
