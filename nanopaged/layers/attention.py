@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..utils.math_utils import cdiv
+
 
 @dataclass
 class AttentionMetadata:
@@ -164,7 +166,7 @@ def _prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     """
     q_len = query.shape[0]
     block_size = key_cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     k = _gather(key_cache, block_table[:num_blocks])[:seq_len].transpose(0, 1)   # [kv_heads, L, head]
     v = _gather(value_cache, block_table[:num_blocks])[:seq_len].transpose(0, 1)
     q = query.transpose(0, 1)                                                     # [heads, q_len, head]

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..utils.checks import check_int
+from ..utils.math_utils import cdiv
 from .backends import TorchBackend
 
 _REFERENCE = TorchBackend()     # plain F.linear until the model is given its kernel backend
@@ -246,7 +247,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
         super().__init__()
         self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
-        self.per_rank = -(-vocab_size // tp.size)
+        self.per_rank = cdiv(vocab_size, tp.size)
         self.vocab_start = tp.rank * self.per_rank
         self.num_held = max(0, min(vocab_size - self.vocab_start, self.per_rank))
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size))

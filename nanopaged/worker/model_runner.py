@@ -42,6 +42,7 @@ from ..sampling_params import SamplingParams
 from ..model.llama import LlamaForCausalLM
 from ..layers.attention import AttentionMetadata
 from ..layers.backends import TorchBackend
+from ..utils.math_utils import cdiv
 from .sampler import Sampler, SamplingMetadata, apply_grammar_bitmask, compute_logprobs
 
 
@@ -350,7 +351,7 @@ class ModelRunner:
             per_block = float("inf")
         tokens = min(64, num_blocks * self.block_size, self.model.rope_cos.shape[0])   # <= max_model_len
         ids = torch.arange(tokens, device=self.device)
-        blocks = ids[: -(-tokens // self.block_size)]
+        blocks = ids[: cdiv(tokens, self.block_size)]
         meta = AttentionMetadata(slot_mapping=ids, block_tables=blocks[None], seq_lens=ids[-1:] + 1,
                                  query_start_loc=torch.tensor([0, tokens], device=self.device),
                                  num_decodes=int(tokens == 1), seq_lens_list=[tokens],
