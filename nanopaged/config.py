@@ -72,7 +72,7 @@ class EngineConfig:
             start say is cheaper for the request at hand), "swap" or "recompute".
         attention_backend: "auto" (the compiled kernel of the device when it builds,
             else the PyTorch reference with a warning), "torch" (the reference), "cpu"
-            or "cuda" (that kernel, or an error). See kernels.py.
+            or "cuda" (that kernel, or an error). See layers/backends.py.
         async_scheduling: schedule step t+1 while step t's forward runs in a worker
             thread (vLLM v1's async scheduling): step() then returns the outputs of the
             previous forward, one step behind (empty on the first call). Outputs are the

@@ -1,7 +1,7 @@
 """Paged attention in plain PyTorch: write K/V by slot_mapping, read them by block table.
 
 This is the reference backend: the CUDA and C++ kernels of kernels/ are checked against
-it (kernels.py chooses between them).
+it (backends.py chooses between them).
 The KV cache of one layer is two tensors of shape
 
     [num_blocks, block_size, num_kv_heads, head_size]      (key_cache, value_cache)
@@ -108,7 +108,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
     """Fill the prefill rows of `out` (sequences num_decodes and on), one sequence at a time.
 
     Same arguments as paged_attention; `out` is [num_tokens, num_heads, head_size] and
-    its decode rows are left alone. The compiled backends use this too (kernels.py).
+    its decode rows are left alone. The compiled backends use this too (backends.py).
     """
     qsl = meta.query_start_loc_list
     for i in range(meta.num_decodes, meta.num_seqs):

@@ -127,7 +127,7 @@ class RMSNorm(nn.Module):
     forward(x [num_tokens, hidden]) -> normalized rows; forward(x, residual) -> (the
     normalized rows of x + residual, x + residual): the skip connection's add is done
     by the norm that follows it (vLLM's fused_add_rms_norm), in one pass with the
-    compiled kernels. The math is in the kernel backend (`ops`: kernels.py).
+    compiled kernels. The math is in the kernel backend (`ops`: layers/backends.py).
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:

@@ -110,7 +110,7 @@ class ModelRunner:
         num_gpu_blocks, block_size: the KV pool's shape (as the BlockManager's).
         seed: seed of the generator for requests without their own seed.
         num_cpu_blocks: blocks in the CPU swap pool.
-        attn_backend: the attention backend (kernels.py); None = the PyTorch reference.
+        attn_backend: the attention backend (layers/backends.py); None = the PyTorch reference.
         async_scheduling: append each sampled token to the sequence's record at once
             (step 6 of the module doc); the scheduler then does not send it back.
     """
