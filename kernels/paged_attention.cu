@@ -7,7 +7,7 @@
 //
 // in the order its block table lists them: token t sits in slot
 // block_table[t / block_size] * block_size + t % block_size (PagedAttention paper §4.1).
-// The PyTorch reference (nanopaged/attention.py) gathers those blocks into a fresh
+// The PyTorch reference (nanopaged/layers/attention.py) gathers those blocks into a fresh
 // contiguous tensor and calls SDPA; this kernel reads them in place, once.
 //
 // It is vLLM's paged_attention_v1 (csrc/attention/attention_kernels.cu) re-derived for

@@ -866,12 +866,12 @@ void linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& weig
 // ---- The same matmul on AMX tiles (Sapphire Rapids and later), bf16 ----------------------
 // AMX multiplies tiles: C[16 x 16 fp32] += A[16 rows x 32 bf16] . B[32 x 16 bf16], the B
 // tile stored in pairs of k ("VNNI" layout: row r holds k = 2r, 2r + 1 of each of the 16
-// columns). pack_weight_amx (kernels.py) lays W [n, k] out once as [n / 16, k / 32, 16, 32]
+// columns). KernelBackend.pack_weight (layers/backends.py) lays W [n, k] out once as [n / 16, k / 32, 16, 32]
 // so each B tile is 1 KB of contiguous memory. Every output element starts at zero and
 // gets one tdpbf16ps per 32-wide chunk of k, in order, whatever m, its row's place in the
 // tile or the thread: batch-invariant like the loop above (and about ten times faster at
 // prefill sizes on our 2-core Xeon). Tail rows of x are copied into a zeroed tile; k must
-// be a multiple of 32 (kernels.py picks this kernel by the weight's shape alone, never by m).
+// be a multiple of 32 (backends.py picks this kernel by the weight's shape alone, never by m).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -987,7 +987,7 @@ void linear_amx_kernel(O* out, const at::BFloat16* x, const at::BFloat16* packed
 
 }  // namespace amx
 
-// out [m, n] (bf16 or fp32) = x [m, k] bf16 @ W^T, W given packed by pack_weight_amx:
+// out [m, n] (bf16 or fp32) = x [m, k] bf16 @ W^T, W given packed by KernelBackend.pack_weight:
 // [ceil(n / 16), k / 32, 16, 32] bf16.
 void linear_amx(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(amx::permitted(), "linear_amx: the kernel refused AMX to this process (arch_prctl)");

@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .utils.checks import check_int, invalid, is_real
+
 
 # LLM(attention_backend=...): "auto" picks the compiled kernels where they build, else the
 # PyTorch reference (nanopaged/layers/backends.py, get_attn_backend)
@@ -72,7 +74,7 @@ class EngineConfig:
             start say is cheaper for the request at hand), "swap" or "recompute".
         attention_backend: "auto" (the compiled kernel of the device when it builds,
             else the PyTorch reference with a warning), "torch" (the reference), "cpu"
-            or "cuda" (that kernel, or an error). See kernels.py.
+            or "cuda" (that kernel, or an error). See layers/backends.py.
         async_scheduling: schedule step t+1 while step t's forward runs in a worker
             thread (vLLM v1's async scheduling): step() then returns the outputs of the
             previous forward, one step behind (empty on the first call). Outputs are the
@@ -109,16 +111,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):
-            _check_positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name), minimum=1, rule="a positive integer")
         for name in ("num_gpu_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens",
                      "max_model_len"):
             if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
-        if self.num_cpu_blocks is not None and (not isinstance(self.num_cpu_blocks, int)
-                                                or isinstance(self.num_cpu_blocks, bool) or self.num_cpu_blocks < 0):
-            raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
-        if not isinstance(self.swap_space, (int, float)) or isinstance(self.swap_space, bool) or self.swap_space < 0:
-            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+                check_int(name, getattr(self, name), minimum=1, rule="a positive integer")
+        if self.num_cpu_blocks is not None:
+            check_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0)
+        if not is_real(self.swap_space, finite=False) or self.swap_space < 0:
+            raise invalid("swap_space", self.swap_space, "a number of GiB >= 0")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -126,14 +127,13 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+                raise invalid(name, getattr(self, name), "a bool")
+        check_int("seed", self.seed)
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, rule="a positive integer")
         backends = (None, "uni", "mp", "external_launcher")
         if self.distributed_executor_backend not in backends:
             raise ValueError(f"distributed_executor_backend must be one of {backends}, "
@@ -200,8 +200,3 @@ class EngineConfig:
         dtype = next(name for name, d in _DTYPES.items() if d == self.torch_dtype)   # canonical first
         return replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget, dtype=dtype,
                        device=str(self.torch_device), distributed_executor_backend=self.executor_backend)
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")

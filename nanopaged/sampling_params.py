@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import copy
 import enum
-import math
 from dataclasses import dataclass, field
+
+from .utils.checks import check_int, invalid, is_int, is_list_of, is_real
 
 # Below this temperature we sample greedily (argmax), as vLLM does: dividing logits by a
 # tiny number would only turn float rounding into randomness.
@@ -87,7 +88,7 @@ class StructuredOutputsParams:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty str, got {value!r}")
         if self.choice is not None:
-            if not _is_list_of(self.choice, lambda c: isinstance(c, str)) or not self.choice:
+            if not is_list_of(self.choice, lambda c: isinstance(c, str)) or not self.choice:
                 raise ValueError(f"StructuredOutputsParams.choice must be a non-empty list of str, "
                                  f"got {self.choice!r}")
             self.choice = list(self.choice)
@@ -207,63 +208,61 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, rule: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name} must be {rule}, got {value!r}")
+            return invalid(f"SamplingParams.{name}", value, rule)
 
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", self.n, "an integer >= 1")
+        check_int("SamplingParams.n", self.n, minimum=1)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_real(value) or not -_MAX_OPENAI_PENALTY <= value <= _MAX_OPENAI_PENALTY:
+            if not is_real(value) or not -_MAX_OPENAI_PENALTY <= value <= _MAX_OPENAI_PENALTY:
                 raise bad(name, value, "a number in [-2, 2]")
-        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+        if not is_real(self.repetition_penalty) or not self.repetition_penalty > 0:
             raise bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
-        if not _is_real(self.temperature) or not self.temperature >= 0 or math.isinf(self.temperature):
+        if not is_real(self.temperature) or self.temperature < 0:
             raise bad("temperature", self.temperature, "a finite number >= 0")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", self.top_k, "-1 or 0 (no filter) or a positive integer")
-        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+        check_int("SamplingParams.top_k", self.top_k, minimum=-1,
+                  rule="-1 or 0 (no filter) or a positive integer")
+        if not is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "a number in [0, 1]")
-        if self.seed is not None and (not _is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX):
+        if self.seed is not None and (not is_int(self.seed) or not _INT64_MIN <= self.seed <= _INT64_MAX):
             raise bad("seed", self.seed, "None or an integer in [-2**63, 2**63) (int64)")
         if self.stop is not None:
             stop = [self.stop] if isinstance(self.stop, str) else self.stop
-            if not _is_list_of(stop, lambda s: isinstance(s, str) and s != ""):
+            if not is_list_of(stop, lambda s: isinstance(s, str) and s != ""):
                 raise bad("stop", self.stop, "a non-empty str or a list of them")   # as the user gave it
             self.stop = list(stop)
         for name in ("stop_token_ids", "allowed_token_ids"):
             value = getattr(self, name)
             if value is not None:
-                if not _is_list_of(value, lambda t: _is_int(t) and t >= 0):
+                if not is_list_of(value, lambda t: is_int(t) and t >= 0):
                     raise bad(name, value, "a list of token ids (ints >= 0)")
                 setattr(self, name, list(value))
         if self.allowed_token_ids == []:
             raise bad("allowed_token_ids", self.allowed_token_ids, "None or a non-empty list")
         if self.bad_words is not None:
-            if not _is_list_of(self.bad_words, lambda w: isinstance(w, str) and w.strip() != ""):
+            if not is_list_of(self.bad_words, lambda w: isinstance(w, str) and w.strip() != ""):
                 raise bad("bad_words", self.bad_words, "a list of str with a non-space character each")
             self.bad_words = list(self.bad_words)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "a bool")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, "None or an integer >= 1")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None:
+            check_int("SamplingParams.max_tokens", self.max_tokens, minimum=1, rule="None or an integer >= 1")
+        check_int("SamplingParams.min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value == -1 and _is_int(value):
+            if value == -1 and is_int(value):
                 raise bad(name, value, "None or an integer >= 0 (-1, vLLM's 'whole vocabulary', "
                                        "is not supported here)")
-            if value is not None and (not _is_int(value) or value < 0):
-                raise bad(name, value, "None or an integer >= 0")
+            if value is not None:
+                check_int(f"SamplingParams.{name}", value, minimum=0, rule="None or an integer >= 0")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                    _is_int(t) and t >= 0 and _is_real(b) for t, b in self.logit_bias.items()):
+                    is_int(t) and t >= 0 and is_real(b) for t, b in self.logit_bias.items()):
                 raise bad("logit_bias", self.logit_bias, "a dict of token id (int >= 0) -> number")
             self.logit_bias = {t: min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, float(b)))
                                for t, b in self.logit_bias.items()}
@@ -334,16 +333,3 @@ class SamplingParams:
         """True when a penalty is on, so the sampler must count this sequence's tokens."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
-            and not math.isinf(x))
-
-
-def _is_list_of(x: object, ok) -> bool:
-    return isinstance(x, (list, tuple)) and all(ok(v) for v in x)

@@ -1,4 +1,10 @@
-"""The block-accounting invariants of ../shared/DESIGN.md, checked against a live engine.
+"""The block-accounting invariants, checked against a live engine (run_checked: after every step):
+
+- every block is free (perhaps cached) or held, and its ref_count equals the number of
+  block tables that hold it; free + held = all blocks, in each pool (none is lost);
+- a sequence of L tokens in the device pool holds exactly ceil(L / block_size) blocks;
+- a prefix-cache entry names a block whose stored token ids are the ones it was hashed from;
+- after the last request finishes or is aborted, every block is free.
 
 With async scheduling a step may be in flight when they are checked. Two checks differ
 then, legitimately: num_computed_tokens already counts the positions that step computes

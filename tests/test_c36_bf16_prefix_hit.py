@@ -1,4 +1,4 @@
-"""Field case C36 (../shared/cases/CASES.md): bf16 greedy output on a prefix-cache hit.
+"""Field case C36: bf16 greedy output must not change on a prefix-cache hit.
 
 A 163-token Chinese prompt, bf16, greedy, 16 new tokens, the same request twice with
 prefix caching on: the second run finds 160 tokens (10 blocks of 16) in the cache and

@@ -1,7 +1,25 @@
-"""The round-2 field cases of ../shared/cases/CASES.md on the real default model (fp32
-unless a case says otherwise): penalties, stop strings, several eos ids, one BOS with a
-chat template, beam scores and eos-heavy beams, an interrupted forward, prompt logprobs
-with a cache hit, and batch-independent penalties."""
+"""Field cases of the v1 engine (small inputs that broke real inference engines; each
+test is named by its case's id) on the real default model, fp32 unless a case says
+otherwise:
+
+C13  which tokens the penalties count: repetition_penalty counts prompt and output tokens
+     (ids equal transformers' in fp32), presence and frequency penalties only output ones;
+C16  a stop string spanning tokens: the text is cut just before it, finish_reason "stop",
+     and no streamed delta ever holds part of it;
+C17  several eos ids (generation_config.json lists two): generation stops at the first of
+     either, which is not in the text and is the stop_reason;
+C19  one BOS with a chat template: the prompt ids equal the tokenizer's
+     apply_chat_template(..., add_generation_prompt=True) exactly;
+C24s beam scores: score == cumulative_logprob / generated_len ** length_penalty, best first;
+C25  beam search with five eos ids equals transformers' generate(num_beams=3), which keeps
+     (1 + number of eos ids) * beam_width candidates;
+C39  a forward interrupted by KeyboardInterrupt leaves no block in the prefix cache whose
+     K/V were never written: the rerun equals a fresh engine's output;
+C40  prompt logprobs with a cache hit: both runs equal each other and transformers'
+     log_softmax (1e-4), the first prompt token's is None;
+C41  a request with repetition_penalty gives the same ids alone, first and second in a
+     batch, and so does the request beside it.
+"""
 import json
 import shutil
 

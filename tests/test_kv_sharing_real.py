@@ -1,6 +1,22 @@
-"""KV sharing on the real default model (fp32): the field cases C01, C02, C03, C09, C10
-of ../shared/cases/CASES.md, prefix caching never changing an output, and beam search
-against transformers' generate(num_beams=...)."""
+"""KV sharing on the real default model (fp32): prefix caching never changing an output,
+beam search against transformers' generate(num_beams=...), and these field cases (small
+inputs that broke real inference engines; each test is named by its case's id):
+
+C01  a fully cached 32-token prompt on a block boundary (block size 16), run again and
+     then as 8 copies in one call: the repeat still computes at least one prompt token
+     (so there are logits to sample from) and every output equals the first run's;
+C02  a cache entry whose block was recycled (block size 4, 6 blocks): a 12-token prompt
+     rerun after two unrelated ones reused every block gives the first run's output,
+     and every cache entry names a block that holds the token ids it was hashed from;
+C03  cached tokens counted after the prefill length was fixed: a request whose first 16
+     tokens are cached computes exactly its other 13 and equals a run without caching;
+C09  parallel sampling (n=3, stop ".") under preemption (block size 4, 12 blocks): three
+     completions per request, finished siblings keep their text, each shared block's
+     ref count equals its live sharers, every block free at the end;
+C10  seeded n=4 at temperature 1: the four samples are not all equal, two runs give the
+     same four, and the shared partial last block is copied on write after the first
+     decode step.
+"""
 import pytest
 import torch
 

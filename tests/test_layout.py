@@ -1,4 +1,4 @@
-"""The package's layout rules (issue 23; the design note's "Layout"), read from the source.
+"""The package's layout rules (issue 23), read from the source.
 
 Imports run downward only:
 

@@ -1,10 +1,10 @@
-"""A randomized workload (hypothesis) with the DESIGN.md invariants checked after every
-step: random prompts (some sharing a prefix), output lengths, arrival steps, aborts,
-parallel sampling (n > 1, seeded), beam search, block sizes 1-16, tiny pools, small token
-budgets (chunked prefill), preemption by swap or recompute (or auto), and prefix caching
-on or off. Every request that was not aborted must produce exactly what it
-produces alone, in a roomy engine with caching off; and so with async scheduling on
-(the same drawn workloads, fewer of them)."""
+"""A randomized workload (hypothesis) with the block-accounting invariants of
+tests/invariants.py checked after every step: random prompts (some sharing a prefix),
+output lengths, arrival steps, aborts, parallel sampling (n > 1, seeded), beam search,
+block sizes 1-16, tiny pools, small token budgets (chunked prefill), preemption by swap
+or recompute (or auto), and prefix caching on or off. Every request that was not aborted
+must produce exactly what it produces alone, in a roomy engine with caching off; and so
+with async scheduling on (the same drawn workloads, fewer of them)."""
 from functools import lru_cache
 
 from hypothesis import HealthCheck, given, settings, strategies as st

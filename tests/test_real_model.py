@@ -1,6 +1,30 @@
 """The correctness anchors on the real default model (SmolLM2-135M-Instruct), fp32:
 greedy ids equal HF transformers' generate, alone and batched, at several block sizes;
-plus the field cases of ../shared/cases/CASES.md that this engine already covers."""
+plus these field cases (small inputs that broke real inference engines; each test is
+named by its case's id):
+
+C05  appending at a block boundary: prompts of 3, 4, 5 and 8 tokens, block size 4, 9 new
+     tokens each in exactly the blocks they need: transformers' ids, and every sequence
+     holds exactly ceil(len / block_size) blocks after every step;
+C06  a request that can never fit (block size 4, 4 blocks): a 20-token prompt fails at
+     once with a message naming the KV cache capacity and the next request completes; a
+     16-token prompt that fills the pool ends with finish_reason "length" instead of
+     looping; every block is free afterwards;
+C07  a prompt longer than max_model_len: a ValueError naming its length and max_model_len
+     before it is scheduled, the next request still runs, and a prompt of exactly
+     max_model_len tokens gets one token (vLLM's rule);
+C12  top_p=0 is a ValueError naming top_p; top_p=1e-9 gives the greedy output; top_k 0 and
+     -1 mean no top-k filter;
+C14  max_tokens=0 is a ValueError naming max_tokens, with the free blocks unchanged;
+     max_tokens=1 gives exactly one token and frees every block;
+C15  an empty prompt ("", [""], [[]], zero ids) is a ValueError saying so, and the engine
+     stays usable;
+C20  tied embeddings: the model as shipped (no lm_head tensor) and a copy that stores
+     lm_head.weight both load, with the embedding matrix as the head, and both give
+     transformers' 16 greedy tokens;
+C23  a stream aborted after two outputs leaves every queue at once, gives back every
+     block, sends nothing more, and the next request equals a fresh engine's output.
+"""
 import shutil
 
 import pytest

@@ -3,7 +3,7 @@ Paged attention for decode, grown from a naive kernel to the shipped one, the wa
 dev/cuda grows its kernels: every version computes the same thing, is checked against a
 CPU reference, and is timed, so each step's reason can be weighed against its effect.
 
-The problem (nanopaged/attention.py has the PyTorch reference): each of num_seqs
+The problem (nanopaged/layers/attention.py has the PyTorch reference): each of num_seqs
 sequences has one new query per head, q: [num_seqs, num_heads, head_size], and attends
 to its first seq_len tokens, whose K and V sit scattered in a pool of blocks
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..messages import Logprobs
+from ..utils.checks import check_int, invalid, is_real
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -58,11 +59,9 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"BeamSearchParams.{name} must be an integer >= 1, got {v!r}")
-        if not isinstance(self.length_penalty, (int, float)) or isinstance(self.length_penalty, bool):
-            raise ValueError(f"BeamSearchParams.length_penalty must be a number, got {self.length_penalty!r}")
+            check_int(f"BeamSearchParams.{name}", getattr(self, name), minimum=1)
+        if not is_real(self.length_penalty, finite=False):
+            raise invalid("BeamSearchParams.length_penalty", self.length_penalty, "a number")
 
 
 @dataclass

@@ -36,6 +36,7 @@ import torch
 
 from ..messages import GrammarOutput, SchedulerOutput
 from ..sampling_params import StructuredOutputsParams
+from ..utils.math_utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class StructuredOutputManager:
         self.num_compiled = 0
         self.mask_seconds = 0.0
         self.num_mask_rows = 0
-        self.mask_words = (vocab_size + 31) // 32     # int32 words per bitmask row
+        self.mask_words = cdiv(vocab_size, 32)        # int32 words per bitmask row
 
     def _ll_tokenizer(self, eos_token_ids: frozenset[int]):
         """llguidance's view of the tokenizer (each token's bytes), built once per set
@@ -176,7 +177,7 @@ class StructuredOutputManager:
             tok = llguidance.hf.from_tokenizer(hf, max(self.vocab_size, len(hf)),
                                                eos_token=sorted(eos_token_ids) or None)
             self._ll_tokenizers[eos_token_ids] = tok
-            self.mask_words = (tok.vocab_size + 31) // 32
+            self.mask_words = cdiv(tok.vocab_size, 32)
         return tok
 
     def grammar_for(self, params: StructuredOutputsParams, eos_token_ids: frozenset[int]) -> Grammar:

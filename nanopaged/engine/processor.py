@@ -17,6 +17,7 @@ from ..core import structured_output
 from ..core.beam_search import BeamSearchParams, num_candidates
 from ..messages import EngineCoreRequest
 from ..sampling_params import SamplingParams
+from ..utils.checks import is_int, is_list_of
 
 MAX_LOGPROBS = 20          # vLLM's default max_logprobs: top-k asked per token at most
 
@@ -94,8 +95,7 @@ class Processor:
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             return None, apply_chat_template(self.tokenizer, list(prompt))
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in prompt):
+        if is_list_of(prompt, is_int):
             return None, list(prompt)
         raise TypeError("prompt must be a str, a list of token ids or a list of chat messages, "
                         f"got {type(prompt).__name__}")

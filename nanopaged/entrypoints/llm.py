@@ -20,6 +20,7 @@ from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
 from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
+from ..utils.checks import is_int
 
 
 class LLM:
@@ -153,7 +154,7 @@ def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, (list, tuple)):
         if not prompts:
             raise ValueError("prompts is an empty list")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        if all(is_int(t) for t in prompts):
             return [list(prompts)]              # one prompt given as token ids
         return list(prompts)
     raise TypeError(f"prompts must be a str, a list of str, or token id lists; got {type(prompts).__name__}")

@@ -31,10 +31,12 @@ def _table(block_size, block_ids, num_tokens):
 
 def check_num_blocks_for():
     """num_blocks_for(n) is ceil(n / block_size), for n = 0..40 and block sizes 1, 2, 4, 16"""
+    from nanopaged.utils.math_utils import cdiv
+
     for bs in (1, 2, 4, 16):
         for n in range(41):
             got = _table(bs, [], 0).num_blocks_for(n)
-            assert got == -(-n // bs), f"block_size {bs}, {n} tokens: you said {got} blocks, it is {-(-n // bs)}"
+            assert got == cdiv(n, bs), f"block_size {bs}, {n} tokens: you said {got} blocks, it is {cdiv(n, bs)}"
 
 
 def check_num_new_blocks_for():

@@ -160,6 +160,7 @@ def check_lm_head_logits():
     import torch
 
     from nanopaged.layers.parallel import VocabParallelEmbedding
+    from nanopaged.utils.math_utils import cdiv
 
     torch.manual_seed(0)
     table, hidden = torch.randn(10, 4), torch.randn(3, 4)
@@ -178,7 +179,7 @@ def check_lm_head_logits():
                 assert got.dtype == torch.float32, f"{where}: logits in {got.dtype}, not float32"
                 bad = [j for j in range(10) if not torch.allclose(got[:, j], want[:, j], atol=1e-4)]
                 assert not bad, (f"{where}: the logits of tokens {bad} are wrong (this rank holds "
-                                 f"rows {rank * -(-10 // size)} to {min(10, (rank + 1) * -(-10 // size)) - 1})")
+                                 f"rows {rank * cdiv(10, size)} to {min(10, (rank + 1) * cdiv(10, size)) - 1})")
 
 
 def check_tiny_llama_at_tp2():
@@ -187,6 +188,7 @@ def check_tiny_llama_at_tp2():
 
     from nanopaged.model.llama import LlamaConfig, LlamaForCausalLM
     from nanopaged.layers.attention import AttentionMetadata
+    from nanopaged.utils.math_utils import cdiv
 
     from . import tiny_model_folder
 
@@ -194,7 +196,7 @@ def check_tiny_llama_at_tp2():
     config = LlamaConfig.from_pretrained(folder)
     tokens = torch.tensor([5, 17, 3, 250, 42, 99, 7])
     n, block_size = len(tokens), 4
-    num_blocks = -(-n // block_size)
+    num_blocks = cdiv(n, block_size)
     positions = torch.arange(n)
     meta = AttentionMetadata(slot_mapping=positions, block_tables=torch.arange(num_blocks)[None],
                              seq_lens=torch.tensor([n]), query_start_loc=torch.tensor([0, n]), num_decodes=0,

@@ -1,7 +1,7 @@
 """Paged attention in plain PyTorch: write K/V by slot_mapping, read them by block table.
 
 This is the reference backend: the CUDA and C++ kernels of kernels/ are checked against
-it (kernels.py chooses between them).
+it (backends.py chooses between them).
 The KV cache of one layer is two tensors of shape
 
     [num_blocks, block_size, num_kv_heads, head_size]      (key_cache, value_cache)
@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ..utils.math_utils import cdiv
 
 
 @dataclass
@@ -106,7 +108,7 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.T
     """Fill the prefill rows of `out` (sequences num_decodes and on), one sequence at a time.
 
     Same arguments as paged_attention; `out` is [num_tokens, num_heads, head_size] and
-    its decode rows are left alone. The compiled backends use this too (kernels.py).
+    its decode rows are left alone. The compiled backends use this too (backends.py).
     """
     qsl = meta.query_start_loc_list
     for i in range(meta.num_decodes, meta.num_seqs):
@@ -164,7 +166,7 @@ def _prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     """
     q_len = query.shape[0]
     block_size = key_cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     k = _gather(key_cache, block_table[:num_blocks])[:seq_len].transpose(0, 1)   # [kv_heads, L, head]
     v = _gather(value_cache, block_table[:num_blocks])[:seq_len].transpose(0, 1)
     q = query.transpose(0, 1)                                                     # [heads, q_len, head]

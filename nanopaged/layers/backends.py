@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ATTENTION_BACKENDS
+from ..utils.math_utils import cdiv
 from . import attention, build
 from .attention import AttentionMetadata
 from .build import KernelBuildError, load_kernels
@@ -154,7 +155,7 @@ class KernelBackend(TorchBackend):
         if not hasattr(self.ops, "linear_amx") or weight.dtype != torch.bfloat16 or weight.shape[1] % 32:
             return None
         n, k = weight.shape
-        nb = -(-n // 16)
+        nb = cdiv(n, 16)
         padded = F.pad(weight, (0, 0, 0, nb * 16 - n))
         # [column block, 16 columns, k chunk, 16 pairs, 2] -> [column block, k chunk, pair, column, 2]
         return padded.view(nb, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(nb, k // 32, 16, 32).contiguous()

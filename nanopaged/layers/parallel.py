@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..utils.checks import check_int
+from ..utils.math_utils import cdiv
 from .backends import TorchBackend
 
 _REFERENCE = TorchBackend()     # plain F.linear until the model is given its kernel backend
@@ -129,8 +131,7 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp_size: int, rank: int = 0) 
         ValueError: num_heads not divisible by tp_size, or num_kv_heads neither divisible
             by tp_size nor a divisor of it (the message names the heads and tp).
     """
-    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
+    check_int("tensor_parallel_size", tp_size, minimum=1, rule="a positive integer")
     if num_heads % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} must divide num_attention_heads={num_heads} "
                          f"(num_key_value_heads={num_kv_heads})")
@@ -246,7 +247,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
         super().__init__()
         self.vocab_size, self.hidden_size, self.tp = vocab_size, hidden_size, tp
-        self.per_rank = -(-vocab_size // tp.size)
+        self.per_rank = cdiv(vocab_size, tp.size)
         self.vocab_start = tp.rank * self.per_rank
         self.num_held = max(0, min(vocab_size - self.vocab_start, self.per_rank))
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size))

@@ -87,13 +87,13 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's row permutation of a Q or K projection (weight or bias).
 
     HF Llama applies RoPE "rotate-half" style: within a head, dimension ``i``
-    pairs with ``i + head_dim/2``. llama.cpp's kernels pair adjacent dims
+    pairs with ``i + head_size/2``. llama.cpp's kernels pair adjacent dims
     ``(2i, 2i+1)``, so its converter reorders each head's output rows with
-    ``w.reshape(n_head, 2, head_dim//2, *rest).swapaxes(1, 2).reshape(w.shape)``
+    ``w.reshape(n_head, 2, head_size//2, *rest).swapaxes(1, 2).reshape(w.shape)``
     (``LlamaModel.permute``). The inverse swaps the same two axes back.
 
     Args:
-        w: array of shape ``(n_head * head_dim, ...)`` (rows = output features).
+        w: array of shape ``(n_head * head_size, ...)`` (rows = output features).
         n_head: ``num_attention_heads`` for Q, ``num_key_value_heads`` for K.
 
     Raises:

@@ -46,7 +46,7 @@ class LlamaConfig:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    head_dim: int
+    head_dim: int          # config.json's (and transformers') name; our code calls it head_size, as vLLM does
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None
@@ -81,7 +81,7 @@ class LlamaConfig:
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
             intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads", heads),
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,      # config.json's key for head_size
             rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=c.get("max_position_embeddings", 2048),
@@ -91,7 +91,7 @@ class LlamaConfig:
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """RoPE inverse frequencies, [head_dim // 2] float32, with the config's scaling.
+    """RoPE inverse frequencies, [head_size // 2] float32, with the config's scaling.
 
     Supported rope_scaling types: default (none), "linear" (positions divided by factor,
     Chen et al. 2023) and "llama3" (Llama 3.1's frequency-dependent scaling). Matches
@@ -127,7 +127,7 @@ class RMSNorm(nn.Module):
     forward(x [num_tokens, hidden]) -> normalized rows; forward(x, residual) -> (the
     normalized rows of x + residual, x + residual): the skip connection's add is done
     by the norm that follows it (vLLM's fused_add_rms_norm), in one pass with the
-    compiled kernels. The math is in the kernel backend (`ops`: kernels.py).
+    compiled kernels. The math is in the kernel backend (`ops`: layers/backends.py).
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -148,7 +148,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         d = config.head_dim
         shard = shard_heads(config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank)
-        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, d
+        self.num_heads, self.num_kv_heads, self.head_size = shard.num_heads, shard.num_kv_heads, d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         kv_rows = config.num_key_value_heads * d
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, {
@@ -163,12 +163,12 @@ class LlamaAttention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # RoPE (rope: the cos and sin tables, [max_positions, head_dim]); in place on the
+        # RoPE (rope: the cos and sin tables, [max_positions, head_size]); in place on the
         # views of qkv_proj's output with the kernels
-        q, k = self.attn_backend.rotary_embedding(positions, q, k, *rope, self.head_dim)
-        q = q.view(n, self.num_heads, self.head_dim)          # [num_tokens, heads, head_dim]
-        k = k.view(n, self.num_kv_heads, self.head_dim)       # [num_tokens, kv_heads, head_dim]
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.attn_backend.rotary_embedding(positions, q, k, *rope, self.head_size)
+        q = q.view(n, self.num_heads, self.head_size)          # [num_tokens, heads, head_size]
+        k = k.view(n, self.num_kv_heads, self.head_size)       # [num_tokens, kv_heads, head_size]
+        v = v.view(n, self.num_kv_heads, self.head_size)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         self.attn_backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
         o = self.attn_backend.forward(q, key_cache, value_cache, meta, self.scale)
@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         tp: this rank's TPGroup (default: one rank, the whole model, no communication).
 
     forward(input_ids [num_tokens] int64, positions [num_tokens] int64,
-            kv_caches [num_layers, 2, num_blocks, block_size, num_local_kv_heads, head_dim],
+            kv_caches [num_layers, 2, num_blocks, block_size, num_local_kv_heads, head_size],
             meta: AttentionMetadata) -> hidden states [num_tokens, hidden_size]
             (the whole hidden state on every rank).
     compute_logits(hidden [n, hidden_size]) -> [n, vocab_size] float32 (every rank).
@@ -262,7 +262,7 @@ class LlamaForCausalLM(nn.Module):
         return self.layers[0].self_attn.num_kv_heads
 
     def init_rope(self, max_positions: int) -> None:
-        """Precompute cos/sin for positions 0..max_positions-1: [max_positions, head_dim]."""
+        """Precompute cos/sin for positions 0..max_positions-1: [max_positions, head_size]."""
         inv_freq = rope_inv_freq(self.config)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

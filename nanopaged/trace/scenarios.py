@@ -14,7 +14,7 @@ run's events (events.py), the step where the point is made:
     preempt  a pool too small for three requests: one swapped out to the CPU pool and
              back in, one recomputed because the CPU pool is full (§4.5)
 
-`python -m nanopaged.trace --scenario NAME` runs one (trace.py). The engine settings are
+`python -m nanopaged.trace --scenario NAME` runs one (cli.py). The engine settings are
 the scenario's; --block-size and --num-gpu-blocks override them, and the tracer then says
 whether the point was still made.
 """

@@ -1,6 +1,6 @@
 """TraceView: the tracer's pictures of one engine step, drawn with rich.
 
-trace.py drives the engine; after every step it hands this view the step's events
+cli.py drives the engine; after every step it hands this view the step's events
 (events.py) and the view draws, from those events and from the engine's current state:
 
     step 3 ───────────────────────────────────────────

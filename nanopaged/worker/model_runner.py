@@ -42,6 +42,7 @@ from ..sampling_params import SamplingParams
 from ..model.llama import LlamaForCausalLM
 from ..layers.attention import AttentionMetadata
 from ..layers.backends import TorchBackend
+from ..utils.math_utils import cdiv
 from .sampler import Sampler, SamplingMetadata, apply_grammar_bitmask, compute_logprobs
 
 
@@ -109,7 +110,7 @@ class ModelRunner:
         num_gpu_blocks, block_size: the KV pool's shape (as the BlockManager's).
         seed: seed of the generator for requests without their own seed.
         num_cpu_blocks: blocks in the CPU swap pool.
-        attn_backend: the attention backend (kernels.py); None = the PyTorch reference.
+        attn_backend: the attention backend (layers/backends.py); None = the PyTorch reference.
         async_scheduling: append each sampled token to the sequence's record at once
             (step 6 of the module doc); the scheduler then does not send it back.
     """
@@ -126,12 +127,13 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         num_kv_heads = model.num_local_kv_heads          # this rank's (all of them at tp=1)
+        head_size = c.head_dim                           # config.json's name for it
         self.kv_cache = torch.zeros(c.num_hidden_layers, 2, num_gpu_blocks, block_size,
-                                    num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+                                    num_kv_heads, head_size, dtype=self.dtype, device=self.device)
         # The swap pool: host memory (pinned on CUDA for fast copies). Never read where
         # it was not written, so it needs no zeroing.
         self.cpu_kv_cache = torch.empty((c.num_hidden_layers, 2, num_cpu_blocks, block_size,
-                                         num_kv_heads, c.head_dim), dtype=self.dtype,
+                                         num_kv_heads, head_size), dtype=self.dtype,
                                         pin_memory=self.device.type == "cuda")
         self.sampler = Sampler(c.vocab_size, self.device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -349,7 +351,7 @@ class ModelRunner:
             per_block = float("inf")
         tokens = min(64, num_blocks * self.block_size, self.model.rope_cos.shape[0])   # <= max_model_len
         ids = torch.arange(tokens, device=self.device)
-        blocks = ids[: -(-tokens // self.block_size)]
+        blocks = ids[: cdiv(tokens, self.block_size)]
         meta = AttentionMetadata(slot_mapping=ids, block_tables=blocks[None], seq_lens=ids[-1:] + 1,
                                  query_start_loc=torch.tensor([0, tokens], device=self.device),
                                  num_decodes=int(tokens == 1), seq_lens_list=[tokens],

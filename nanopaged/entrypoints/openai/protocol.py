@@ -2,7 +2,7 @@
 to SamplingParams.
 
 A request body is parsed into `CompletionRequest` or `ChatCompletionRequest` (a wrong
-type or a missing field is a pydantic ValidationError, which serve.py answers with an
+type or a missing field is a pydantic ValidationError, which api_server.py answers with an
 OpenAI-style 400); `to_sampling_params` turns it into the engine's SamplingParams, whose
 own checks (negative max_tokens, temperature < 0, ...) raise ValueError naming the field.
 Fields OpenAI has and we do not model are accepted and ignored, as vLLM ignores them
