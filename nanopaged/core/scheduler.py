@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from ..events import Preempted, RequestAdded, RequestFinished, SequenceScheduled
 from ..messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, GrammarOutput,
                        ModelRunnerOutput, PreemptionCosts, SchedulerOutput)
+from ..utils.math_utils import cdiv
 from .beam_search import BeamState, beam_search_step
 from .block_manager import BlockManager
 from .runner_view import RunnerView
@@ -174,8 +175,8 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         bs, pool = self.block_manager.block_size, self.block_manager.num_gpu_blocks
         num_prompt = len(request.prompt_token_ids)
-        if -(-num_prompt // bs) > pool:
-            raise ValueError(f"prompt of {num_prompt} tokens needs {-(-num_prompt // bs)} KV blocks of {bs} "
+        if cdiv(num_prompt, bs) > pool:
+            raise ValueError(f"prompt of {num_prompt} tokens needs {cdiv(num_prompt, bs)} KV blocks of {bs} "
                              f"tokens, but the KV cache holds only {pool} blocks ({pool * bs} tokens)")
         beam = request.beam_search
         n = beam.beam_width if beam is not None else request.sampling_params.n
