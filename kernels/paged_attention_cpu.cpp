@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -316,6 +317,16 @@ inline void head_values(const float* p, const V* v0, float* acc, int64_t seen, i
   }
 }
 
+// f(std::integral_constant<int, G>{}) for G = g in 1..4: the head-group kernels above take
+// their number of heads as a template argument (so their sums live in registers).
+template <typename F>
+inline void with_group(int64_t g, F&& f) {
+  if (g == 4) f(std::integral_constant<int, 4>{});
+  else if (g == 3) f(std::integral_constant<int, 3>{});
+  else if (g == 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
+}
+
 // Attention for every query row of the batch. Sequence s owns query rows
 // [query_start_loc[s], query_start_loc[s + 1]), the last q_len of its seq_len positions,
 // so its j-th query attends to keys 0 .. seq_len - q_len + j (causal). A decode is the
@@ -379,10 +390,7 @@ void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_
             const float* qh = q.data() + r * q_stride + h * head_size;
             float* lg = logits.data() + (r * num_heads + h) * len + t0;
             const auto* k0 = kb + kv_offset[h];
-            if (g == 4) head_logits<4>(qh, k0, lg, seen, head_size, slot_stride, len);
-            else if (g == 3) head_logits<3>(qh, k0, lg, seen, head_size, slot_stride, len);
-            else if (g == 2) head_logits<2>(qh, k0, lg, seen, head_size, slot_stride, len);
-            else head_logits<1>(qh, k0, lg, seen, head_size, slot_stride, len);
+            with_group(g, [&](auto G) { head_logits<decltype(G)::value>(qh, k0, lg, seen, head_size, slot_stride, len); });
             h += g;
           }
         }
@@ -410,10 +418,7 @@ void attention_kernel(scalar_t* out, const scalar_t* query, const scalar_t* key_
             const float* p = logits.data() + (r * num_heads + h) * len + t0;
             float* ah = acc.data() + r * q_stride + h * head_size;
             const auto* v0 = vb + kv_offset[h];
-            if (g == 4) head_values<4>(p, v0, ah, seen, head_size, slot_stride, len);
-            else if (g == 3) head_values<3>(p, v0, ah, seen, head_size, slot_stride, len);
-            else if (g == 2) head_values<2>(p, v0, ah, seen, head_size, slot_stride, len);
-            else head_values<1>(p, v0, ah, seen, head_size, slot_stride, len);
+            with_group(g, [&](auto G) { head_values<decltype(G)::value>(p, v0, ah, seen, head_size, slot_stride, len); });
             h += g;
           }
         }
