@@ -48,14 +48,6 @@ kernels:    (also --kernels) the compiled paged-attention kernel vs the PyTorch
             to end with each backend. On a GPU: KV bytes read per second at 256 x 2048,
             bf16, as a share of the H200's ~4.8 TB/s, and time vs SDPA on contiguous K/V.
 
-The workload (fixed seed): `--num-requests` requests with random token-id prompts of
-U[32, 256] tokens and outputs of U[32, --max-output (128)] tokens, ignore_eos, greedy. nanopaged gets all
-requests at once and batches them continuously; transformers runs static batches of 16,
-left-padded, each generating until its longest request is done. Only the requested
-output tokens count. Same model (the default SmolLM2-135M-Instruct unless --model), same
-dtype, same torch threads, same process. Prints tokens/s of each and the ratio.
---profile adds where nanopaged's time goes (torch profiler, by operator, and by layer of
-the step: schedule / prepare inputs / forward / sample / update).
 """
 from __future__ import annotations
 
@@ -74,13 +66,16 @@ from .sampling import bench_sampling
 from .serve import bench_serve
 from .sharing import bench_sharing_memory
 from .structured import bench_structured
+from . import throughput
 from .throughput import bench_throughput
 from .tp import bench_tp
 from .vllm import bench_vllm
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # --help ends with the throughput workload's description, kept once, in throughput.py
+    workload = throughput.__doc__.split("\n", 2)[2]
+    ap = argparse.ArgumentParser(description=__doc__ + workload, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: what LLM(dtype='auto') picks on this machine (both sides use it)")
