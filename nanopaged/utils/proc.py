@@ -60,8 +60,14 @@ def spawn_child(entry: str, settings: object) -> tuple[subprocess.Popen, int]:
         raise
     finally:
         os.close(ready_w)
-    proc.stdin.write(pickle.dumps((settings, ready_w)))
-    proc.stdin.close()
+    try:
+        proc.stdin.write(pickle.dumps((settings, ready_w)))
+        proc.stdin.close()
+    except BaseException:              # e.g. it died at once (BrokenPipeError): leave nothing
+        proc.kill()
+        proc.wait()
+        os.close(ready_r)
+        raise
     return proc, ready_r
 
 
