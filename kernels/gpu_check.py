@@ -5,7 +5,7 @@
 run from the repository root, with a CUDA build of torch, nvcc, ninja and pytest:
 
 1. build the extension (kernels/paged_attention.cu) as the loader does;
-2. pytest tests/test_kernels_cuda.py on the GPU (the CPU-side layers of that file, the
+2. pytest tests/layers/test_kernels_cuda.py on the GPU (the CPU-side layers of that file, the
    nvcc compile check and the SIMT emulator, run in CI already and are skipped here);
 3. build and run kernels/dev/paged_attention_dev.cu (versions 1-5, each checked against
    its CPU reference and timed) on two problems, and write the timings into the
@@ -195,9 +195,9 @@ def checks(out_dir: Path | None) -> int:
     check("extension builds", True, f"{time.perf_counter() - start:.0f} s")
 
     # 2. the GPU tests
-    proc = run([sys.executable, "-m", "pytest", "tests/test_kernels_cuda.py", "-q", "-m", "not slow",
+    proc = run([sys.executable, "-m", "pytest", "tests/layers/test_kernels_cuda.py", "-q", "-m", "not slow",
                 "-k", "not simt and not compile"], timeout=600)
-    check("pytest tests/test_kernels_cuda.py (GPU cases)", proc.returncode == 0)
+    check("pytest tests/layers/test_kernels_cuda.py (GPU cases)", proc.returncode == 0)
 
     # 3. the dev versions
     binary = Path("/tmp/paged_attention_dev")

@@ -138,3 +138,20 @@ def test_the_rules_can_see_a_violation(tmp_path, monkeypatch):
 @pytest.mark.parametrize("layer", sorted(RANKS))
 def test_each_layer_is_a_package_or_a_vocabulary_module(layer):
     assert f"nanopaged.{layer}" in MODULES, f"nanopaged/{layer} is missing"
+
+
+TESTS = Path(__file__).resolve().parent
+REPOSITORY_TESTS = {"test_layout.py", "test_packaging.py", "test_repo.py"}
+
+
+def test_tests_mirror_the_package():
+    """A test lives in the folder of the layer it checks (tests/core/ for nanopaged/core/,
+    ...; tests/course/ for the chapters and exercises), so a reader finds a file's tests
+    by its path. The top level keeps only the shared helpers and the repository's own
+    promises (the layout, packaging, the README's commands)."""
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders - (set(RANKS) - VOCABULARY - {"utils"}) - {"course"} == set(), "test folders that name no layer"
+    top = {p.name for p in TESTS.glob("test_*.py")}
+    assert top == REPOSITORY_TESTS, f"tests at the top level that belong in a layer's folder: {top - REPOSITORY_TESTS}"
+    for folder in folders:
+        assert list((TESTS / folder).rglob("test_*.py")), f"tests/{folder} holds no tests"

@@ -35,7 +35,7 @@ TINY_ARGS = ["--block-size", "4", "--num-gpu-blocks", "256", "--attention-backen
 TINY_ENGINE = dict(block_size=4, num_gpu_blocks=256, attention_backend="torch",
                    preemption_mode="recompute", num_cpu_blocks=0)
 PROMPTS = ["Hello, my name is", "The capital of France is", "Paged attention splits"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _free_port() -> int:

@@ -1,5 +1,5 @@
 // C entry points that run kernels/paged_attention.cu's kernels under the SIMT emulator,
-// for tests/test_kernels_cuda.py (ctypes). Pointers are CPU tensors' data; shapes and
+// for tests/layers/test_kernels_cuda.py (ctypes). Pointers are CPU tensors' data; shapes and
 // strides as in the torch bindings. Each returns 0, or -1 on a deadlock.
 #include "simt.h"
 

@@ -15,7 +15,7 @@ from nanopaged.sampling_params import RequestOutputKind
 
 from invariants import run_checked
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 

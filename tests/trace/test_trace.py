@@ -25,7 +25,7 @@ from nanopaged.trace.cli import main, run_trace
 
 from invariants import EventReplay, check_block_invariants
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def of(kind, events):

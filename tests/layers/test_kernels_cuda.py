@@ -6,7 +6,7 @@ Three layers, so that the kernels are checked on every machine, GPU or not:
    file kernels/dev/paged_attention_dev.cu for sm_90; a compile that passed is not
    repeated while its preprocessed code, flags and compilers stay the same
    (nvcc_check_key). Skipped without nvcc.
-2. The kernels' own source, compiled for the CPU against tests/simt/simt.h (a tiny SIMT
+2. The kernels' own source, compiled for the CPU against tests/layers/simt/simt.h (a tiny SIMT
    emulator), runs the attention and cache-op cases below. Skipped without g++ and
    CUDA's headers.
 3. The built extension runs the same cases and more on a GPU. Skipped without one.
@@ -35,10 +35,10 @@ import torch
 from nanopaged.model.model_loader import cache_dir
 from nanopaged.layers.attention import _decode, write_kv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KERNEL = ROOT / "kernels" / "paged_attention.cu"
 DEV = ROOT / "kernels" / "dev" / "paged_attention_dev.cu"
-SIMT = ROOT / "tests" / "simt"
+SIMT = ROOT / "tests" / "layers" / "simt"
 EXTENSION_FLAGS = ["-O3"]          # what kernels/paged_attention.cu needs from the loader
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 HAS_GPU = torch.cuda.is_available()
