@@ -11,9 +11,11 @@ for a server start (~15 s on a quiet 2-core machine, 30 s on a busy one).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,8 +52,11 @@ class Server:
     def __init__(self, model, *args: str, startup_s: float = 180.0) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # a private TMPDIR: the engine core's ipc folder (nanopaged-*) is made there, so a
+        # test can see that shutting down removed it
+        self.tmpdir = tempfile.mkdtemp(prefix="serve-test-")
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TMPDIR=self.tmpdir)
         # its log goes to a file: a pipe nobody reads would block the server once full
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
@@ -62,6 +67,7 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.seek(0)
+                shutil.rmtree(self.tmpdir, ignore_errors=True)
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
@@ -88,6 +94,8 @@ class Server:
             self.proc.kill()
             self.proc.wait(timeout=10)
         _, alive = psutil.wait_procs(children, timeout=10)
+        self.left_in_tmp = sorted(os.listdir(self.tmpdir))
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
         return alive
 
 
@@ -99,7 +107,8 @@ def tiny_server(tiny_model_dir):
         yield server
     finally:
         alive = server.stop()
-    assert server.proc.returncode is not None and not alive, f"left behind: {alive}"
+    assert server.proc.returncode == 0 and not alive, f"exit status {server.proc.returncode}, left behind: {alive}"
+    assert server.left_in_tmp == [], f"SIGTERM left {server.left_in_tmp} in the server's TMPDIR"
 
 
 @pytest.fixture(scope="module")
@@ -394,6 +403,34 @@ def test_disconnect_before_a_whole_response_aborts(tiny_server, http):
     assert m["nanopaged:generation_tokens_total"] - generated < 240
 
 
+@pytest.mark.timeout(240)
+def test_sigterm_with_a_stream_in_flight_stops_the_core_and_exits_0(tiny_model_dir):
+    """SIGTERM (how systemd, Docker and Kubernetes stop a service) while a stream is being
+    served: the server exits with status 0, its EngineCore process is gone, and so is the
+    core's ipc folder. uvicorn raises the signal again after its graceful end; with the
+    default action the process died there (status -15) before shutting the core down."""
+    server = Server(tiny_model_dir, *TINY_ARGS)
+    try:
+        children = server.children()
+        assert children, "no EngineCore process"
+        assert [p for p in os.listdir(server.tmpdir) if p.startswith("nanopaged-")], "no ipc folder"
+        body = {"model": str(tiny_model_dir), "prompt": "Hello", "max_tokens": 200, "stream": True,
+                "ignore_eos": True, "temperature": 0}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))     # it is streaming
+            server.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in lines:                       # the stream ends: finished or cut off
+                    pass
+        assert server.proc.wait(timeout=30) == 0
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"left behind: {alive}"
+        assert os.listdir(server.tmpdir) == [], "the core's ipc folder was left behind"
+    finally:
+        server.stop()
+
+
 def test_zz_dead_engine_is_500_and_health_503(tiny_server, http):
     """Runs last: kills the EngineCore process under the server, mid-stream."""
     with httpx.Client(base_url=tiny_server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
@@ -427,7 +464,8 @@ def default_server(default_model_dir):
         yield server
     finally:
         alive = server.stop()
-    assert server.proc.returncode is not None and not alive, f"left behind: {alive}"
+    assert server.proc.returncode == 0 and not alive, f"exit status {server.proc.returncode}, left behind: {alive}"
+    assert server.left_in_tmp == [], f"SIGTERM left {server.left_in_tmp} in the server's TMPDIR"
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ import hmac
 import json
 import logging
 import re
+import signal
 import sys
 import typing
 
@@ -287,18 +288,35 @@ async def serve(args: argparse.Namespace) -> None:
         engine.shutdown()
 
 
+class Terminated(BaseException):
+    """Raised in the main thread by SIGTERM, so that `serve`'s `finally` shuts the engine
+    core down. A BaseException, like KeyboardInterrupt, so no `except Exception` on the way
+    swallows it."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv=None) -> int:
-    """Entry point of `python -m nanopaged.serve` and `nanopaged-serve`. Returns 0, or 1
-    if the engine could not start (bad config or a failed start; the error is printed)."""
+    """Entry point of `python -m nanopaged.serve` and `nanopaged-serve`. Returns 0 after
+    SIGINT or SIGTERM (the engine core stopped and its ipc folder removed), or 1 if the
+    engine could not start (bad config or a failed start; the error is printed).
+
+    SIGTERM is how systemd, Docker and Kubernetes stop a service. While serving, uvicorn
+    catches it and ends gracefully, then raises the signal again once it is done; with
+    Python's default action the process would die there, before the engine core is shut
+    down. Our handler turns it into an exception instead, as Ctrl-C is one already."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         asyncio.run(serve(args))
     except (ValueError, TypeError, RuntimeError) as e:
         print(f"nanopaged.entrypoints.openai.api_server: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        pass
+    except (KeyboardInterrupt, Terminated):
+        logger.info("shut down")
     return 0
 
 
