@@ -277,22 +277,27 @@ class EngineCoreOutputs:
             blocks, counters), so the front end can report them without asking.
         rejected_requests: request_id -> message of requests the core refused at
             add_request (a prompt needing more KV blocks than the whole pool).
+        pongs: the numbers of the PINGs the core took in before this step: proof that
+            its loop still turns (AsyncLLM.check_health, the server's /health).
     """
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     finished_requests: set[str] = field(default_factory=set)
     scheduler_stats: dict[str, int] | None = None
     rejected_requests: dict[str, str] = field(default_factory=dict)
+    pongs: list[int] = field(default_factory=list)
 
 
 class EngineCoreRequestType(enum.Enum):
     """What a message from the front end to a core process asks (vLLM's
     EngineCoreRequestType). The payload of each: ADD an EngineCoreRequest; ABORT a
-    list of request ids; STOP_SEQUENCES a list of (request_id, index); SHUTDOWN None."""
+    list of request ids; STOP_SEQUENCES a list of (request_id, index); PING a number,
+    answered in the next EngineCoreOutputs' pongs; SHUTDOWN None."""
 
     ADD = "add"
     ABORT = "abort"
     STOP_SEQUENCES = "stop_sequences"
+    PING = "ping"
     SHUTDOWN = "shutdown"
 
 

@@ -38,9 +38,16 @@ from .output_processor import OutputProcessor
 from ..outputs import RequestOutput
 from .processor import Processor
 
-__all__ = ["AsyncLLM", "EngineDeadError"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineUnresponsiveError"]
 
 logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 5.0        # check_health's default wait for the core's answer
+
+
+class EngineUnresponsiveError(TimeoutError):
+    """The core process lives but did not answer a ping in time: frozen (stopped,
+    swapping, deadlocked) or in a step longer than the timeout."""
 
 
 class AsyncLLM:
@@ -65,9 +72,12 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = AsyncMPClient(self.config, self.model_path)
         self._stats: dict[str, int] = dict(self.engine_core.initial_stats)
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, asyncio.Queue] = {}          # internal request id -> queue
+        self._internal_ids: dict[str, str] = {}             # the caller's request id -> internal
         self._output_handler: asyncio.Task | None = None
         self._request_counter = itertools.count()
+        self._pings: dict[int, asyncio.Future] = {}         # ping number -> its answer
+        self._ping_counter = itertools.count()
         self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
 
     @property
@@ -79,10 +89,36 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return not self.errored and not self.engine_core._closed
 
-    async def check_health(self) -> None:
-        """Raises EngineDeadError if the core process is gone."""
+    def _check_alive(self) -> None:
+        """Raises EngineDeadError if the core process is gone (no message sent)."""
         if self.errored:
             raise EngineDeadError(self.engine_core.dead_reason)
+
+    async def check_health(self, timeout: float = HEALTH_TIMEOUT_S) -> None:
+        """Ask the core process whether its loop still turns: a PING it answers in the
+        outputs after its current step (at once when idle).
+
+        Args:
+            timeout: seconds to wait for the answer. It must exceed the longest step
+                (a full prefill budget of a large model on a slow CPU can take seconds).
+
+        Raises:
+            EngineDeadError: the core process is gone.
+            EngineUnresponsiveError: it lives but did not answer within timeout.
+        """
+        self._check_alive()
+        self._start_output_handler()
+        number = next(self._ping_counter)
+        answer = self._pings[number] = asyncio.get_running_loop().create_future()
+        try:
+            self.engine_core.ping(number)
+            await asyncio.wait_for(answer, timeout)
+        except asyncio.TimeoutError:
+            self._check_alive()
+            raise EngineUnresponsiveError(f"the EngineCore process (pid {self.engine_core.proc.pid}) "
+                                          f"did not answer a ping within {timeout} s") from None
+        finally:
+            self._pings.pop(number, None)
 
     def get_stats(self) -> dict[str, int]:
         """The core's counters as of its last step or abort (EngineCore.get_stats: free
@@ -102,7 +138,11 @@ class AsyncLLM:
                 dicts; the tokenizer's chat template applies).
             sampling_params: a SamplingParams (default SamplingParams()) or a
                 BeamSearchParams.
-            request_id: unique among running requests; None picks one.
+            request_id: unique among running requests; None picks one. It may be used
+                again as soon as its request ends or is left: the core knows each request
+                by an internal id of its own (request_id + "-" + a counter), so outputs of
+                a left request still on their way from the core never reach a new one
+                (vLLM: the same cure for its issue #23697).
 
         Raises (from the first iteration, before anything is queued):
             ValueError / TypeError: a bad prompt or parameter (Processor's messages name
@@ -110,16 +150,21 @@ class AsyncLLM:
                 blocks than the whole pool.
             EngineDeadError: the core process is gone (also mid-stream).
         """
-        await self.check_health()
+        self._check_alive()
         self._start_output_handler()
+        number = next(self._request_counter)
         if request_id is None:
-            request_id = f"async-{next(self._request_counter)}"
-        if request_id in self._queues:
+            request_id = f"async-{number}"
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self._internal_ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request, prompt_text = self.processor.process_inputs(request_id, prompt, sampling_params)
+        internal_id = f"{request_id}-{number}"
+        request, prompt_text = self.processor.process_inputs(internal_id, prompt, sampling_params)
         queue: asyncio.Queue = asyncio.Queue()
         self.output_processor.add_request(request, prompt_text, request.sampling_params.n)
-        self._queues[request_id] = queue
+        self._queues[internal_id] = queue
+        self._internal_ids[request_id] = internal_id
         finished = False
         try:
             self.engine_core.add_request(request)
@@ -132,19 +177,23 @@ class AsyncLLM:
                     finished = True                    # nothing of it is left in the core
                     raise out
                 finished = out.finished
+                out.request_id = request_id            # the caller's id, not the core's
                 yield out
         finally:
             # break, aclose(), cancellation, an exception: the request leaves the core
-            self._queues.pop(request_id, None)
+            self._queues.pop(internal_id, None)
+            if self._internal_ids.get(request_id) == internal_id:
+                del self._internal_ids[request_id]
             if not finished:
-                self._abort_nowait([request_id])
+                self._abort_nowait([internal_id])
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort request(s): they leave the core and free their blocks before its next
         step; their generate loops end without a final output. Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._abort_nowait(ids)
-        for rid in ids:
+        internal = [self._internal_ids.pop(rid) for rid in ids if rid in self._internal_ids]
+        self._abort_nowait(internal)
+        for rid in internal:
             queue = self._queues.pop(rid, None)
             if queue is not None:
                 queue.put_nowait(None)
@@ -168,6 +217,10 @@ class AsyncLLM:
                 outputs = await self.engine_core.get_output_async()
                 if outputs.scheduler_stats is not None:
                     self._stats = outputs.scheduler_stats
+                for number in outputs.pongs:
+                    answer = self._pings.get(number)
+                    if answer is not None and not answer.done():
+                        answer.set_result(None)
                 for rid, message in outputs.rejected_requests.items():
                     self.output_processor.abort_requests([rid])
                     queue = self._queues.get(rid)
@@ -184,6 +237,9 @@ class AsyncLLM:
             logger.error("%s", e)
             for queue in self._queues.values():
                 queue.put_nowait(e)
+            for answer in self._pings.values():
+                if not answer.done():
+                    answer.set_exception(e)
         except asyncio.CancelledError:
             raise
         except Exception as e:                         # a bug here must not hang callers

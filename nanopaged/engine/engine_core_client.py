@@ -87,6 +87,7 @@ class EngineCoreProc:
         self.input.connect(input_address)
         self.output = self.ctx.socket(zmq.PUSH)
         self.output.connect(output_address)
+        self.pongs: list[int] = []                 # PINGs taken in, answered with the next outputs
 
     def run(self) -> None:
         """Serve until SHUTDOWN or the parent's death. Exceptions propagate."""
@@ -103,6 +104,7 @@ class EngineCoreProc:
                 continue
             outputs.rejected_requests = rejected
             outputs.scheduler_stats = core.get_stats()
+            outputs.pongs, self.pongs = self.pongs, []
             self._send(outputs)
 
     def _process_input(self, block: bool) -> tuple[dict[str, str] | None, bool]:
@@ -127,6 +129,8 @@ class EngineCoreProc:
                 self.engine_core.abort_requests(payload)
             elif kind is EngineCoreRequestType.STOP_SEQUENCES:
                 self.engine_core.stop_sequences(payload)
+            elif kind is EngineCoreRequestType.PING:
+                self.pongs.append(payload)
             elif kind is EngineCoreRequestType.SHUTDOWN:
                 return None, changed
         return rejected, changed
@@ -254,6 +258,10 @@ class AsyncMPClient:
 
     def stop_sequences(self, seqs: list[tuple[str, int]]) -> None:
         self._send(EngineCoreRequestType.STOP_SEQUENCES, list(seqs))
+
+    def ping(self, number: int) -> None:
+        """Ask the core to answer `number` in the pongs of its next outputs."""
+        self._send(EngineCoreRequestType.PING, number)
 
     # -- from the core ------------------------------------------------------------------
 

@@ -24,14 +24,19 @@ for the core process's client (the same methods as AsyncMPClient), so your code 
 what the streams go through.
 """
 HINT = """
-generate: `await self.check_health()`, `self._start_output_handler()`, pick an id if
-none (f"async-{next(self._request_counter)}"), refuse one in self._queues,
-`request, prompt_text = self.processor.process_inputs(...)`, make an asyncio.Queue,
+generate: `self._check_alive()`, `self._start_output_handler()`, `number =
+next(self._request_counter)`, pick an id if none (f"async-{number}"), refuse a str
+already in self._internal_ids (a non-str is a TypeError). The core knows the request by
+an internal id of its own, f"{request_id}-{number}", so a caller may reuse request_id
+at once without getting a left request's late outputs: `request, prompt_text =
+self.processor.process_inputs(internal_id, ...)`, make an asyncio.Queue,
 `self.output_processor.add_request(request, prompt_text, request.sampling_params.n)`,
-register the queue, then in a try: `self.engine_core.add_request(request)` and loop on
-`await queue.get()`: None means aborted (return), an exception is raised, otherwise
-yield it and stop after the one with .finished. In `finally`: pop the queue, and if the
-last output was not seen, `self._abort_nowait([request_id])`.
+register the queue under the internal id and self._internal_ids[request_id] = internal_id,
+then in a try: `self.engine_core.add_request(request)` and loop on `await queue.get()`:
+None means aborted (return), an exception is raised, otherwise set its request_id back to
+the caller's, yield it and stop after the one with .finished. In `finally`: pop the queue
+and the id (if it still maps to this request), and if the last output was not seen,
+`self._abort_nowait([internal_id])`.
 _handle_outputs: `while True: outputs = await self.engine_core.get_output_async()`;
 keep outputs.scheduler_stats in self._stats; for each of outputs.rejected_requests,
 forget it in the output processor and put ValueError(message) in its queue;

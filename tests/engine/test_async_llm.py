@@ -176,6 +176,65 @@ def test_c23_leaving_a_stream_aborts_the_request(engine, offline, loop):
     assert ids == offline.generate(PROMPTS[3], params, use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.fixture
+def two_busy_processes():
+    """Two processes that spin on the CPU beside the test (a loaded machine); ended by pid."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for p in procs:
+        p.kill()
+        p.wait(timeout=10)
+
+
+@pytest.mark.timeout(300)
+def test_a_request_id_reused_right_after_leaving_gets_only_its_own_tokens(engine, offline, loop,
+                                                                         two_busy_processes):
+    """Leave a long stream under id X after two outputs, then at once send a short request
+    under X again. The first request's last outputs may still be on their way from the
+    core (it has not seen the abort yet); they must not reach the second request. With
+    one id for both they did, on a loaded CPU: the 24-token request ended with hundreds
+    of tokens (vLLM #23697 is the same class). Each request has an internal id of its own."""
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=DELTA)
+    short = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind=DELTA)
+    want = offline.generate(PROMPTS[1], short, use_tqdm=False)[0].outputs[0].token_ids
+
+    async def one_round():
+        stream = engine.generate(PROMPTS[0], long, "X")
+        n = 0
+        async for out in stream:
+            assert out.request_id == "X"
+            n += 1
+            if n == 2:
+                break
+        await stream.aclose()
+        ids = []
+        async for out in engine.generate(PROMPTS[1], short, "X"):
+            assert out.request_id == "X"
+            ids += out.outputs[0].token_ids
+        return ids
+
+    for round_ in range(20):
+        ids = loop.run_until_complete(one_round())
+        assert ids == want, f"round {round_}: {len(ids)} tokens, want the 24 of the second request"
+    assert loop.run_until_complete(settled(lambda: engine.get_stats()["num_running"] == 0))
+
+
+def test_check_health_pings_the_core(engine, loop):
+    """check_health waits for the core's answer to a ping: a frozen core (SIGSTOP) is
+    EngineUnresponsiveError, and healthy again once it runs (SIGCONT)."""
+    from nanopaged.engine.async_llm import EngineUnresponsiveError
+    loop.run_until_complete(engine.check_health(timeout=10))
+    pid = engine.engine_core.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(EngineUnresponsiveError, match=f"pid {pid}.*within 0.5 s"):
+            loop.run_until_complete(engine.check_health(timeout=0.5))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    loop.run_until_complete(engine.check_health(timeout=10))
+    assert not engine._pings                           # no answer left waiting
+
+
 def test_abort_ends_the_stream_quietly(engine, loop):
     async def run():
         got = []
@@ -204,6 +263,8 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(engine, loop):
         loop.run_until_complete(first(list(range(1, 300)), SamplingParams()))
     with pytest.raises(TypeError, match="prompt"):
         loop.run_until_complete(first(3.5, SamplingParams()))
+    with pytest.raises(TypeError, match="request_id must be a str, got int"):
+        loop.run_until_complete(first(PROMPTS[0], SamplingParams(), 7))
     # refused by the core itself: more KV blocks than the whole pool (48 blocks of 4)
     with pytest.raises(ValueError, match="KV cache holds only 48 blocks"):
         loop.run_until_complete(first(list(range(1, 200)), SamplingParams(), "too-big"))

@@ -101,7 +101,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_dir):
-    server = Server(tiny_model_dir, "--api-key", KEY, *TINY_ARGS)
+    server = Server(tiny_model_dir, "--api-key", KEY, "--health-timeout", "2", *TINY_ARGS)
     try:
         assert len(server.children()) >= 1          # the EngineCore process
         yield server
@@ -429,6 +429,24 @@ def test_sigterm_with_a_stream_in_flight_stops_the_core_and_exits_0(tiny_model_d
         assert os.listdir(server.tmpdir) == [], "the core's ipc folder was left behind"
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(60)
+def test_health_is_503_while_the_engine_core_is_frozen(tiny_server, http):
+    """/health pings the core: a core stopped by SIGSTOP (alive, but its loop does not
+    turn) is a 503 within --health-timeout (2 s here), and a 200 again once it runs."""
+    assert http.get("/health").status_code == 200
+    core = tiny_server.children()[0]
+    core.suspend()
+    try:
+        t0 = time.monotonic()
+        assert http.get("/health").status_code == 503
+        assert time.monotonic() - t0 < 10
+    finally:
+        core.resume()
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 def test_zz_dead_engine_is_500_and_health_503(tiny_server, http):

@@ -5,8 +5,8 @@
         [every EngineConfig field as a flag: --block-size 16 --max-model-len N ...]
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as
-server-sent events with "stream": true), GET /health (200, or 503 once the engine core
-is dead), GET /metrics (Prometheus text, metrics.py). The server only turns HTTP into
+server-sent events with "stream": true), GET /health (200 when the engine core answers
+a ping within --health-timeout seconds; 503 when it is dead or does not), GET /metrics (Prometheus text, metrics.py). The server only turns HTTP into
 `AsyncLLM.generate` calls and back (serving.py); the engine core runs in its own
 process, so the event loop never waits for a forward pass. Errors are OpenAI's JSON
 body {"error": {"message", "type", "param", "code"}}: 400 for a bad request (pydantic's
@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...config import EngineConfig
 from . import serving
-from ...engine.async_llm import AsyncLLM
+from ...engine.async_llm import HEALTH_TIMEOUT_S, AsyncLLM, EngineUnresponsiveError
 from ...utils.proc import EngineDeadError
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIError,
@@ -106,12 +106,14 @@ class _Guard:
 
 
 def build_app(engine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              health_timeout: float = HEALTH_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving `engine` (an AsyncLLM) under the name `served_model_name`.
 
     Args:
         api_key: if set, every /v1/ request must send `Authorization: Bearer <api_key>`.
         max_body_bytes: larger request bodies get a 413.
+        health_timeout: seconds GET /health waits for the core's answer to a ping.
     """
     app = FastAPI(title="nanopaged", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine, served_model_name)
@@ -206,8 +208,9 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     @app.get("/health")
     async def health():
         try:
-            await engine.check_health()
-        except EngineDeadError:
+            await engine.check_health(health_timeout)
+        except (EngineDeadError, EngineUnresponsiveError) as e:
+            logger.warning("/health: 503: %s", e)
             return Response(status_code=503)
         return Response(status_code=200)
 
@@ -267,6 +270,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                     help="larger request bodies get a 413")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--health-timeout", type=float, default=HEALTH_TIMEOUT_S,
+                    help="seconds /health waits for the engine core's answer before a 503; "
+                         "more than the longest step")
     _add_engine_flags(ap)
     return ap.parse_args(argv)
 
@@ -275,12 +281,14 @@ async def serve(args: argparse.Namespace) -> None:
     """Start the engine core, then serve until SIGINT / SIGTERM; the core is shut down after."""
     import uvicorn
 
-    own = {"model", "host", "port", "api_key", "served_model_name", "max_body_bytes", "log_level"}
+    own = {"model", "host", "port", "api_key", "served_model_name", "max_body_bytes", "log_level",
+           "health_timeout"}
     engine_args = {k: v for k, v in vars(args).items() if k not in own}
     engine = AsyncLLM(model=args.model, **engine_args)
     try:
         name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-        app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                        health_timeout=args.health_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5)
         await uvicorn.Server(config).serve()
