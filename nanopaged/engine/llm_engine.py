@@ -77,8 +77,9 @@ class LLMEngine:
 
         Raises:
             ValueError: duplicate request_id; empty prompt; a token id outside the
-                vocabulary; a prompt longer than max_model_len; a prompt needing more KV
-                blocks than the whole pool; a SamplingParams the model cannot honour.
+                vocabulary; a prompt of max_model_len tokens or more (no room for an
+                output token); a prompt needing more KV blocks than the whole pool; a
+                SamplingParams the model cannot honour.
                 The engine is unchanged and keeps serving.
             TypeError: prompt or sampling_params of the wrong type.
         """

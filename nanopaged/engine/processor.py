@@ -61,7 +61,8 @@ class Processor:
         Raises:
             TypeError: a prompt, request_id or params of the wrong type.
             ValueError: an empty prompt; a token id outside the vocabulary; a prompt
-                longer than max_model_len; a SamplingParams field the model cannot honour
+                of max_model_len tokens or more (no room for one output token: the rule
+                is prompt_len + 1 <= max_model_len, for every path); a SamplingParams field the model cannot honour
                 (a token id outside the vocabulary, too many logprobs); structured
                 outputs that do not compile (llguidance's message, with the position).
                 The message names field and value. (max_tokens past max_model_len is no error: the
@@ -92,7 +93,9 @@ class Processor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty (''): there is no token to start from")
-            return prompt, self.tokenizer(prompt).input_ids
+            # verbose=False: no "Token indices sequence length is longer than the specified
+            # maximum" from transformers; _check_prompt says it, against our max_model_len
+            return prompt, self.tokenizer(prompt, verbose=False).input_ids
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             return None, apply_chat_template(self.tokenizer, list(prompt))
         if is_list_of(prompt, is_int):
@@ -106,8 +109,10 @@ class Processor:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens, longer than max_model_len={self.max_model_len}")
+        if len(ids) + 1 > self.max_model_len:       # room for one output token, as vLLM asks
+            raise ValueError(f"prompt is {len(ids)} tokens, too long for max_model_len={self.max_model_len}: "
+                             f"a prompt may have at most {self.max_model_len - 1} tokens, to leave "
+                             f"room for one output token")
 
     def _check_params(self, params: SamplingParams) -> None:
         params.check_against_vocab(self.vocab_size)

@@ -106,6 +106,58 @@ def test_bad_prompt_raises_and_engine_keeps_serving(llm, prompt, match):
     assert llm.generate("fine", GREEDY)[0].finished
 
 
+@pytest.fixture(scope="module")
+def llm24(tiny_model_dir):
+    return LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, max_model_len=24)
+
+
+@pytest.mark.parametrize("length", [23, 24, 25])
+@pytest.mark.parametrize("how", ["greedy", "n=2", "beams", "chat"])
+def test_a_prompt_must_leave_room_for_one_output_token(llm24, length, how):
+    """One rule for lengths on every path: prompt_len + 1 <= max_model_len. At
+    max_model_len - 1 the request runs and ends at max_model_len; at max_model_len
+    (once accepted, with 1 token more than the model's length in all) and past it, a
+    ValueError names both numbers, and the engine keeps serving."""
+    from nanopaged.engine.processor import apply_chat_template
+    from nanopaged.core.beam_search import BeamSearchParams
+    if how == "chat":                  # a user message whose templated prompt is `length` ids
+        tok = llm24.get_tokenizer()
+        chats = ([{"role": "user", "content": "hi " * k + "a" * j}] for k in range(40) for j in range(4))
+        prompt = next(c for c in chats if len(apply_chat_template(tok, c)) == length)
+    else:
+        prompt = list(range(1, length + 1))
+
+    def run():
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2 if how == "n=2" else 1)
+        if how == "beams":
+            return [b.sequences[0].tokens[length:] for b in
+                    llm24.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))]
+        outs = llm24.chat(prompt, params, use_tqdm=False) if how == "chat" else llm24.generate(prompt, params)
+        return [c.token_ids for c in outs[0].outputs]
+
+    if length + 1 <= 24:
+        assert all(len(ids) == min(5, 24 - length) for ids in run())
+    else:
+        with pytest.raises(ValueError, match=fr"prompt is {length} tokens, too long for max_model_len=24: "
+                                             r"a prompt may have at most 23 tokens"):
+            run()
+    stats = llm24.engine.get_stats()
+    assert stats["num_waiting"] == stats["num_running"] == 0 and stats["num_free_gpu_blocks"] == 64
+
+
+def test_a_too_long_text_prompt_gets_only_our_error(tiny_model_dir, capfd, caplog):
+    """transformers' tokenizer warns "Token indices sequence length is longer than the
+    specified maximum ..." when a text is longer than its model_max_length; our error
+    says it already, against max_model_len, so that line must not come first."""
+    llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, max_model_len=24)
+    llm.get_tokenizer().model_max_length = 16
+    capfd.readouterr()
+    with pytest.raises(ValueError, match="too long for max_model_len=24"):
+        llm.generate("Hello, my name is nanopaged. " * 8, GREEDY)
+    said = capfd.readouterr().err + caplog.text          # its handler, or pytest's capture
+    assert "Token indices sequence length" not in said
+
+
 def test_missing_model_folder_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         LLM(str(tmp_path / "no-such-model"))

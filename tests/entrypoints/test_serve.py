@@ -252,6 +252,8 @@ def _post(http, path, body, **kw):
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, ["batch"]),
     ("/v1/completions", {"prompt": "hi", "echo": True}, 400, ["echo"]),
     ("/v1/completions", {"prompt": "Hello " * 300}, 400, ["600", "max_model_len=256"]),
+    ("/v1/completions", {"prompt": [7] * 256, "max_tokens": 5}, 400,     # no room for an output token
+     ["256 tokens", "max_model_len=256", "at most 255"]),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      ["logprobs"]),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, ["gpt-4"]),
