@@ -21,7 +21,7 @@ import copy
 import enum
 from dataclasses import dataclass, field
 
-from .utils.checks import check_int, invalid, is_int, is_list_of, is_real
+from .utils.checks import check_int, check_text, invalid, is_int, is_list_of, is_real
 
 # Below this temperature we sample greedily (argmax), as vLLM does: dividing logits by a
 # tiny number would only turn float rounding into randomness.
@@ -92,6 +92,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"StructuredOutputsParams.choice must be a non-empty list of str, "
                                  f"got {self.choice!r}")
             self.choice = list(self.choice)
+        for name in ("json", "regex", "choice", "grammar", "whitespace_pattern"):
+            check_text(f"StructuredOutputsParams.{name}", getattr(self, name))
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError(f"StructuredOutputsParams.json_object must be a bool, got {self.json_object!r}")
         if not isinstance(self.disable_any_whitespace, bool):
@@ -232,6 +234,7 @@ class SamplingParams:
             if not is_list_of(stop, lambda s: isinstance(s, str) and s != ""):
                 raise bad("stop", self.stop, "a non-empty str or a list of them")   # as the user gave it
             self.stop = list(stop)
+            check_text("stop", self.stop)
         for name in ("stop_token_ids", "allowed_token_ids"):
             value = getattr(self, name)
             if value is not None:
@@ -244,6 +247,7 @@ class SamplingParams:
             if not is_list_of(self.bad_words, lambda w: isinstance(w, str) and w.strip() != ""):
                 raise bad("bad_words", self.bad_words, "a list of str with a non-space character each")
             self.bad_words = list(self.bad_words)
+            check_text("bad_words", self.bad_words)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):

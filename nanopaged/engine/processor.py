@@ -17,7 +17,7 @@ from ..core import structured_output
 from ..core.beam_search import BeamSearchParams, num_candidates
 from ..messages import EngineCoreRequest
 from ..sampling_params import SamplingParams
-from ..utils.checks import is_int, is_list_of
+from ..utils.checks import check_text, is_int, is_list_of
 
 MAX_LOGPROBS = 20          # vLLM's default max_logprobs: top-k asked per token at most
 
@@ -93,10 +93,12 @@ class Processor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty (''): there is no token to start from")
+            check_text("prompt", prompt)
             # verbose=False: no "Token indices sequence length is longer than the specified
             # maximum" from transformers; _check_prompt says it, against our max_model_len
             return prompt, self.tokenizer(prompt, verbose=False).input_ids
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            check_text("messages", list(prompt))
             return None, apply_chat_template(self.tokenizer, list(prompt))
         if is_list_of(prompt, is_int):
             return None, list(prompt)

@@ -48,3 +48,29 @@ def check_int(name: str, value: object, *, minimum: int | None = None, rule: str
         if rule is None:
             rule = "an integer" if minimum is None else f"an integer >= {minimum}"
         raise invalid(name, value, rule)
+
+
+def check_text(name: str, value: object) -> None:
+    """The one rule for text from users (prompts, chat messages, stop strings, bad words,
+    structured-output specs): every str in `value` (a str, or lists / tuples / dicts of
+    them, keys too) must be valid Unicode, i.e. encodable as UTF-8. Python's str can hold a
+    lone surrogate ("\\udfff", which JSON's "\\udfff" escape decodes to) that no tokenizer
+    and no UTF-8 file can take; found here, it is one clear error wherever it came in.
+
+    Raises:
+        ValueError: "{name} is not valid Unicode: a lone surrogate '\\udfff' at index 3",
+            with the path into nested values (e.g. "stop[1]", "messages[0].content").
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{name} is not valid Unicode: a lone surrogate {value[e.start]!r} "
+                             f"at index {e.start}") from None
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_text(f"{name}[{i}]", v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(f"{name} key", k)
+            check_text(f"{name}.{k}" if isinstance(k, str) else f"{name}[{k!r}]", v)

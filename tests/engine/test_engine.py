@@ -158,6 +158,29 @@ def test_a_too_long_text_prompt_gets_only_our_error(tiny_model_dir, capfd, caplo
     assert "Token indices sequence length" not in said
 
 
+@pytest.mark.parametrize("field", ["prompt", "chat", "stop", "bad_words", "choice", "json", "grammar"])
+def test_a_lone_surrogate_is_refused_in_every_text_field(llm, field):
+    """One validator for text from users (utils/checks.check_text): a lone surrogate is
+    the same ValueError naming the field wherever it comes in (a tokenizer's TypeError,
+    or a stop string that could never match, before)."""
+    from nanopaged.sampling_params import StructuredOutputsParams as S
+    bad = "x\udfff"
+    prompt, kw = ("hi", {})
+    with pytest.raises(ValueError, match=r"is not valid Unicode: a lone surrogate '\\udfff' at index \d+"):
+        if field == "prompt":
+            prompt = bad
+        elif field == "chat":
+            return llm.chat([{"role": "user", "content": bad}], GREEDY, use_tqdm=False)
+        elif field in ("stop", "bad_words"):
+            kw = {field: ["ok", bad]}
+        else:
+            spec = {"choice": ["a", bad], "json": {"type": "object", "properties": {bad: {}}},
+                    "grammar": f'start: "{bad}"'}[field]
+            kw = {"structured_outputs": S(**{field: spec})}
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, **kw))
+    assert llm.generate("fine", GREEDY)[0].finished
+
+
 def test_missing_model_folder_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         LLM(str(tmp_path / "no-such-model"))

@@ -269,6 +269,14 @@ def _post(http, path, body, **kw):
      400, ["more than once", "guided_choice", "response_format"]),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "xml"}}, 400, ["response_format"]),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regexx": "a"}}, 400, ["regexx"]),
+    # a lone surrogate (JSON's "\udfff" escape) is the same 400 in every field that takes text
+    ("/v1/completions", rb'{"prompt": "a\udfffb"}', 400, ["prompt is not valid Unicode", "index 1"]),
+    ("/v1/completions", rb'{"prompt": "hi", "stop": ["ok", "\udfff"]}', 400, ["stop[1] is not valid Unicode"]),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "x\udfff"}]}', 400,
+     ["messages[0].content is not valid Unicode"]),
+    ("/v1/completions", rb'{"prompt": "hi", "guided_choice": ["a", "\ud800"]}', 400,
+     ["choice[1] is not valid Unicode"]),
+    ("/v1/completions", rb'{"prompt": "hi", "bad_words": ["\udfff"]}', 400, ["bad_words[0] is not valid"]),
 ])
 def test_bad_request_is_an_openai_error(http, path, body, status, words):
     r = _post(http, path, body)

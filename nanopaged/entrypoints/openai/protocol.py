@@ -66,7 +66,7 @@ class _SamplingFields(OpenAIBaseModel):
     n: int = 1
     temperature: float | None = None          # None: 1.0, OpenAI's default
     top_p: float | None = None
-    top_k: int | None = None                  # vLLM extension, as are min_p .. ignore_eos
+    top_k: int | None = None                  # vLLM extension, as are min_p .. bad_words
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -77,6 +77,7 @@ class _SamplingFields(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -103,6 +104,7 @@ class _SamplingFields(OpenAIBaseModel):
                   structured_outputs=self._structured_outputs(),
                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                   logit_bias=bias, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                  bad_words=self.bad_words,
                   skip_special_tokens=self.skip_special_tokens, output_kind=RequestOutputKind.DELTA)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
