@@ -20,6 +20,7 @@ import torch
 from ..utils.paths import cache_dir
 
 PACKAGE_DIR = Path(__file__).parents[1]     # nanopaged/
+KEEP_BUILDS = 3          # builds kept per kernel, python and torch: the most recently used
 
 
 def _kernels_dir() -> Path:
@@ -123,6 +124,7 @@ def build_extension(name: str, source: Path, kind: str):
     build_dir = cache_dir() / "kernels" / f"{name}-{py}-torch{torch.__version__}-{key.hexdigest()[:12]}"
     cached = _load_cached_build(name, build_dir / f"{name}{cpp_extension.LIB_EXT}")
     if cached is not None:
+        (build_dir / "last-used").touch()
         return cached
     if kind == "cuda" and cpp_extension.CUDA_HOME is None:
         raise KernelBuildError("nvcc not found (set CUDA_HOME)")
@@ -135,10 +137,37 @@ def build_extension(name: str, source: Path, kind: str):
         print(f"nanopaged: building {source.name} (once, about a minute; cached in {build_dir})",
               file=sys.stderr)
     try:
-        return cpp_extension.load(name=name, sources=[str(source)], build_directory=str(build_dir),
-                                  verbose=False, **flags)
+        module = cpp_extension.load(name=name, sources=[str(source)], build_directory=str(build_dir),
+                                    verbose=False, **flags)
     except Exception as e:       # compiler errors arrive as RuntimeError, CalledProcessError, ...
         raise KernelBuildError(f"building {source.name} failed: {str(e)[-2000:]}") from e
+    (build_dir / "last-used").touch()
+    prune_builds(build_dir)
+    return module
+
+
+def prune_builds(build_dir: Path, keep: int = KEEP_BUILDS) -> list[Path]:
+    """Remove the older builds of build_dir's kernel (same name, python and torch; another
+    hash: an edited source, another checkout), keeping the `keep` most recently used
+    (their `last-used` stamp, touched at every load). A folder with a `lock` (a build
+    under way) is left alone. Runs after each new build, so the cache holds a few builds
+    per kernel instead of one per edit ever made. Returns the folders removed.
+
+    A process that loaded a removed build keeps running (Linux unlinks, the mapping
+    stays); one that starts later from that source builds it again.
+    """
+    prefix = build_dir.name.rsplit("-", 1)[0] + "-"
+    def last_used(folder: Path) -> float:
+        stamp = folder / "last-used"
+        return (stamp if stamp.exists() else folder).stat().st_mtime
+
+    builds = [d for d in build_dir.parent.iterdir()
+              if d.is_dir() and d.name.startswith(prefix) and d.name.count("-") == build_dir.name.count("-")]
+    builds.sort(key=last_used, reverse=True)
+    removed = [d for d in builds[keep:] if d != build_dir and not (d / "lock").exists()]
+    for d in removed:
+        shutil.rmtree(d, ignore_errors=True)
+    return removed
 
 
 def _load_cached_build(name: str, library: Path):

@@ -12,7 +12,9 @@ The CUDA kernel's tests are in test_kernels_cuda.py.
 """
 from __future__ import annotations
 
+import os
 import shutil
+import time
 import warnings
 
 import pytest
@@ -281,6 +283,31 @@ def test_a_broken_cached_library_is_not_loaded(tmp_path):
     """A .so cut short (a build killed while linking) means "build again", not a crash."""
     (tmp_path / "nanopaged_cpu_x.so").write_bytes(b"\x7fELF cut short")
     assert build._load_cached_build("nanopaged_cpu_x", tmp_path / "nanopaged_cpu_x.so") is None
+
+
+def test_old_builds_are_pruned_keeping_the_most_recently_used(tmp_path):
+    """After a new build, the cache keeps KEEP_BUILDS builds of that kernel (name, python
+    and torch alike): the most recently used; other kernels and a build under way (its
+    lock file) stay. One machine had 47 build folders (37 MB) before."""
+    def folder(name, age_s, lock=False):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "last-used").touch()
+        os.utime(d / "last-used", (time.time() - age_s,) * 2)
+        if lock:
+            (d / "lock").touch()
+        return d
+
+    prefix = "nanopaged_cpu_avx2-py311-torch2.13.0+cpu"
+    new = folder(f"{prefix}-000000000000", 0)
+    recent = [folder(f"{prefix}-00000000000{i}", 10 * i) for i in (1, 2)]
+    old = [folder(f"{prefix}-00000000000{i}", 1000 * i) for i in (3, 4, 5)]
+    building = folder(f"{prefix}-00000000000f", 5000, lock=True)
+    other = [folder("nanopaged_cpu_avx2_x-py311-torch2.13.0+cpu-000000000009", 9000),
+             folder("nanopaged_cpu_avx2-py312-torch2.13.0+cpu-000000000009", 9000)]
+    removed = build.prune_builds(new, keep=3)
+    assert sorted(removed) == sorted(old)
+    assert sorted(p for p in tmp_path.iterdir()) == sorted([new, *recent, building, *other])
 
 
 def test_a_failed_build_is_tried_once_and_auto_warns_once_at_the_callers_line(monkeypatch):
