@@ -25,6 +25,7 @@ import ast
 import importlib
 import inspect
 import signal
+import shlex
 import sys
 import textwrap
 import traceback
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from . import SWAPS, all_exercises
 
+DEFAULT_DIR = "exercises"      # ./exercises/, where `start` writes unless --dir says
 CHECK_TIMEOUT_S = 120          # a check taking longer is a failure (an endless loop?)
 
 
@@ -89,18 +91,25 @@ def _is_generator(func: ast.AST) -> bool:
     return False
 
 
-def stub_source(exercise) -> str:
+def command(name: str, exercise, folder: Path | str = DEFAULT_DIR) -> str:
+    """The command line that runs `name` (check, start, ...) on this exercise, with the
+    --dir its files are in when that is not the default."""
+    where = "" if str(folder) == DEFAULT_DIR else f" --dir {shlex.quote(str(folder))}"
+    return f"python -m nanopaged.exercise{where} {name} {exercise.NUMBER}"
+
+
+def stub_source(exercise, folder: Path | str = DEFAULT_DIR) -> str:
     """The file `start` writes: the task, then each target function with its docstring
     and a body that raises NotImplementedError (or, for a prediction question, the
     answer template)."""
     header = f'"""Exercise {exercise.NUMBER} · {exercise.TITLE} (chapters/{exercise.CHAPTER})\n\n'
     header += textwrap.dedent(exercise.TASK).strip() + "\n\n"
     if not targets(exercise):
-        return header + ("Write your answers below, then run: python -m nanopaged.exercise check "
-                         f'{exercise.NUMBER}\n"""\n\n' + textwrap.dedent(exercise.QUESTION).lstrip())
+        return header + (f"Write your answers below, then run: {command('check', exercise, folder)}\n"
+                         '"""\n\n' + textwrap.dedent(exercise.QUESTION).lstrip())
     module = targets(exercise)[0].split(":")[0]
     header += (f"This file runs in the namespace of {module} (its imports and helpers are\n"
-               f"there). Check it with: python -m nanopaged.exercise check {exercise.NUMBER}\n" + '"""\n\n')
+               f"there). Check it with: {command('check', exercise, folder)}\n" + '"""\n\n')
     return header + "\n\n".join(_stub_of(t, exercise.NUMBER) for t in targets(exercise))
 
 
@@ -255,15 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nanopaged.exercise", description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=["list", "start", "check", "hint", "reset"])
     ap.add_argument("number", nargs="?", type=int)
-    ap.add_argument("--dir", default="exercises", help="where your exercise files are (default ./exercises)")
+    ap.add_argument("--dir", default=DEFAULT_DIR, help=f"where your exercise files are (default ./{DEFAULT_DIR})")
     args = ap.parse_args(argv)
     exercises = all_exercises()
     folder = Path(args.dir)
     if args.command == "list":
+        width = max(len(ex.TITLE) for ex in exercises.values())
         for n, ex in exercises.items():
-            path = exercise_file(ex, folder)
-            state = "not started" if not path.exists() else "started"
-            print(f"{n:3}  {ex.TITLE:<58} chapters/{ex.CHAPTER}  [{state}]")
+            state = "not started" if not exercise_file(ex, folder).exists() else "started"
+            print(f"{n:3}  {state:<11}  {ex.TITLE:<{width}}  chapters/{ex.CHAPTER}")
         return 0
     if args.number not in exercises:
         print(f"exercise number must be one of {', '.join(map(str, exercises))}, got {args.number}",
@@ -276,18 +285,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command in ("start", "reset"):
         if path.exists() and args.command == "start":
-            print(f"{path} exists already: edit it, or `reset {ex.NUMBER}` for a fresh stub")
+            print(f"{path} exists already: edit it, or `{command('reset', ex, folder)}` for a fresh stub")
             return 0
         folder.mkdir(parents=True, exist_ok=True)
         if path.exists():
             path.rename(path.with_suffix(path.suffix + ".bak"))
             print(f"your version is kept in {path.with_suffix(path.suffix + '.bak')}")
-        path.write_text(stub_source(ex))
+        path.write_text(stub_source(ex, folder))
         print(f"wrote {path}: {ex.TITLE}. Read chapters/{ex.CHAPTER}, fill it in, then "
-              f"`python -m nanopaged.exercise check {ex.NUMBER}`")
+              f"`{command('check', ex, folder)}`")
         return 0
     if not path.exists():
-        print(f"{path} does not exist: run `python -m nanopaged.exercise start {ex.NUMBER}` first",
+        print(f"{path} does not exist: run `{command('start', ex, folder)}` first",
               file=sys.stderr)
         return 1
     results = run_checks(ex, path)

@@ -18,7 +18,7 @@ def make_tiny_tokenizer(folder):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=["<eos>"],
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=["<eos>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     text = ["The capital of France is Paris.", "Hello, my name is nanopaged.",
             "Paged attention splits the KV cache into blocks."] * 20

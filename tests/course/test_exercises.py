@@ -51,10 +51,16 @@ def test_the_command_line_start_check_hint_reset(tmp_path):
 
     code, out = run("list")
     assert code == 0 and "BlockTable" in out and "not started" in out
+    columns = {line.index("chapters/") for line in out.splitlines()}
+    assert len(columns) == 1, "the chapters column is not aligned: " + out
     code, out = run("start", "1")
     assert code == 0 and (tmp_path / "ex01_block_table.py").exists()
+    # every command it suggests names the folder the files are in
+    assert f"`python -m nanopaged.exercise --dir {tmp_path} check 1`" in out, out
+    assert f"python -m nanopaged.exercise --dir {tmp_path} check 1" in (tmp_path / "ex01_block_table.py").read_text()
     code, out = run("check", "1")
-    assert code == 1 and "FAIL" in out and "not written yet" in out and "0 of 4 checks pass" in out
+    assert code == 1 and out.startswith("FAIL"), out                     # nothing printed before it
+    assert "not written yet" in out and "0 of 4 checks pass" in out
     (tmp_path / "ex01_block_table.py").write_text(reference_source(EXERCISES[1]).replace(
         "return [ids[p // bs] * bs + p % bs for p in range(start, end)]",
         "return [ids[p // bs] * bs + p % bs for p in range(start, end + 1)]"))       # one too many
@@ -65,5 +71,7 @@ def test_the_command_line_start_check_hint_reset(tmp_path):
     code, out = run("reset", "1")
     assert code == 0 and (tmp_path / "ex01_block_table.py.bak").exists()
     assert "NotImplementedError" in (tmp_path / "ex01_block_table.py").read_text()
+    code, out = run("check", "2")
+    assert code == 1 and f"run `python -m nanopaged.exercise --dir {tmp_path} start 2` first" in out
     code, out = run("check", "99")
     assert code == 1 and "exercise number must be one of" in out
