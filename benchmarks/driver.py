@@ -6,6 +6,7 @@
                                 memory,kernels]
                     [--kernels] [--sections serve --request-rates 0.5,2,inf --serve-requests 32]
                     [--sections tp] [--sections vllm --vllm-python PATH] [--max-output 128]
+                    [--sections soak --soak-rounds 8]
 
 throughput: nanopaged vs HF transformers `generate` (below).
 prefix:     one 512-token system prompt shared by 32 short questions, prefix caching on
@@ -26,6 +27,10 @@ serve:      (not in the default list: minutes) nanopaged's OpenAI server vs `tra
             serve --continuous-batching`, streaming clients with Poisson arrivals at
             --request-rates: throughput, TTFT and inter-token latency p50/p99, and
             async scheduling off vs on (benchmarks/serve.py).
+soak:       (not in the default list: minutes) --soak-rounds rounds of mixed load against
+            one server (streams, disconnects, n=2, structured outputs, bad requests):
+            the RSS of the server and of its EngineCore process after each round, and
+            the growth after round 2 (target: flat; benchmarks/soak.py).
 tp:         (not in the default list: a few minutes) tensor parallelism
             (chapters/17-tensor-parallelism.md): tp=1 vs tp=2 on a random Llama with even
             heads and tp=1 vs tp=3 on the default model: tokens/s, the share of the
@@ -64,6 +69,7 @@ from .prefix import bench_prefix_caching
 from .pressure import bench_memory_pressure
 from .sampling import bench_sampling
 from .serve import bench_serve
+from .soak import bench_soak
 from .sharing import bench_sharing_memory
 from .structured import bench_structured
 from . import throughput
@@ -89,11 +95,12 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
     ap.add_argument("--sections",
                     default="throughput,chat,sampling,structured,overlap,prefix,sharing,pressure,memory,kernels",
-                    help="comma-separated, from the list above; serve, tp and vllm are not in the default")
+                    help="comma-separated, from the list above; serve, soak, tp and vllm are not in the default")
     ap.add_argument("--kernels", action="store_true", help="only the kernels section")
     ap.add_argument("--request-rates", default="0.5,2,inf", help="serve: requests per second")
     ap.add_argument("--serve-requests", type=int, default=32, help="serve: requests per rate")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="serve: threads per server")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="serve, soak: threads per server")
+    ap.add_argument("--soak-rounds", type=int, default=8, help="soak: rounds of mixed load")
     args = ap.parse_args()
     sections = ["kernels"] if args.kernels else args.sections.split(",")
     if args.dtype == "auto":
@@ -109,6 +116,8 @@ def main() -> None:
         bench_serve(args.model, args.dtype, args.serve_requests,
                     [float(r) for r in args.request_rates.split(",")], args.threads,
                     skip_transformers=args.skip_transformers)
+    if "soak" in sections:
+        bench_soak(args.model, args.dtype, args.soak_rounds, args.threads)
     if "tp" in sections:
         bench_tp()
     if "sampling" in sections:
