@@ -4,6 +4,10 @@ Start at chapters/00-overview.md. The public API mirrors vLLM's offline one:
 
     from nanopaged import LLM, SamplingParams
 """
+from .utils.log import configure_logging
+
+configure_logging()           # progress lines on stderr, as vLLM's (utils/log.py)
+
 from .core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .config import EngineConfig
 from .engine.llm_engine import LLMEngine

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import sys
@@ -19,6 +20,7 @@ import torch
 
 from ..utils.paths import cache_dir
 
+logger = logging.getLogger(__name__)
 PACKAGE_DIR = Path(__file__).parents[1]     # nanopaged/
 KEEP_BUILDS = 3          # builds kept per kernel, python and torch: the most recently used
 
@@ -134,8 +136,8 @@ def build_extension(name: str, source: Path, kind: str):
         raise KernelBuildError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)")
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
-        print(f"nanopaged: building {source.name} (once, about a minute; cached in {build_dir})",
-              file=sys.stderr)
+        logger.info("building the %s kernel %s (once, about a minute; cached in %s)",
+                    kind.upper(), source.name, build_dir)
     try:
         module = cpp_extension.load(name=name, sources=[str(source)], build_directory=str(build_dir),
                                     verbose=False, **flags)

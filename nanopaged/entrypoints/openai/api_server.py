@@ -24,6 +24,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -291,7 +292,16 @@ async def serve(args: argparse.Namespace) -> None:
                         health_timeout=args.health_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5)
-        await uvicorn.Server(config).serve()
+        server = uvicorn.Server(config)
+
+        async def say_ready():              # once the socket listens, not before
+            while not server.started:
+                await asyncio.sleep(0.05)
+            logger.info("ready on http://%s:%d (model %r)", args.host, args.port, name)
+
+        ready = asyncio.create_task(say_ready())
+        await server.serve()
+        ready.cancel()
     finally:
         engine.shutdown()
 
@@ -317,6 +327,9 @@ def main(argv=None) -> int:
     down. Our handler turns it into an exception instead, as Ctrl-C is one already."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # nanopaged's own lines (utils/log.py) at the same level, here and in the core process
+    os.environ["NANOPAGED_LOGGING_LEVEL"] = args.log_level.upper()
+    logging.getLogger("nanopaged").setLevel(args.log_level.upper())
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         asyncio.run(serve(args))
