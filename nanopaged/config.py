@@ -55,7 +55,8 @@ class EngineConfig:
             from kv_cache_memory_bytes.
         kv_cache_memory_bytes: bytes for the KV pool when num_gpu_blocks is None; None
             means min(1 GiB, 25% of free host memory) on the CPU, 90% of free device
-            memory on CUDA.
+            memory on CUDA, measured by each worker once its weights are loaded
+            (Worker.determine_available_memory).
         max_num_seqs: most requests in one step's batch.
         max_num_batched_tokens: most tokens computed in one step (the token budget);
             None = 8192 with chunked prefill, else max(8192, max_model_len). Without

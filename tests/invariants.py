@@ -87,14 +87,14 @@ def check_runner_state(engine) -> None:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             if seq.seq_id not in sched.runner_view.known:
                 continue
-            state = runner.seqs[seq.seq_id]
+            state = runner.input_batch.seqs[seq.seq_id]
             assert state.block_ids == seq.block_table.block_ids, (seq, state.block_ids)
             tokens = state.prompt_token_ids + state.output_token_ids
             assert seq.num_computed_tokens <= len(tokens) <= seq.num_tokens + seq.num_output_placeholders, \
                 (seq, len(tokens))
             assert tokens[:seq.num_tokens] == seq.token_ids[:len(tokens)], seq
     live = {s.seq_id for g in sched.requests.values() for s in g.seqs if not s.status.is_finished}
-    assert set(runner.seqs) - live <= sched.runner_view.finished_seq_ids, "runner keeps a finished sequence"
+    assert set(runner.input_batch.seqs) - live <= sched.runner_view.finished_seq_ids, "runner keeps a finished sequence"
 
 
 def run_checked(engine, max_steps: int = 10_000) -> dict[str, object]:

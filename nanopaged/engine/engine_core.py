@@ -39,13 +39,10 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-import torch
-
 from ..core.block_manager import BlockManager
 from ..core.scheduler import Scheduler
 from ..core.structured_output import StructuredOutputManager
 from ..model.llama import LlamaConfig
-from ..layers.parallel import shard_heads
 from ..worker.executor import Executor
 from ..layers.backends import get_attn_backend
 from ..worker.model_runner import ModelRunner
@@ -54,8 +51,6 @@ from ..events import Observers
 from ..messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_CPU_KV_BYTES = 1 << 30          # 1 GiB, at most 25% of free memory (see config.py)
 
 
 @dataclass
@@ -86,18 +81,14 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model_path, model_config: LlamaConfig,
                  observers: Observers | None = None) -> None:
         self.config = config
-        # the KV budget is per rank: a rank's block holds its own KV heads only
-        num_kv_heads = shard_heads(model_config.num_attention_heads, model_config.num_key_value_heads,
-                                   config.tensor_parallel_size).num_kv_heads
-        per_block = ModelRunner.kv_cache_bytes_per_block(model_config, config.block_size, config.torch_dtype,
-                                                         num_kv_heads)
-        num_gpu_blocks = config.num_gpu_blocks or self._num_blocks_from_memory(per_block)
-        num_cpu_blocks = (config.num_cpu_blocks if config.num_cpu_blocks is not None
-                          else int(config.swap_space * (1 << 30)) // per_block)
         self.attn_backend = get_attn_backend(config.attention_backend, config.torch_device)
-        self.executor = Executor.create(config, model_path, model_config, num_gpu_blocks, num_cpu_blocks,
-                                        self.attn_backend)
-        num_gpu_blocks = self.executor.num_gpu_blocks      # the ranks agreed on it (torchrun)
+        # the workers load their weights first; only then is the KV pool sized
+        self.executor = Executor.create(config, model_path, model_config, self.attn_backend)
+        try:
+            num_gpu_blocks, num_cpu_blocks = self._initialize_kv_caches()
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.observers = Observers() if observers is None else observers
         self.block_manager = BlockManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
                                           num_cpu_blocks, self.observers)
@@ -127,20 +118,31 @@ class EngineCore:
         """Stop the executor's workers (idempotent); the core cannot step afterwards."""
         self.executor.shutdown()
 
-    def _num_blocks_from_memory(self, per_block: int) -> int:
+    def _initialize_kv_caches(self) -> tuple[int, int]:
+        """Size the KV pools and have every worker allocate them; returns
+        (num_gpu_blocks, num_cpu_blocks) per rank (vLLM v1's
+        EngineCore._initialize_kv_caches). The workers have their weights loaded by now,
+        so the memory they report is what is really left: config.num_gpu_blocks when
+        set, else the smallest number of blocks any rank's memory holds (a rank's block
+        holds its own KV heads only: Worker.kv_cache_bytes_per_block). The swap pool:
+        config.num_cpu_blocks, else swap_space GiB of blocks.
+
+        Raises:
+            ValueError: a rank's memory holds not even one block.
+        """
         c = self.config
-        budget = c.kv_cache_memory_bytes
-        if budget is None:
-            if c.torch_device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(c.torch_device)
-                budget = int(free * 0.9)
-            else:
-                budget = min(_DEFAULT_CPU_KV_BYTES, _free_host_memory() // 4)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one KV block "
-                             f"({per_block} bytes)")
-        return num_blocks
+        per_block = self.executor.collective_rpc("kv_cache_bytes_per_block")     # per rank
+        num_gpu_blocks = c.num_gpu_blocks
+        if num_gpu_blocks is None:
+            available = self.executor.determine_available_memory()
+            num_gpu_blocks = min(budget // size for budget, size in zip(available, per_block))
+            if num_gpu_blocks < 1:
+                raise ValueError(f"the memory for the KV cache ({min(available)} bytes: kv_cache_memory_bytes, "
+                                 f"or what the weights left) is smaller than one KV block ({max(per_block)} bytes)")
+        num_cpu_blocks = (c.num_cpu_blocks if c.num_cpu_blocks is not None
+                          else min(int(c.swap_space * (1 << 30)) // size for size in per_block))
+        self.executor.initialize_kv_cache(num_gpu_blocks, num_cpu_blocks)
+        return num_gpu_blocks, num_cpu_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request. Raises ValueError (request_id in use, or a prompt that needs
@@ -267,15 +269,3 @@ class EngineCore:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_copy_on_write": bm.num_copy_on_write,
         }
-
-
-def _free_host_memory() -> int:
-    """MemAvailable from /proc/meminfo in bytes (8 GiB if unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30

@@ -7,38 +7,37 @@ TITLE = "ModelRunner._update_states: the runner's record, from messages"
 TARGETS = ["nanopaged.worker.model_runner:ModelRunner._update_states"]
 TASK = """
 The model runner never sees the scheduler's Sequence objects (they may live in another
-process): it keeps its own SeqState per sequence and learns everything from each step's
-SchedulerOutput. Write `_update_states`, which applies one message to that record:
-forget the finished sequences, learn the ones sent in full (NewRequestData), and apply
-the deltas of the ones it knows (CachedRequestData: new tokens, new block ids, or a
-whole new table when block_ids_replaced). The sampler's penalty counts and the seeded
-generators follow the same messages. Every step of the engine starts with this function.
+process): it keeps its own record of every sequence, its InputBatch (a SeqState per
+sequence, with the seeded generators and the penalty counts), and learns everything from
+each step's SchedulerOutput. Write `_update_states`, which applies one message to that
+record: forget the finished sequences, learn the ones sent in full (NewRequestData), and
+apply the deltas of the ones it knows (CachedRequestData: new tokens, new block ids, or a
+whole new table when block_ids_replaced). Every step of the engine starts with this
+function.
 """
 HINT = """
-Three loops, in the docstring's order. A new sequence: SeqState(new.seq_id, new.index,
-new.prompt_token_ids, list(new.output_token_ids), new.sampling_params,
-list(new.block_ids), new.num_computed_tokens) (copies: you extend them later), then
-self._seeded_generator(seed, new.index) if the params have a seed and
-self.generators has no entry for it yet, then self.sampler.add_sequence(...). A known
-one: zip the five lists of so.scheduled_cached_reqs; state.output_token_ids.extend(...),
-state.block_ids = list(blocks) if replaced else state.block_ids.extend(blocks). Collect
-(seq_id, token) pairs of every new token and give them to self.sampler.append_tokens
-once. A finished one: pop it from self.seqs and self.generators (they may be missing),
-and self.sampler.remove_sequence(seq_id).
+Three loops, in the docstring's order. A finished sequence:
+self.input_batch.remove_sequence(seq_id) (a no-op for one it does not know). A new one:
+self.input_batch.add_sequence(new), which copies the message's lists, keeps the
+generator of a seeded sequence it already knows and counts its tokens (do not remove it
+first: its generator would go with it). A known one: zip the five lists of
+so.scheduled_cached_reqs; state = self.input_batch.seqs[seq_id]; state.block_ids =
+list(blocks) if replaced else state.block_ids.extend(blocks); set
+state.num_computed_tokens. Collect the (seq_id, token) pairs of every new token and give
+them to self.input_batch.append_output_tokens once (it appends and counts them).
 """
 
 
 def _runner():
-    """A ModelRunner with its record and sampler but no model (enough for _update_states)."""
+    """A ModelRunner with its record but no model (enough for _update_states)."""
     import torch
 
+    from nanopaged.worker.input_batch import InputBatch
     from nanopaged.worker.model_runner import ModelRunner
-    from nanopaged.worker.sampler import Sampler
 
     runner = ModelRunner.__new__(ModelRunner)
     runner.device = torch.device("cpu")
-    runner.seqs, runner.generators = {}, {}
-    runner.sampler = Sampler(320, runner.device)
+    runner.input_batch = InputBatch(320, runner.device)
     runner.async_scheduling = False
     return runner
 
@@ -66,7 +65,7 @@ def _message(new=(), cached=(), finished=()):
 
 
 def _record(runner, seq_id):
-    s = runner.seqs.get(seq_id)
+    s = runner.input_batch.seqs.get(seq_id)
     assert s is not None, f"after the message, the runner has no SeqState for sequence {seq_id}"
     return (list(s.prompt_token_ids), list(s.output_token_ids), list(s.block_ids), s.num_computed_tokens)
 
@@ -82,13 +81,14 @@ def check_new_in_full():
         got = _record(runner, msg.seq_id)
         assert got == want, (f"sequence {msg.seq_id}: (prompt, output, block ids, num_computed_tokens) "
                              f"is {got}, the message said {want}")
-        assert runner.seqs[msg.seq_id].sampling_params is msg.sampling_params, \
+        assert runner.input_batch.seqs[msg.seq_id].sampling_params is msg.sampling_params, \
             f"sequence {msg.seq_id}: its sampling_params are not the message's"
     first.block_ids.append(99)
     resumed.output_token_ids.append(99)
-    assert runner.seqs[3].block_ids == [5, 2] and runner.seqs[7].output_token_ids == [11, 12], (
+    seqs = runner.input_batch.seqs
+    assert seqs[3].block_ids == [5, 2] and seqs[7].output_token_ids == [11, 12], (
         "changing the message's lists afterwards changed the runner's record (block ids "
-        f"{runner.seqs[3].block_ids}, output {runner.seqs[7].output_token_ids}): keep copies, "
+        f"{seqs[3].block_ids}, output {seqs[7].output_token_ids}): keep copies, "
         "since the runner extends them in place later and the message is not its own")
 
 
@@ -113,22 +113,24 @@ def check_finished_and_generators():
     runner = _runner()
     seeded = _new(4, [1, 2, 3], [], [0], 0, temperature=1.0, seed=7, repetition_penalty=1.2)
     runner._update_states(_message(new=[seeded, _new(5, [6, 7], [], [1], 0)]))
-    gen = runner.generators.get(4)
-    assert gen is not None, "a sequence of a request with a seed got no generator in self.generators"
-    assert 5 not in runner.generators, "a sequence without a seed got a generator of its own"
-    assert 4 in runner.sampler._rows, \
-        "the sampler has no penalty counts for a sequence with repetition_penalty (self.sampler.add_sequence)"
+    batch = runner.input_batch
+    assert 4 in batch.seqs and 5 in batch.seqs, \
+        "the new sequences have no record (self.input_batch.add_sequence)"
+    gen = batch.seqs[4].generator
+    assert gen is not None, "a sequence of a request with a seed got no generator"
+    assert batch.seqs[5].generator is None, "a sequence without a seed got a generator of its own"
+    assert batch.seqs[4].counts_row is not None, \
+        "no penalty counts for a sequence with repetition_penalty (self.input_batch.add_sequence)"
     runner._update_states(_message(new=[_new(4, [1, 2, 3], [8, 9], [2], 0, temperature=1.0, seed=7,
                                              repetition_penalty=1.2)]))   # resumed after a preemption
-    assert runner.generators.get(4) is gen, (
+    assert batch.seqs[4].generator is gen, (
         "a seeded sequence sent in full again (resumed after a preemption) got a new generator: "
         "its stream must go on where it was, or preemption would change its samples")
+    row = batch.seqs[4].counts_row
     runner._update_states(_message(finished=[4, 5]))
-    places = (("self.seqs", 4 in runner.seqs or 5 in runner.seqs),
-              ("self.generators", 4 in runner.generators),
-              ("the sampler's counts (self.sampler.remove_sequence)", 4 in runner.sampler._rows))
-    left = [where for where, still in places if still]
-    assert not left, f"finished sequences are still in {', '.join(left)}"
+    assert 4 not in batch.seqs and 5 not in batch.seqs, \
+        "finished sequences are still in the record (self.input_batch.remove_sequence)"
+    assert row in batch._free_rows, "a finished sequence's penalty row was not freed"
 
 
 def check_engine_runs_on_it():

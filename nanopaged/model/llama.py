@@ -16,8 +16,8 @@ serving changes, both vLLM's (`vllm/model_executor/models/llama.py`):
 - q/k/v are one matmul (`qkv_proj`), and so are gate/up (`gate_up_proj`): fewer, larger
   matmuls are faster, and the weights are just stacked at load time.
 
-Weights are read straight from safetensors (one file or an index of shards); config.json
-is parsed here too, so this file needs nothing but torch and safetensors.
+Weights are read straight from safetensors (one file or an index of shards, listed by
+model_loader.safetensors_files); config.json is parsed here too.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from ..layers.attention import AttentionMetadata
 from ..layers.backends import TorchBackend
 from ..layers.parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
                               _check_shape, shard_heads, valid_tp_size)
+from .model_loader import safetensors_files
 
 
 @dataclass
@@ -311,7 +312,7 @@ class LlamaForCausalLM(nn.Module):
         """
         from safetensors import safe_open
 
-        files = _safetensors_files(Path(folder))
+        files = safetensors_files(Path(folder))
         loaded: set[str] = set()
         for file in files:
             try:
@@ -369,21 +370,6 @@ class LlamaForCausalLM(nn.Module):
 # HF's separate projections -> our stacked parameter holding them
 _STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
             "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-
-
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / s for s in shards]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in model folder {str(folder)!r}")
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"safetensors shard {str(f)!r} (named in the index) is missing")
-    return files
 
 
 def load_model(folder: str | os.PathLike, dtype: torch.dtype, device: torch.device,

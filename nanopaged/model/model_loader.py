@@ -47,6 +47,7 @@ __all__ = [
     "default_model_dir",
     "resolve_model",
     "check_model_dir",
+    "safetensors_files",
     "ensure_default_model",
     "fetch_default_gguf",
 ]
@@ -162,6 +163,27 @@ def check_model_dir(path: str | os.PathLike[str]) -> Path:
         if absent:
             raise FileNotFoundError(f"model folder {str(folder)!r} is missing shards listed in {index.name}: {absent}")
     return folder
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of a model folder, in reading order: the shards its
+    model.safetensors.index.json names, else every *.safetensors in it (sorted).
+
+    Raises:
+        FileNotFoundError: no weights, or a shard the index names is missing.
+    """
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / s for s in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model folder {str(folder)!r}")
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"safetensors shard {str(f)!r} (named in the index) is missing")
+    return files
 
 
 def _download_from_hub(repo_id: str) -> Path:

@@ -2,7 +2,9 @@
 
 The EngineCore calls `executor.execute_model(scheduler_output)` once a step and gets
 one ModelRunnerOutput back, whatever the number of ranks (vLLM v1's Executor,
-`vllm/v1/executor/`). Three kinds:
+`vllm/v1/executor/`). Creating one starts its workers, which load their weights; the
+EngineCore then asks them how much memory is left (`determine_available_memory`) and
+gives them their KV pools (`initialize_kv_cache`). Three kinds:
 
 - UniProcExecutor: one Worker in this process (tensor_parallel_size=1, the default).
 - MultiprocExecutor: one process per rank. Each step the SchedulerOutput is pickled
@@ -51,23 +53,33 @@ class Executor:
     """Runs the model on the workers. Subclasses give collective_rpc.
 
     Attributes:
-        num_gpu_blocks: the KV pool size the workers allocated (blocks per rank).
+        attn_backend: the attention backend the engine resolved (an object, or its
+            name for workers in other processes), handed to initialize_kv_cache.
     """
 
-    num_gpu_blocks: int
+    attn_backend: object
 
     @staticmethod
-    def create(config, model_path, model_config, num_gpu_blocks: int, num_cpu_blocks: int,
-               attn_backend) -> "Executor":
+    def create(config, model_path, model_config, attn_backend) -> "Executor":
         """The executor config.distributed_executor_backend names, its workers started
-        with KV pools of num_gpu_blocks / num_cpu_blocks blocks per rank."""
+        with their weights loaded and no KV pool yet (initialize_kv_cache makes it)."""
         kind = {"uni": UniProcExecutor, "mp": MultiprocExecutor,
                 "external_launcher": ExternalLauncherExecutor}[config.executor_backend]
-        return kind(config, model_path, model_config, num_gpu_blocks, num_cpu_blocks, attn_backend)
+        return kind(config, model_path, model_config, attn_backend)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         """Call Worker.<method>(*args) on every rank; their results in rank order."""
         raise NotImplementedError
+
+    def determine_available_memory(self) -> list[int]:
+        """Per rank, the bytes it can give its KV pool, measured with its weights loaded
+        (Worker.determine_available_memory)."""
+        return self.collective_rpc("determine_available_memory")
+
+    def initialize_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Give every rank a KV pool of num_gpu_blocks blocks and a swap pool of
+        num_cpu_blocks (Worker.initialize_kv_cache); before this, no step can run."""
+        self.collective_rpc("initialize_kv_cache", (num_gpu_blocks, num_cpu_blocks, self.attn_backend))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """One step on every rank; rank 0's ModelRunnerOutput, or None when the step has
@@ -99,11 +111,10 @@ class UniProcExecutor(Executor):
         driver_worker: the Worker (its model_runner is the engine's).
     """
 
-    def __init__(self, config, model_path, model_config, num_gpu_blocks, num_cpu_blocks, attn_backend,
+    def __init__(self, config, model_path, model_config, attn_backend,
                  rank: int = 0, world_size: int = 1, process_group=None) -> None:
+        self.attn_backend = attn_backend
         self.driver_worker = Worker(config, model_path, model_config, rank, world_size, process_group)
-        self.num_gpu_blocks = num_gpu_blocks
-        self.driver_worker.initialize_cache(num_gpu_blocks, num_cpu_blocks, attn_backend)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         return [getattr(self.driver_worker, method)(*args)]
@@ -114,14 +125,14 @@ class ExternalLauncherExecutor(UniProcExecutor):
     "external_launcher"): rank and size from torchrun's RANK and WORLD_SIZE.
 
     Every process runs the whole engine with the same inputs; anything measured (the
-    KV pool from free memory, the preemption costs) is agreed on first, so that all
+    memory left for the KV pool, the preemption costs) is agreed on first, so that all
     copies schedule the same way.
 
     Raises:
         ValueError: not under torchrun, or WORLD_SIZE != tensor_parallel_size.
     """
 
-    def __init__(self, config, model_path, model_config, num_gpu_blocks, num_cpu_blocks, attn_backend) -> None:
+    def __init__(self, config, model_path, model_config, attn_backend) -> None:
         import torch.distributed as dist
 
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -139,12 +150,18 @@ class ExternalLauncherExecutor(UniProcExecutor):
         # Leave the group before the interpreter ends (shutdown, `del llm` or exit): a
         # gloo group still alive at exit can abort the process (SIGABRT) after its work.
         self._finalizer = weakref.finalize(self, dist.destroy_process_group) if owns_group else None
+        self.group, self.device = group, device
+        super().__init__(config, model_path, model_config, attn_backend, rank, world, group)
+
+    def determine_available_memory(self) -> list[int]:
+        """The least memory any process has left (one all-reduce), so that every copy
+        of the engine sizes the same KV pool."""
+        import torch.distributed as dist
+
         # on the rank's device: an NCCL group takes CUDA tensors only
-        agreed = torch.tensor([num_gpu_blocks, num_cpu_blocks], dtype=torch.int64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-        self.group = group
-        super().__init__(config, model_path, model_config, int(agreed[0]), int(agreed[1]), attn_backend,
-                         rank, world, group)
+        agreed = torch.tensor(super().determine_available_memory(), dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        return [int(agreed[0])]
 
     def shutdown(self) -> None:
         """Leave torchrun's process group, if this executor joined it (idempotent)."""
@@ -165,16 +182,15 @@ class MultiprocExecutor(Executor):
 
     Args:
         config, model_path, model_config: the engine's.
-        num_gpu_blocks, num_cpu_blocks: KV pool sizes per rank.
         attn_backend: the backend the engine resolved; each rank builds the same by name.
 
     Raises:
         RuntimeError: a worker failed to start (its traceback is in the message).
     """
 
-    def __init__(self, config, model_path, model_config, num_gpu_blocks, num_cpu_blocks, attn_backend) -> None:
+    def __init__(self, config, model_path, model_config, attn_backend) -> None:
         self.world_size = n = config.tensor_parallel_size
-        self.num_gpu_blocks = num_gpu_blocks
+        self.attn_backend = getattr(attn_backend, "name", "torch")    # the ranks build it by name
         self.dead_reason: str | None = None
         self._dir = tempfile.mkdtemp(prefix="nanopaged-tp-")
         self.ctx = zmq.Context()
@@ -194,8 +210,7 @@ class MultiprocExecutor(Executor):
         self._call_id = 0
         threads = None if "OMP_NUM_THREADS" in os.environ else max(1, len(os.sched_getaffinity(0)) // n)
         settings = dict(config=config, model_path=str(model_path), world_size=n,
-                        init_method=f"file://{self._dir}/rendezvous", num_gpu_blocks=num_gpu_blocks,
-                        num_cpu_blocks=num_cpu_blocks, attn_backend=getattr(attn_backend, "name", "torch"),
+                        init_method=f"file://{self._dir}/rendezvous",
                         output_address=f"ipc://{self._dir}/output", num_threads=threads)
         ready = {}
         try:
@@ -355,7 +370,8 @@ class WorkerProc:
     @staticmethod
     def main() -> None:
         """Entry point of `python -c "...WorkerProc.main()"`: read the settings from
-        stdin, join the process group, load this rank's shard, say ready, serve."""
+        stdin, join the process group, load this rank's shard, say ready, serve (the
+        KV pool comes by message: initialize_kv_cache)."""
         s, ready_fd = read_settings()
         if s["num_threads"]:
             torch.set_num_threads(s["num_threads"])
@@ -368,7 +384,6 @@ class WorkerProc:
             group = init_process_group(s["rank"], s["world_size"], s["init_method"], config.torch_device)
             worker = Worker(config, s["model_path"], LlamaConfig.from_pretrained(s["model_path"]),
                             s["rank"], s["world_size"], group)
-            worker.initialize_cache(s["num_gpu_blocks"], s["num_cpu_blocks"], s["attn_backend"])
             return WorkerProc(worker, s["rank"], s["input_address"], s["output_address"], parent_pid), None
 
         proc = report_ready(ready_fd, start)

@@ -2,9 +2,9 @@
 
 The runner makes no decisions, and it never sees the scheduler's Sequence objects: all
 it knows arrived in SchedulerOutput messages (messages.py), so it could live in another
-process (vLLM v1's worker). It keeps its own record of every sequence it serves
-(`SeqState`: tokens, block table, sampling settings, random generator; vLLM v1's
-CachedRequestState / InputBatch), learns new ones in full and known ones as deltas.
+process (vLLM v1's worker). It keeps its own record of every sequence it serves in one
+InputBatch (input_batch.py: tokens, block table, sampling settings, random generator,
+penalty counts; vLLM v1's InputBatch), learns new ones in full and known ones as deltas.
 
 Each step it:
 
@@ -38,44 +38,12 @@ from dataclasses import dataclass
 import torch
 
 from ..messages import GrammarOutput, Logprobs, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
-from ..sampling_params import SamplingParams
 from ..model.llama import LlamaForCausalLM
 from ..layers.attention import AttentionMetadata
 from ..layers.backends import TorchBackend
 from ..utils.math_utils import cdiv
-from .sampler import Sampler, SamplingMetadata, apply_grammar_bitmask, compute_logprobs
-
-
-@dataclass
-class SeqState:
-    """What the runner knows of one sequence (vLLM v1's CachedRequestState).
-
-    Attributes:
-        seq_id, index: the sequence and its index in its request.
-        prompt_token_ids, output_token_ids: its tokens, as told by the scheduler.
-        sampling_params: its request's SamplingParams.
-        block_ids: its block table (physical block ids in logical order).
-        num_computed_tokens: tokens with K/V in the cache before this step.
-    """
-
-    seq_id: int
-    index: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """Token ids at positions [start, end)."""
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n):end - n]
+from .input_batch import InputBatch
+from .sampler import Sampler, apply_grammar_bitmask, compute_logprobs
 
 
 @dataclass
@@ -103,7 +71,8 @@ class ModelInput:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache and the per-sequence state; executes SchedulerOutputs.
+    """Owns the model, the KV cache and the per-sequence record (an InputBatch);
+    executes SchedulerOutputs.
 
     Args:
         model: a loaded LlamaForCausalLM.
@@ -135,12 +104,9 @@ class ModelRunner:
         self.cpu_kv_cache = torch.empty((c.num_hidden_layers, 2, num_cpu_blocks, block_size,
                                          num_kv_heads, head_size), dtype=self.dtype,
                                         pin_memory=self.device.type == "cuda")
-        self.sampler = Sampler(c.vocab_size, self.device)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.seqs: dict[int, SeqState] = {}
-        # Seeded streams outlive a SeqState: a sequence re-sent in full after a
-        # preemption goes on drawing where it was, so preemption never changes samples.
-        self.generators: dict[int, torch.Generator] = {}
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)   # rows without a seed
+        self.input_batch = InputBatch(c.vocab_size, self.device)
         self._pending = None       # (ModelInput, logits, output) of a step awaiting sample_tokens
 
     @staticmethod
@@ -155,43 +121,31 @@ class ModelRunner:
     # -- the runner's own state ---------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        """Bring the runner's record (self.seqs: seq_id -> SeqState) up to date with the
-        step's message, in this order:
+        """Bring the runner's record (self.input_batch) up to date with the step's
+        message, in this order:
 
-        1. so.finished_seq_ids: forget each one: its SeqState, its seeded generator
-           (self.generators) and its penalty counts (self.sampler.remove_sequence).
+        1. so.finished_seq_ids: forget each one: its record, its seeded generator and
+           its penalty counts (self.input_batch.remove_sequence).
         2. so.scheduled_new_reqs: sequences sent in full (first scheduled, resumed
-           after a preemption, or forked). Each becomes a fresh SeqState holding copies
-           of the message's output and block lists (the runner extends them later;
-           the message is not its to change). A seeded request's sequence gets its
-           generator (_seeded_generator) unless it has one already: a resumed one
-           draws on where it was. The sampler learns its tokens
-           (self.sampler.add_sequence).
+           after a preemption, or forked). Each becomes a fresh record
+           (self.input_batch.add_sequence: copies of the message's lists, the penalty
+           counts of its tokens; a seeded sequence keeps its generator if it has one:
+           a resumed one draws on where it was).
         3. so.scheduled_cached_reqs: the deltas of the sequences it knows (parallel
-           lists): append the new tokens; append the new block ids, or take them as
-           the whole table when block_ids_replaced; set num_computed_tokens. The
-           sampler counts every new token, in one call for the step
-           (self.sampler.append_tokens).
+           lists): append the new block ids, or take them as the whole table when
+           block_ids_replaced; set num_computed_tokens; append the new tokens, every
+           sequence's in one call for the step (self.input_batch.append_output_tokens,
+           which also counts them).
         """
         for seq_id in so.finished_seq_ids:
-            self.seqs.pop(seq_id, None)
-            self.generators.pop(seq_id, None)
-            self.sampler.remove_sequence(seq_id)
+            self.input_batch.remove_sequence(seq_id)
         for new in so.scheduled_new_reqs:
-            self.seqs[new.seq_id] = SeqState(new.seq_id, new.index, new.prompt_token_ids,
-                                             list(new.output_token_ids), new.sampling_params,
-                                             list(new.block_ids), new.num_computed_tokens)
-            seed = new.sampling_params.seed
-            if seed is not None and new.seq_id not in self.generators:
-                self.generators[new.seq_id] = self._seeded_generator(seed, new.index)
-            self.sampler.add_sequence(new.seq_id, new.sampling_params, new.prompt_token_ids,
-                                      new.output_token_ids)
+            self.input_batch.add_sequence(new)
         c = so.scheduled_cached_reqs
         appended_seqs, appended_tokens = [], []
         for seq_id, tokens, blocks, replaced, computed in zip(c.seq_ids, c.new_token_ids, c.new_block_ids,
                                                               c.block_ids_replaced, c.num_computed_tokens):
-            state = self.seqs[seq_id]
-            state.output_token_ids.extend(tokens)
+            state = self.input_batch.seqs[seq_id]
             if replaced:
                 state.block_ids = list(blocks)
             else:
@@ -200,20 +154,13 @@ class ModelRunner:
             appended_seqs += [seq_id] * len(tokens)
             appended_tokens += tokens
         if appended_tokens:
-            self.sampler.append_tokens(appended_seqs, appended_tokens)
-
-    def _seeded_generator(self, seed: int, index: int) -> torch.Generator:
-        """A seeded request's i-th sequence draws from its own stream: the first from
-        `seed` itself, the others from seeds derived from (seed, i), so the n samples
-        differ and a rerun repeats them."""
-        seed = seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
-        return torch.Generator(device=self.device).manual_seed(seed)
+            self.input_batch.append_output_tokens(appended_seqs, appended_tokens)
 
     # -- one step -------------------------------------------------------------------------------
 
     def prepare_inputs(self, so: SchedulerOutput) -> ModelInput:
         """Flatten the scheduled sequences into one batch (decode sequences first)."""
-        scheduled = [(self.seqs[i], n) for i, n in so.num_scheduled_tokens.items() if n > 0]
+        scheduled = [(self.input_batch.seqs[i], n) for i, n in so.num_scheduled_tokens.items() if n > 0]
         # Decodes first: attention batches them. A decode computes one *output* token; the
         # last token of a prompt (one left after a prefix-cache hit) is prefill, so it
         # takes the prefill path the same prompt takes without the hit (field case C36).
@@ -302,24 +249,19 @@ class ModelRunner:
         return self._sample(inp, logits, out)
 
     def _sample(self, inp: ModelInput, logits: torch.Tensor, out: ModelRunnerOutput) -> ModelRunnerOutput:
-        states = [self.seqs[i] for i in inp.sampled_seq_ids]
-        meta = SamplingMetadata.build(inp.sampled_seq_ids, [s.sampling_params for s in states],
-                                      [self.generators.get(i) for i in inp.sampled_seq_ids],
-                                      [s.output_token_ids for s in states], logits.shape[-1], self.device)
+        meta = self.input_batch.make_sampling_metadata(inp.sampled_seq_ids)
         sampled = self.sampler(logits, meta, self.generator)
         out.sampled_token_ids = dict(zip(inp.sampled_seq_ids, sampled.sampled_token_ids.tolist()))
         out.logprobs = {i: lp for i, lp in zip(inp.sampled_seq_ids, sampled.logprobs) if lp is not None}
         if self.async_scheduling:
-            for seq_id, token in out.sampled_token_ids.items():
-                self.seqs[seq_id].output_token_ids.append(token)
-            self.sampler.append_tokens(list(out.sampled_token_ids), list(out.sampled_token_ids.values()))
+            self.input_batch.append_output_tokens(list(out.sampled_token_ids), list(out.sampled_token_ids.values()))
         return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput) -> dict[int, Logprobs]:
         """Logprobs of the prompt tokens this step's hidden rows predict (raw, fp32)."""
         result = {}
         for seq_id, (row, count, start) in inp.prompt_logprob_rows.items():
-            state = self.seqs[seq_id]
+            state = self.input_batch.seqs[seq_id]
             logits = self.model.compute_logits(hidden[row:row + count]).float()
             targets = torch.tensor(state.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
             result[seq_id] = compute_logprobs(logits, targets, state.sampling_params.prompt_logprobs)

@@ -25,10 +25,9 @@ E ~ Exp(1) per token: no cumulative sum, but one random number per vocabulary en
 We measured the race at 190 ms a step for 64 rows on a 2-core AVX2 CPU (49152 draws a
 row at ~60 ns each, one thread per generator); the inverse CDF costs one cumsum.
 
-Penalties need to know which tokens a sequence has seen. Counting them anew every step
-would cost O(sequence length) Python per row, so the Sampler keeps the counts itself, as
-vLLM's InputBatch does: one row of `output_counts` (and of `prompt_mask`) per sequence
-with a penalty, updated by one scatter per step (`append_tokens`).
+The Sampler holds no per-sequence state: everything it reads arrives in the step's
+SamplingMetadata (sampling_metadata.py), the penalty rows' token counts and the seeded
+generators included; the worker's InputBatch keeps them between steps (input_batch.py).
 """
 from __future__ import annotations
 
@@ -37,154 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ..messages import Logprobs
-from ..sampling_params import SamplingParams
-
-_INITIAL_CAPACITY = 8     # rows of the counts state allocated the first time one is needed
-
-
-@dataclass
-class SamplingMetadata:
-    """Per-row sampling settings of one step, as tensors (row i = entry i of `build`).
-
-    Attributes:
-        seq_ids: the row's sequence, to find its penalty counts in the Sampler.
-        output_token_ids: the row's generated tokens so far, the caller's live lists
-            (not copies); read for min_tokens and multi-token bad words.
-        temperature: [num_rows] float32 (1.0 on greedy rows, which never use it).
-        top_p: [num_rows] float32 in (0, 1].
-        top_k: [num_rows] int64, vocab_size where there is no top-k filter.
-        greedy: [num_rows] bool.
-        all_greedy, any_greedy, any_top_p, any_top_k: shortcuts that skip whole stages.
-        generators: row index -> the request's torch.Generator (seeded requests).
-        min_p: [num_rows] float32, 0 where off; None when no sampled row uses it.
-        num_logprobs: per row, SamplingParams.logprobs (None = no logprobs).
-        logprobs_rows: rows whose num_logprobs is not None.
-        allowed_token_ids_mask: [num_rows, vocab] bool, True = not allowed; or None.
-        bad_words_single: (rows, token ids) [n] int64 each: single-token bad words; or None.
-        bad_words_multi: (row, token ids) for bad words of two tokens or more.
-        min_tokens: (row, min_tokens, ids to hold back) for rows with min_tokens > 0.
-        logit_bias: (rows, token ids, biases) [n] int64, int64, float32; or None.
-        penalty_rows: rows whose params need token counts (any penalty on).
-        repetition_penalty, frequency_penalty, presence_penalty: [len(penalty_rows)]
-            float32; None when penalty_rows is empty.
-    """
-
-    seq_ids: list[int]
-    output_token_ids: list[list[int]]
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
-    greedy: torch.Tensor
-    all_greedy: bool
-    any_greedy: bool
-    any_top_p: bool
-    any_top_k: bool
-    generators: dict[int, torch.Generator]
-    min_p: torch.Tensor | None
-    num_logprobs: list[int | None]
-    logprobs_rows: list[int]
-    allowed_token_ids_mask: torch.Tensor | None
-    bad_words_single: tuple[torch.Tensor, torch.Tensor] | None
-    bad_words_multi: list[tuple[int, list[int]]]
-    min_tokens: list[tuple[int, int, list[int]]]
-    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    penalty_rows: list[int]
-    repetition_penalty: torch.Tensor | None
-    frequency_penalty: torch.Tensor | None
-    presence_penalty: torch.Tensor | None
-
-    @classmethod
-    def build(cls, seq_ids: list[int], params: list[SamplingParams],
-              generators: list[torch.Generator | None], output_token_ids: list[list[int]],
-              vocab_size: int, device: torch.device) -> "SamplingMetadata":
-        """One row per entry of the four (parallel) lists; generators[i] is None for an
-        unseeded row. O(rows) Python plus the size of the rows' token-id settings
-        (measured, 128 greedy rows, vocab 49152, CPU, one thread: 140 us, against 110 us
-        for the build that knew only temperature, top-p and top-k).
-
-        Raises:
-            ValueError: lists of different lengths, or a row with bad_words whose
-                params did not go through SamplingParams.update_from_tokenizer.
-        """
-        n = len(params)
-        if not len(seq_ids) == len(generators) == len(output_token_ids) == n:
-            raise ValueError("SamplingMetadata.build: seq_ids, params, generators and "
-                             "output_token_ids must have one entry per row")
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        # One pass over the rows; a row that uses none of the optional stages only
-        # contributes its temperature, top-p, top-k and greedy flag.
-        temperature, top_k, greedy, min_p = [], [], [], []
-        logprobs_rows, penalty_rows, min_tokens, multi = [], [], [], []
-        allowed_rows, allowed_ids, single_rows, single_ids, bias = [], [], [], [], []
-        for i, p in enumerate(params):
-            g = p.greedy
-            greedy.append(g)
-            temperature.append(1.0 if g else p.temperature)
-            top_k.append(vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size))
-            min_p.append(0.0 if g else p.min_p)
-            if p.logprobs is not None:
-                logprobs_rows.append(i)
-            if p.needs_token_counts:
-                penalty_rows.append(i)
-            if p.min_tokens > 0 and p._all_stop_token_ids:
-                min_tokens.append((i, p.min_tokens, sorted(p._all_stop_token_ids)))
-            if p.allowed_token_ids:
-                allowed_rows.append(i)
-                allowed_ids.extend(p.allowed_token_ids)
-            if p.logit_bias:
-                bias.extend((i, t, b) for t, b in p.logit_bias.items())
-            if p.bad_words:
-                if p._bad_words_token_ids is None:
-                    raise ValueError(f"row {i} has bad_words {p.bad_words!r} but no token ids: "
-                                     "call SamplingParams.update_from_tokenizer first")
-                for ids in p._bad_words_token_ids:
-                    if len(ids) == 1:
-                        single_rows.append(i)
-                        single_ids.append(ids[0])
-                    else:
-                        multi.append((i, ids))
-
-        allowed_mask = None
-        if allowed_rows:
-            allowed_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
-            allowed_mask[allowed_rows] = True
-            rows = [i for i in allowed_rows for _ in params[i].allowed_token_ids]
-            allowed_mask[tensor(rows, torch.int64), tensor(allowed_ids, torch.int64)] = False
-
-        def penalty(name):
-            return tensor([getattr(params[i], name) for i in penalty_rows], torch.float32) \
-                if penalty_rows else None
-
-        return cls(
-            seq_ids=list(seq_ids),
-            output_token_ids=list(output_token_ids),      # the list of lists; each stays live
-            temperature=tensor(temperature, torch.float32),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            top_k=tensor(top_k, torch.int64),
-            greedy=tensor(greedy, torch.bool),
-            all_greedy=all(greedy), any_greedy=any(greedy),
-            any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
-            any_top_k=any(k < vocab_size and not g for k, g in zip(top_k, greedy)),
-            generators={i: g for i, g in enumerate(generators) if g is not None},
-            min_p=tensor(min_p, torch.float32) if any(min_p) else None,
-            num_logprobs=[p.logprobs for p in params],
-            logprobs_rows=logprobs_rows,
-            allowed_token_ids_mask=allowed_mask,
-            bad_words_single=(tensor(single_rows, torch.int64), tensor(single_ids, torch.int64))
-            if single_rows else None,
-            bad_words_multi=multi,
-            min_tokens=min_tokens,
-            logit_bias=(tensor([r for r, _, _ in bias], torch.int64),
-                        tensor([t for _, t, _ in bias], torch.int64),
-                        tensor([b for _, _, b in bias], torch.float32)) if bias else None,
-            penalty_rows=penalty_rows,
-            repetition_penalty=penalty("repetition_penalty"),
-            frequency_penalty=penalty("frequency_penalty"),
-            presence_penalty=penalty("presence_penalty"),
-        )
+from .sampling_metadata import SamplingMetadata
 
 
 @dataclass
@@ -316,84 +168,8 @@ def _filter_sorted(values: torch.Tensor, top_k: torch.Tensor | None, top_p: torc
 
 
 class Sampler:
-    """Samples one token per row (see the module docstring), and keeps the token counts
-    of the sequences that have a penalty.
-
-    Counts state: `output_counts` [capacity, vocab] int32 and `prompt_mask` [capacity,
-    vocab] bool, one row per sequence with a penalty (`_rows`: seq_id -> row), allocated
-    on first need and doubled when full; freed rows are reused.
-    """
-
-    def __init__(self, vocab_size: int, device: torch.device):
-        self.vocab_size = vocab_size
-        self.device = torch.device(device)
-        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)
-        self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
-        self._rows: dict[int, int] = {}
-        self._free: list[int] = []
-
-    # -- the counts state -----------------------------------------------------------------
-
-    def add_sequence(self, seq_id: int, params: SamplingParams, prompt_token_ids: list[int],
-                     output_token_ids: list[int]) -> None:
-        """(Re)set `seq_id`'s counts from its prompt and output so far. Nothing is kept
-        (or allocated) unless params.needs_token_counts."""
-        self.remove_sequence(seq_id)
-        if not params.needs_token_counts:
-            return
-        prompt, output = self._ids(prompt_token_ids), self._ids(output_token_ids)
-        if not self._free:
-            self._grow()
-        row = self._rows[seq_id] = self._free.pop()
-        self.prompt_mask[row] = False
-        self.output_counts[row] = 0
-        self.prompt_mask[row, prompt] = True
-        self.output_counts[row].scatter_add_(
-            0, output, torch.ones(len(output_token_ids), dtype=torch.int32, device=self.device))
-
-    def append_tokens(self, seq_ids: list[int], token_ids: list[int]) -> None:
-        """Count new output tokens: token_ids[i] was generated by seq_ids[i] (flat,
-        parallel lists; a sequence may appear more than once). Sequences without counts
-        are skipped. One scatter_add_ for the whole step."""
-        if len(seq_ids) != len(token_ids):
-            raise ValueError(f"append_tokens: {len(seq_ids)} seq_ids but {len(token_ids)} token_ids")
-        flat = []                                # indices into output_counts.view(-1)
-        for seq_id, t in zip(seq_ids, token_ids):
-            row = self._rows.get(seq_id)
-            if row is not None:
-                self._check_id(t)
-                flat.append(row * self.vocab_size + t)
-        if flat:
-            self.output_counts.view(-1).scatter_add_(
-                0, torch.tensor(flat, dtype=torch.int64, device=self.device),
-                torch.ones(len(flat), dtype=torch.int32, device=self.device))
-
-    def remove_sequence(self, seq_id: int) -> None:
-        """Forget `seq_id`'s counts and free its row (a no-op if it has none)."""
-        row = self._rows.pop(seq_id, None)
-        if row is not None:
-            self._free.append(row)
-
-    def _grow(self) -> None:
-        old = self.output_counts.shape[0]
-        new = max(_INITIAL_CAPACITY, 2 * old)
-        counts = torch.zeros(new, self.vocab_size, dtype=torch.int32, device=self.device)
-        mask = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
-        counts[:old], mask[:old] = self.output_counts, self.prompt_mask
-        self.output_counts, self.prompt_mask = counts, mask
-        self._free.extend(range(new - 1, old - 1, -1))     # pop() hands out the lowest first
-
-    def _check_id(self, t: int) -> None:
-        # a flat index past the vocabulary would silently count into the next row
-        if not 0 <= t < self.vocab_size:
-            raise ValueError(f"token id {t} outside the vocabulary [0, {self.vocab_size})")
-
-    def _ids(self, token_ids: list[int]) -> torch.Tensor:
-        for t in token_ids:
-            self._check_id(t)
-        return torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-
-    # -- one step -------------------------------------------------------------------------
+    """Samples one token per row (see the module docstring). Stateless: a step's
+    logits and its SamplingMetadata in, tokens out (vLLM v1's Sampler)."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
                  generator: torch.Generator) -> SamplerOutput:
@@ -401,8 +177,7 @@ class Sampler:
 
         `generator` is the engine's, used by rows without their own. Logprobs are vLLM's
         default logprobs_mode "raw_logprobs": the log_softmax of the logits as the model
-        produced them, before any processor, penalty, temperature or filter. The counts
-        of penalty rows must be up to date (append_tokens after every step).
+        produced them, before any processor, penalty, temperature or filter.
         """
         logits = logits.float()
         raw_logprobs = None
@@ -442,13 +217,7 @@ class Sampler:
             rows, ids, bias = meta.logit_bias
             logits.index_put_((rows, ids), bias, accumulate=True)
         if meta.penalty_rows:
-            missing = [meta.seq_ids[i] for i in meta.penalty_rows if meta.seq_ids[i] not in self._rows]
-            if missing:
-                raise RuntimeError(f"sequences {missing} have penalties but no token counts: "
-                               "call Sampler.add_sequence first")
-            state = torch.tensor([self._rows[meta.seq_ids[i]] for i in meta.penalty_rows],
-                                 device=self.device)
-            args = (self.prompt_mask[state], self.output_counts[state], meta.repetition_penalty,
+            args = (meta.prompt_mask, meta.output_counts, meta.repetition_penalty,
                     meta.frequency_penalty, meta.presence_penalty)
             if len(meta.penalty_rows) == logits.shape[0]:      # every row: no gather, no scatter
                 return apply_penalties(logits, *args)

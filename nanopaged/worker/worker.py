@@ -10,8 +10,11 @@ per layer, one all-reduce for the embedding, one all-gather for the logits. Ever
 then samples with the same generators from the same gathered logits, so every rank
 knows the sampled tokens without another message (chapter 17 says why we chose this).
 
-The worker decides nothing: block copies, swaps and the KV budget come from the
-EngineCore (executor.py carries them here).
+The worker decides nothing: block copies and swaps come from the EngineCore
+(executor.py carries them here). At start it loads its shard, then measures what memory
+is left for its KV pool (`determine_available_memory`, with its weights on the device);
+the EngineCore takes the smallest answer over the ranks and tells every rank the pool
+size (`initialize_kv_cache`), as vLLM v1's EngineCore._initialize_kv_caches does.
 vLLM: `vllm/v1/worker/gpu_worker.py`, `cpu_worker.py`.
 """
 from __future__ import annotations
@@ -31,6 +34,9 @@ from .model_runner import ModelRunner
 # Seconds a collective may wait for the other ranks before it raises (gloo and NCCL):
 # a rank that died or hangs turns into an error here, not an endless wait.
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("NANOPAGED_COLLECTIVE_TIMEOUT_S", "60"))
+
+_DEFAULT_CPU_KV_BYTES = 1 << 30          # 1 GiB, at most 25% of free memory (see config.py)
+_CUDA_KV_FRACTION = 0.9                  # of the device memory left free by the weights
 
 
 def init_process_group(rank: int, world_size: int, init_method: str, device: torch.device):
@@ -70,17 +76,33 @@ class Worker:
         self.device = device
         self.tp = TPGroup(rank, world_size, process_group)
         self.model = load_model(model_path, config.torch_dtype, device, config.max_model_len, self.tp)
-        self.model_runner: ModelRunner | None = None       # made by initialize_cache
+        self.model_runner: ModelRunner | None = None       # made by initialize_kv_cache
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one KV block takes on this rank (its KV heads only), all layers, K and V."""
         return ModelRunner.kv_cache_bytes_per_block(self.model.config, self.config.block_size,
                                                     self.config.torch_dtype, self.model.num_local_kv_heads)
 
-    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int,
-                         attn_backend: TorchBackend | str) -> None:
-        """Allocate this rank's KV cache and swap pool and build its ModelRunner.
-        `attn_backend`: a backend object, or the name of one the engine resolved."""
+    def determine_available_memory(self) -> int:
+        """Bytes this rank can give its KV pool, measured now that its weights are on
+        the device (vLLM v1's Worker.determine_available_memory): config's
+        kv_cache_memory_bytes when set; else on CUDA 90% of the device's free memory
+        (after torch's cache of freed blocks is emptied), on the CPU min(1 GiB, 25% of
+        the host's available memory)."""
+        if self.config.kv_cache_memory_bytes is not None:
+            return self.config.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * _CUDA_KV_FRACTION)
+        return min(_DEFAULT_CPU_KV_BYTES, _free_host_memory() // 4)
+
+    def initialize_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int,
+                            attn_backend: TorchBackend | str) -> None:
+        """Allocate this rank's KV cache (num_gpu_blocks blocks, the size the EngineCore
+        chose from every rank's determine_available_memory) and swap pool, and build its
+        ModelRunner. `attn_backend`: a backend object, or the name of one the engine
+        resolved."""
         if isinstance(attn_backend, str):
             attn_backend = get_attn_backend(attn_backend, self.device)
         self.model_runner = ModelRunner(self.model, num_gpu_blocks, self.config.block_size, self.config.seed,
@@ -117,3 +139,15 @@ class Worker:
     def get_comm_stats(self) -> dict[str, float]:
         """Seconds and count of this rank's collectives so far (the bench)."""
         return {"comm_seconds": self.tp.comm_seconds, "num_collectives": self.tp.num_collectives}
+
+
+def _free_host_memory() -> int:
+    """MemAvailable from /proc/meminfo in bytes (8 GiB if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30

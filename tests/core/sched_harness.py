@@ -11,6 +11,7 @@ scheduler what an engine would.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from invariants import EventReplay, check_block_invariants
 from nanopaged.core.block_manager import BlockManager
@@ -38,6 +39,8 @@ class RunnerRecord:
 
     def __init__(self) -> None:
         self.seqs: dict[int, SeqRecord] = {}
+        # where check_runner_state reads a ModelRunner's records (its InputBatch's seqs)
+        self.input_batch = SimpleNamespace(seqs=self.seqs)
 
     def update(self, so: SchedulerOutput) -> None:
         for seq_id in so.finished_seq_ids:

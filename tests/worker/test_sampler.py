@@ -6,8 +6,10 @@ import torch
 
 from nanopaged import SamplingParams
 from nanopaged.messages import Logprobs
-from nanopaged.worker.sampler import (Sampler, SamplerOutput, SamplingMetadata, apply_min_p,
-                               apply_top_k_top_p, compute_logprobs)
+from nanopaged.messages import NewRequestData
+from nanopaged.worker.input_batch import InputBatch
+from nanopaged.worker.sampler import Sampler, SamplerOutput, apply_min_p, apply_top_k_top_p, compute_logprobs
+from nanopaged.worker.sampling_metadata import SamplingMetadata
 from nanopaged.sampling_params import RequestOutputKind
 
 CPU = torch.device("cpu")
@@ -18,34 +20,40 @@ def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def build(params, vocab, outputs=None, generators=None, seq_ids=None):
+def build(params, vocab, outputs=None, generators=None, batch=None):
+    """The metadata of rows `params`; from `batch` (row i = its sequence i, with its
+    token counts) when given."""
     n = len(params)
-    return SamplingMetadata.build(seq_ids or list(range(n)), params, generators or [None] * n,
-                                  outputs or [[] for _ in range(n)], vocab, CPU)
+    if batch is not None:
+        return batch.make_sampling_metadata(list(range(n)))
+    return SamplingMetadata.build(params, generators or [None] * n, outputs or [[] for _ in range(n)], vocab, CPU)
 
 
-def run(logits, params, generators=None, seed=0, outputs=None, sampler=None) -> SamplerOutput:
-    sampler = sampler or Sampler(logits.shape[-1], CPU)
-    meta = build(params, logits.shape[-1], outputs, generators)
-    return sampler(logits, meta, torch.Generator().manual_seed(seed))
+def run(logits, params, generators=None, seed=0, outputs=None, batch=None) -> SamplerOutput:
+    meta = build(params, logits.shape[-1], outputs, generators, batch)
+    return Sampler()(logits, meta, torch.Generator().manual_seed(seed))
 
 
-def sample(logits, params, generators=None, seed=0, outputs=None, sampler=None):
-    return run(logits, params, generators, seed, outputs, sampler).sampled_token_ids
+def sample(logits, params, generators=None, seed=0, outputs=None, batch=None):
+    return run(logits, params, generators, seed, outputs, batch).sampled_token_ids
 
 
-def processed(logits, params, outputs=None, sampler=None):
+def processed(logits, params, outputs=None, batch=None):
     """The logits after stages 2-3 (masks, bias, penalties)."""
-    sampler = sampler or Sampler(logits.shape[-1], CPU)
-    return sampler.apply_logits_processors(logits, build(params, logits.shape[-1], outputs))
+    return Sampler().apply_logits_processors(logits, build(params, logits.shape[-1], outputs, batch=batch))
+
+
+def new_seq(seq_id, params, prompt, output=()):
+    """The message that makes the worker learn a sequence in full."""
+    return NewRequestData(seq_id, 0, list(prompt), list(output), params, [], 0)
 
 
 def with_counts(params, prompts, outputs, vocab):
-    """A Sampler that knows row i's prompt and output (seq_id i)."""
-    sampler = Sampler(vocab, CPU)
+    """An InputBatch that knows row i's prompt and output (seq_id i)."""
+    batch = InputBatch(vocab, CPU)
     for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs)):
-        sampler.add_sequence(i, p, prompt, out)
-    return sampler
+        batch.add_sequence(new_seq(i, p, prompt, out))
+    return batch
 
 
 # -- SamplingParams ----------------------------------------------------------------------
@@ -341,7 +349,7 @@ def test_multi_token_bad_word_bans_its_last_token_only_after_its_prefix(output, 
 
 def test_bad_word_metadata_reads_the_live_output_list():
     output, logits = [9], randn(1, 10, seed=11)
-    sampler, meta = Sampler(10, CPU), build([prepared(bad_words=["bc"])], 10, outputs=[output])
+    sampler, meta = Sampler(), build([prepared(bad_words=["bc"])], 10, outputs=[output])
     assert torch.isfinite(sampler.apply_logits_processors(logits, meta)).all()
     output.append(1)                                   # the runner appends; meta sees it
     assert sampler.apply_logits_processors(logits, meta)[0, 2] == NEG_INF
@@ -425,61 +433,13 @@ def test_penalties_match_a_per_row_reference_on_random_logits():
 def test_penalties_apply_to_greedy_rows():
     logits = torch.tensor([[3.0, 2.0, 0.0]])
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
-    sampler = with_counts([p], [[0]], [[]], 3)
-    assert sample(logits, [p], sampler=sampler).item() == 1      # 3 / 2 < 2
+    batch = with_counts([p], [[0]], [[]], 3)
+    assert sample(logits, [p], batch=batch).item() == 1      # 3 / 2 < 2
 
 
 def test_penalty_row_without_counts_is_an_error():
-    with pytest.raises(RuntimeError, match="add_sequence"):
+    with pytest.raises(ValueError, match="no token counts"):
         sample(torch.zeros(1, 5), [SamplingParams(presence_penalty=1.0)])
-
-
-# -- the counts state --------------------------------------------------------------------
-
-def test_sequence_without_penalties_allocates_no_counts():
-    sampler = Sampler(100, CPU)
-    sampler.add_sequence(1, SamplingParams(), [1, 2], [3])
-    assert sampler.output_counts.shape == (0, 100) and not sampler._rows
-
-
-def test_counts_follow_add_append_and_remove():
-    sampler, p = Sampler(10, CPU), SamplingParams(repetition_penalty=1.1)
-    sampler.add_sequence(7, p, [1, 2, 2], [3])
-    sampler.append_tokens([7, 99, 7], [3, 5, 4])        # 99 has no counts: skipped
-    row = sampler._rows[7]
-    assert sampler.output_counts[row].tolist() == [0, 0, 0, 2, 1, 0, 0, 0, 0, 0]
-    assert sampler.prompt_mask[row].nonzero().flatten().tolist() == [1, 2]
-    sampler.remove_sequence(7)
-    sampler.add_sequence(8, p, [9], [])                 # reuses the freed row, cleared
-    assert sampler._rows == {8: row} and sampler.output_counts[row].sum() == 0
-    assert sampler.prompt_mask[row].nonzero().flatten().tolist() == [9]
-
-
-def test_add_sequence_resets_a_known_sequence():
-    sampler, p = Sampler(10, CPU), SamplingParams(frequency_penalty=1.0)
-    sampler.add_sequence(1, p, [1], [2, 2])
-    sampler.add_sequence(1, p, [3], [4])                # e.g. after a preemption
-    row = sampler._rows[1]
-    assert sampler.output_counts[row, [2, 4]].tolist() == [0, 1] and not sampler.prompt_mask[row, 1]
-    sampler.add_sequence(1, SamplingParams(), [3], [4])  # no penalty any more: forgotten
-    assert not sampler._rows
-
-
-def test_counts_grow_by_doubling_and_keep_existing_rows():
-    sampler, p = Sampler(10, CPU), SamplingParams(presence_penalty=0.5)
-    for s in range(9):
-        sampler.add_sequence(s, p, [s], [s, s])
-    assert sampler.output_counts.shape == (16, 10) and len(sampler._free) == 7
-    for s in range(9):
-        row = sampler._rows[s]
-        assert sampler.output_counts[row, s] == 2 and sampler.prompt_mask[row].nonzero().tolist() == [[s]]
-
-
-def test_append_tokens_rejects_an_id_outside_the_vocabulary():
-    sampler = Sampler(10, CPU)
-    sampler.add_sequence(0, SamplingParams(presence_penalty=0.5), [], [])
-    with pytest.raises(ValueError, match="10"):
-        sampler.append_tokens([0], [10])
 
 
 # -- logprobs ----------------------------------------------------------------------------
@@ -507,8 +467,8 @@ def test_sampler_returns_raw_logprobs_only_for_rows_that_ask():
     logits = randn(3, 30, seed=19)
     params = [SamplingParams(temperature=0, logprobs=2, repetition_penalty=3.0),
               SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=0)]
-    sampler = with_counts(params, [list(range(30))] * 3, [[]] * 3, 30)
-    out = run(logits, params, sampler=sampler)
+    batch = with_counts(params, [list(range(30))] * 3, [[]] * 3, 30)
+    out = run(logits, params, batch=batch)
     assert out.logprobs[1] is None
     for i, k in [(0, 2), (2, 0)]:
         expected = compute_logprobs(logits[i:i + 1], out.sampled_token_ids[i:i + 1], k)
@@ -525,20 +485,18 @@ TRANSITIONS = randn(VOCAB, VOCAB, seed=20) * 2          # a toy "model": logits 
 
 def generate(requests, steps=12):
     """Decode all `requests` (params, prompt) together for `steps` steps, the way the
-    runner will: add_sequence once, then sample and append_tokens each step."""
-    sampler, outputs = Sampler(VOCAB, CPU), [[] for _ in requests]
-    gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p, _ in requests]
+    runner does: add_sequence once, then sample and append_output_tokens each step."""
+    batch, sampler = InputBatch(VOCAB, CPU), Sampler()
     engine_gen = torch.Generator().manual_seed(0)
     for i, (p, prompt) in enumerate(requests):
-        sampler.add_sequence(100 + i, p, prompt, [])
+        batch.add_sequence(new_seq(100 + i, p, prompt))
     seq_ids = [100 + i for i in range(len(requests))]
+    outputs = [batch.seqs[i].output_token_ids for i in seq_ids]
     for _ in range(steps):
         last = [(out or prompt)[-1] for out, (_, prompt) in zip(outputs, requests)]
-        meta = SamplingMetadata.build(seq_ids, [p for p, _ in requests], gens, outputs, VOCAB, CPU)
+        meta = batch.make_sampling_metadata(seq_ids)
         tokens = sampler(TRANSITIONS[last], meta, engine_gen).sampled_token_ids.tolist()
-        for out, t in zip(outputs, tokens):
-            out.append(t)
-        sampler.append_tokens(seq_ids, tokens)
+        batch.append_output_tokens(seq_ids, tokens)
     return outputs
 
 
