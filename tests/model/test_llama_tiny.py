@@ -6,38 +6,9 @@ block tables), so these tests also pin the attention op for prefill and decode.
 import pytest
 import torch
 
-from nanopaged.layers.attention import AttentionMetadata
-from nanopaged.core.block_table import BlockTable
 from nanopaged.model.llama import LlamaConfig, load_model, rope_inv_freq
 
-from conftest import make_tiny_llama
-
-
-def paged_logits(model, tokens: list[int], block_size: int, prefill: int) -> torch.Tensor:
-    """Logits for every position: prefill the first `prefill` tokens in one pass, then
-    feed the rest one token at a time (decode), reading K/V through a block table
-    whose physical blocks are deliberately scattered (reversed)."""
-    c = model.config
-    num_blocks = -(-len(tokens) // block_size) + 2
-    kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, block_size, model.num_local_kv_heads, c.head_dim)
-    table = BlockTable(block_size)
-    for b in reversed(range(num_blocks)):
-        table.append_block(b)
-    logits = []
-
-    def run(start, end):
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(table.slots(start, end)),
-            block_tables=torch.tensor([table.block_ids]), seq_lens=torch.tensor([end]),
-            query_start_loc=torch.tensor([0, end - start]), num_decodes=int(end - start == 1),
-            seq_lens_list=[end], query_start_loc_list=[0, end - start])
-        h = model(torch.tensor(tokens[start:end]), torch.arange(start, end), kv, meta)
-        logits.append(model.compute_logits(h))
-
-    run(0, prefill)
-    for p in range(prefill, len(tokens)):
-        run(p, p + 1)
-    return torch.cat(logits)
+from conftest import make_tiny_llama, paged_logits
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

@@ -27,8 +27,7 @@ from nanopaged.utils.proc import EngineDeadError
 from nanopaged.model.llama import load_model
 from nanopaged.layers.parallel import TPGroup, shard_heads
 
-from conftest import make_tiny_llama
-from test_llama_tiny import paged_logits
+from conftest import make_tiny_llama, paged_logits
 
 pytestmark = pytest.mark.timeout(300)
 
