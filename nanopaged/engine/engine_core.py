@@ -142,6 +142,12 @@ class EngineCore:
         num_cpu_blocks = (c.num_cpu_blocks if c.num_cpu_blocks is not None
                           else min(int(c.swap_space * (1 << 30)) // size for size in per_block))
         self.executor.initialize_kv_cache(num_gpu_blocks, num_cpu_blocks)
+        kernel = {"torch": "the PyTorch reference", "cpu": "the C++ CPU kernel", "cuda": "the CUDA kernel"}
+        size = num_gpu_blocks * per_block[0]
+        logger.info("KV cache: %d blocks of %d tokens (%s%s), swap pool %d blocks; dtype %s, attention: %s",
+                    num_gpu_blocks, c.block_size, f"{size / 2**30:.2f} GiB" if size >= 2**30 else
+                    f"{size / 2**20:.1f} MiB", " per rank" if len(per_block) > 1 else "", num_cpu_blocks,
+                    c.dtype, kernel.get(self.attn_backend.name, self.attn_backend.name))
         return num_gpu_blocks, num_cpu_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:

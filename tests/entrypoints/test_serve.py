@@ -419,8 +419,18 @@ def test_sigterm_with_a_stream_in_flight_stops_the_core_and_exits_0(tiny_model_d
     served: the server exits with status 0, its EngineCore process is gone, and so is the
     core's ipc folder. uvicorn raises the signal again after its graceful end; with the
     default action the process died there (status -15) before shutting the core down."""
-    server = Server(tiny_model_dir, *TINY_ARGS)
+    server = Server(tiny_model_dir, *TINY_ARGS, "--log-level", "info")
     try:
+        ready = f"ready on http://127.0.0.1:{server.port}"
+        deadline = time.monotonic() + 10
+        while True:                      # progress from both processes, "ready" once it listens
+            server.log.seek(0)
+            said = server.log.read()
+            if ready in said or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert "KV cache: 256 blocks of 4 tokens" in said and "attention: the PyTorch reference" in said, said
+        assert ready in said and said.index("KV cache:") < said.index(ready), said
         children = server.children()
         assert children, "no EngineCore process"
         assert [p for p in os.listdir(server.tmpdir) if p.startswith("nanopaged-")], "no ipc folder"
