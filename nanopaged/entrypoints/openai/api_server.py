@@ -285,6 +285,8 @@ async def serve(args: argparse.Namespace) -> None:
     own = {"model", "host", "port", "api_key", "served_model_name", "max_body_bytes", "log_level",
            "health_timeout"}
     engine_args = {k: v for k, v in vars(args).items() if k not in own}
+    logger.info("starting the engine for %s (the HTTP server starts once it is ready)",
+                args.model or f"the default model {DEFAULT_MODEL_NAME}")
     engine = AsyncLLM(model=args.model, **engine_args)
     try:
         name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
