@@ -24,7 +24,7 @@ import logging
 from collections import deque
 
 from ..events import RequestAdded, RequestFinished
-from ..messages import EngineCoreRequest
+from ..messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from ..utils.math_utils import cdiv
 from .beam_search import BeamState
 from .block_manager import BlockManager
@@ -159,3 +159,17 @@ class RequestQueues:
         for seq in group.seqs:
             self._finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
         self._finished_in_schedule.append(group)
+
+    def _remove_finished(self, seq_ids, result: EngineCoreOutputs) -> None:
+        """After a step: the requests _finish_too_long finished in schedule() (an output
+        per sequence, finish_reason "length"), and those of seq_ids' requests whose
+        sequences have all finished, leave the books; their ids go into
+        result.finished_requests."""
+        for group in self._finished_in_schedule:
+            result.outputs += [EngineCoreOutput(group.request_id, s.index, [], finish_reason=FinishReason.LENGTH)
+                               for s in group.seqs]
+        self._finished_in_schedule, done = [], self._finished_in_schedule
+        for group in done + [self._seqs[i][1] for i in seq_ids if i in self._seqs]:
+            if group.request_id in self.requests and group.is_finished():
+                self._remove(group)
+                result.finished_requests.add(group.request_id)

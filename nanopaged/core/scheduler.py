@@ -51,7 +51,8 @@ from .structured_output import StructuredOutputManager
 
 class Scheduler(RequestQueues):
     """FCFS continuous-batching scheduler with a token budget, chunked prefill and
-    preemption by swap or recompute; the owner of every Sequence and block change.
+    preemption by swap or recompute; the owner of every Sequence and block change. Its
+    queues and the requests' coming and going are its base, RequestQueues.
 
     Args:
         block_manager: the device pool's BlockManager.
@@ -367,15 +368,7 @@ class Scheduler(RequestQueues):
             self._append_token(seq, group, token, runner_output, result)
         for group in beam_groups.values():
             self._beam_step(group, runner_output, result)
-        for group in self._finished_in_schedule:
-            result.outputs += [EngineCoreOutput(group.request_id, s.index, [], finish_reason=FinishReason.LENGTH)
-                               for s in group.seqs]
-        self._finished_in_schedule, done = [], self._finished_in_schedule
-        for group in done + [self._seqs[o][1] for o in scheduler_output.num_scheduled_tokens
-                             if o in self._seqs]:
-            if group.request_id in self.requests and group.is_finished():
-                self._remove(group)
-                result.finished_requests.add(group.request_id)
+        self._remove_finished(scheduler_output.num_scheduled_tokens, result)
         return result
 
     def _computed(self, seq: Sequence, group: SequenceGroup, start: int, n: int,

@@ -51,7 +51,7 @@ def _holding(bm, seq_id, num_tokens, block_ids):
             del bm.free_block_ids[b]
         bm.ref_count[b] += 1
         seq.block_table.append_block(b)
-    seq.block_table.num_tokens = seq.num_computed_tokens = num_tokens
+    seq.num_computed_tokens = num_tokens
     return seq
 
 
