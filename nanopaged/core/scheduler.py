@@ -348,6 +348,12 @@ class Scheduler(RequestQueues):
         for seq_id, n in scheduler_output.num_scheduled_tokens.items():
             if n and seq_id in self._seqs:
                 self._computed(*self._seqs[seq_id], starts[seq_id], n, runner_output, result)
+        for seq_id, parent in scheduler_output.sample_from.items():
+            # prefill done: the other n - 1 fork it, before any token is appended (its
+            # own first token may finish it, and a finished sequence holds no blocks)
+            if seq_id in self._seqs and seq_id in runner_output.sampled_token_ids \
+                    and not self._seqs[seq_id][0].status.is_finished:
+                self._fork(self._seqs[parent][0], self._seqs[seq_id][0])
         beam_groups = {}
         for seq_id, token in runner_output.sampled_token_ids.items():
             if seq_id not in self._seqs:
@@ -359,9 +365,6 @@ class Scheduler(RequestQueues):
                 # async: it stopped (eos, stop string, a sibling's abort...) after this
                 # step was scheduled: the extra token is discarded, never appended
                 continue
-            parent = scheduler_output.sample_from.get(seq_id)
-            if parent is not None:            # prefill done: the other n - 1 fork it
-                self._fork(self._seqs[parent][0], seq)
             if group.beam_state is not None:
                 beam_groups[group.request_id] = group
                 continue                      # beams advance together, below

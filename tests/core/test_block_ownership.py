@@ -113,3 +113,22 @@ def test_a_swapped_sequence_holds_cpu_ids_and_frees_them_to_the_cpu_pool():
     assert bm.cpu_ref_count == [0, 0, 0, 0] and sorted(bm.free_cpu_block_ids) == [0, 1, 2, 3]
     assert bm.ref_count == [1, 1, 0, 1] and h.free_blocks() == 1
     h.check()
+
+
+def test_the_samples_fork_before_the_first_one_can_finish():
+    """n=2 on a 6-token prompt; the first sample's first token is a stop token, so it
+    finishes in the very step that completes the prompt, and its blocks are freed. The
+    second forks the prompt's blocks before any token is appended (a fork after the
+    free would copy an empty table while counting 6 tokens computed, and its next
+    step would attend to K/V nobody wrote): it keeps blocks 0 and 1, and its next
+    step writes position 6 in place."""
+    h = Harness(num_gpu_blocks=4, max_model_len=64)
+    h.add("A", tokens(1, 6), max_tokens=4, n=2, stop_token_ids=[99])
+    a0, a1 = h.seq("A", 0), h.seq("A", 1)
+    h.step({"A": 99, "A/1": 201})
+    assert a0.status == SequenceStatus.FINISHED_STOPPED and a0.block_table.block_ids == []
+    assert (a1.block_table.block_ids, a1.num_computed_tokens) == ([0, 1], 6)
+    assert h.block_manager.ref_count == [1, 1, 0, 0]
+    so, _ = h.step({"A/1": 202})
+    assert h.scheduled(so) == {"A/1": 1} and so.blocks_to_copy == []
+    assert a1.block_table.block_ids == [0, 1] and a1.num_computed_tokens == 7
