@@ -19,12 +19,8 @@ def bench_memory_utilization(model, dtype) -> None:
         def _blocks_to_take(self, seq_group, computed, first_end):
             return -(-self.reserve_tokens // self.block_size)
 
-        def append_slots(self, seq, end=None):
-            copies = super().append_slots(seq, end)
-            table = seq.block_table
-            while len(table) < table.num_blocks_for(self.reserve_tokens):
-                table.append_block(self._allocate_block())
-            return copies
+        def _append_blocks(self, seq, end):
+            super()._append_blocks(seq, max(end, self.reserve_tokens))
 
     prompts, out_lens = workload(32, 40000, seed=4)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]

@@ -29,14 +29,9 @@ def check_block_invariants(engine) -> None:
     for group in list(sched.waiting) + list(sched.running) + list(sched.swapped):
         for seq in group.seqs:
             table = seq.block_table
-            (held_cpu if table.on_cpu else held).update(table.block_ids)
-            assert table.on_cpu == (seq.status == SequenceStatus.SWAPPED) or not table.block_ids, seq
-            if seq.status == SequenceStatus.RUNNING:
+            (held_cpu if seq.is_swapped else held).update(table.block_ids)
+            if seq.status in (SequenceStatus.RUNNING, SequenceStatus.SWAPPED):
                 # L tokens with K/V in the pool hold exactly ceil(L / block_size) blocks
-                assert table.num_tokens == seq.num_computed_tokens, (seq, table)
-                assert len(table) == -(-seq.num_computed_tokens // bm.block_size), (seq, table)
-            elif seq.status == SequenceStatus.SWAPPED:
-                assert table.num_tokens == seq.num_computed_tokens, (seq, table)
                 assert len(table) == -(-seq.num_computed_tokens // bm.block_size), (seq, table)
             elif seq.status == SequenceStatus.WAITING:
                 assert len(table) == 0 and seq.num_computed_tokens == 0, (seq, table)
@@ -128,9 +123,9 @@ class EventReplay:
         bm, sched = engine.block_manager, engine.scheduler
         self.engine = engine
         self.tables = {s.seq_id: list(s.block_table.block_ids) for g in _groups(sched)
-                       for s in g.seqs if not s.block_table.on_cpu}
+                       for s in g.seqs if not s.is_swapped}
         self.cpu_tables = {s.seq_id: list(s.block_table.block_ids) for g in _groups(sched)
-                           for s in g.seqs if s.block_table.on_cpu}
+                           for s in g.seqs if s.is_swapped}
         self.cached = set(bm.cached_blocks.values())
         self.requests = {rid: tuple(s.seq_id for s in g.seqs) for rid, g in engine.requests.items()}
         engine.add_observer(self.apply)
@@ -187,7 +182,7 @@ class EventReplay:
         assert {b for b in range(bm.num_gpu_blocks) if not held[b]} == set(bm.free_block_ids)
         assert self.cached == set(bm.cached_blocks.values())
         actual = {s.seq_id: s.block_table.block_ids for g in _groups(sched) for s in g.seqs
-                  if s.block_table.block_ids and not s.block_table.on_cpu}
+                  if s.block_table.block_ids and not s.is_swapped}
         assert {k: v for k, v in self.tables.items() if v} == actual
         cpu_held = Counter(b for table in self.cpu_tables.values() for b in table)
         assert all(bm.cpu_ref_count[b] == n for b, n in cpu_held.items())

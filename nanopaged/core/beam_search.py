@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..messages import Logprobs
+from ..messages import EngineCoreOutput, FinishReason, Logprobs
 from ..utils.checks import check_int, invalid, is_real
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -215,3 +215,13 @@ def beam_search_step(group: SequenceGroup, candidates: dict[int, Logprobs],
             parent.cumulative_logprob = score
             parent.output_token_ids.append(tok)
     return forked
+
+
+def finished_outputs(group: SequenceGroup) -> list[EngineCoreOutput]:
+    """A finished search's answer: an EngineCoreOutput per kept hypothesis (its index
+    in group.beam_state.finished, best first) with its generated tokens, finish
+    reason, cumulative logprob and length-penalized score."""
+    n = len(group.prompt_token_ids)
+    return [EngineCoreOutput(group.request_id, i, h.tokens[n:], finish_reason=FinishReason(h.finish_reason),
+                             cumulative_logprob=h.cum_logprob, score=h.score)
+            for i, h in enumerate(group.beam_state.finished)]

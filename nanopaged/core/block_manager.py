@@ -15,6 +15,7 @@ Blocks are shared, which is why they are reference counted:
   at the parent's blocks (`fork`). Before a sequence writes into a block someone else
   also holds, it gets a private copy (copy-on-write, paper §4.4): `append_slots`
   returns the (src, dst) pairs and the model runner copies them before the forward pass.
+  The write position is seq.num_computed_tokens, which only the scheduler writes.
 - Automatic prefix caching (vLLM v1's KVCacheManager): every *full* block is named by a
   hash of its tokens chained with its parent block's hash, so equal hashes mean equal
   prefixes. A new request whose first blocks hash the same reuses those blocks instead
@@ -194,22 +195,22 @@ class BlockManager:
         need += sum(s.block_table.num_blocks_for(s.num_tokens) - shared for s in rest)
         return need > self.num_gpu_blocks
 
+    def _writes_shared_block(self, seq: Sequence) -> bool:
+        """seq's next write (position num_computed_tokens) lands in a partly filled last
+        block that another table also holds: it must copy that block first."""
+        return bool(seq.num_computed_tokens % self.block_size) and self.ref_count[seq.block_table.block_ids[-1]] > 1
+
     def _blocks_to_append(self, seqs: list[Sequence], ends: list[int]) -> int:
         """New blocks the seqs need for slots up to ends[i], copy-on-write included."""
         need, sharers = 0, Counter()
         for seq, end in zip(seqs, ends):
-            table = seq.block_table
-            need += table.num_new_blocks_for(end)
-            if table.num_tokens % self.block_size and self.ref_count[table.block_ids[-1]] > 1:
-                sharers[table.block_ids[-1]] += 1
+            need += seq.block_table.num_new_blocks_for(end)
+            if self._writes_shared_block(seq):
+                sharers[seq.block_table.block_ids[-1]] += 1
         for block_id, k in sharers.items():
             # the last holder of a shared block may write it in place
             need += k if self.ref_count[block_id] > k else k - 1
         return need
-
-    def can_append_slots(self, seqs: list[Sequence], ends: list[int]) -> bool:
-        """Can each running seq get slots for its positions < ends[i] right now?"""
-        return self._blocks_to_append(seqs, ends) <= self.get_num_free_gpu_blocks()
 
     # -- the changes ------------------------------------------------------------------------
 
@@ -245,8 +246,7 @@ class BlockManager:
         if hits and self.observers:
             self.observers.publish(PrefixCacheHit(seq_group.request_id, first.seq_id, tuple(hits),
                                                   computed.num_computed_tokens))
-        first.block_table.num_tokens = computed.num_computed_tokens
-        self.append_slots(first, first_end)
+        self._append_blocks(first, first_end)
         shared = first.block_table.block_ids[:computed.num_shared_tokens // self.block_size]
         for seq in rest:
             for block_id in shared:
@@ -254,54 +254,55 @@ class BlockManager:
                 seq.block_table.append_block(block_id)
             if self.observers:
                 self.observers.publish(BlocksShared(seq.seq_id, first.seq_id, tuple(shared)))
-            seq.block_table.num_tokens = computed.num_shared_tokens
-            self.append_slots(seq, seq.num_tokens)
+            self._append_blocks(seq, seq.num_tokens)
         return [computed.num_computed_tokens] + [computed.num_shared_tokens] * len(rest)
 
-    def append_slots(self, seq: Sequence, end: int | None = None) -> list[tuple[int, int]]:
-        """Give seq slots for positions < end (the tokens it computes this step; default
-        all its tokens); returns the copy-on-write (src, dst) pairs.
+    def append_slots(self, seqs: list[Sequence], ends: list[int] | None = None) -> list[tuple[int, int]] | None:
+        """Give one request's running seqs slots for positions < ends[i] (what each
+        computes this step; default all its tokens), all of them or none.
 
-        The next token is written at position seq.block_table.num_tokens. If that lands
-        in a partly filled block that another table also holds, the block is first
-        copied to a fresh one (the table points at the copy, the shared block loses a
-        holder, num_copy_on_write counts it). Otherwise a block is added only when the
-        last one is full: the paper's one-block waste bound (§4.3). The table's
-        num_tokens becomes end. All or nothing: raises RuntimeError, changing nothing,
-        when the pool has fewer free blocks than _blocks_to_append counts.
-        """
-        table, bs = seq.block_table, self.block_size
-        end = seq.num_tokens if end is None else end
+        Each writes next at seq.num_computed_tokens. If that lands in a partly filled
+        block that another table also holds, the block is first copied to a fresh one
+        (the table points at the copy, the shared block loses a holder, num_copy_on_write
+        counts it; its last holder writes in place). Otherwise a block is added only when
+        the last one is full: the paper's one-block waste bound (§4.3). Returns the
+        copy-on-write (src, dst) pairs, or None, changing nothing, when the free blocks
+        do not suffice (as vLLM v1's KVCacheManager.allocate_slots; the scheduler then
+        preempts)."""
+        ends = [s.num_tokens for s in seqs] if ends is None else ends
+        if self._blocks_to_append(seqs, ends) > self.get_num_free_gpu_blocks():
+            return None
         copies = []
-        if self._blocks_to_append([seq], [end]) > len(self.free_block_ids):     # all or nothing
-            raise RuntimeError(f"sequence {seq.seq_id} needs more KV blocks than the "
-                               f"{len(self.free_block_ids)} free (the scheduler should have checked)")
-        if table.num_tokens % bs and self.ref_count[table.block_ids[-1]] > 1:
-            src, dst = table.block_ids[-1], self._allocate_block()
-            self.ref_count[src] -= 1
-            table.block_ids[-1] = dst
-            copies.append((src, dst))
-            self.num_copy_on_write += 1
-            if self.observers:
-                self.observers.publish(CopyOnWrite(seq.seq_id, len(table) - 1, src, dst))
+        for seq, end in zip(seqs, ends):
+            table = seq.block_table
+            if self._writes_shared_block(seq):
+                src, dst = table.block_ids[-1], self._allocate_block()
+                self.ref_count[src] -= 1
+                table.block_ids[-1] = dst
+                copies.append((src, dst))
+                self.num_copy_on_write += 1
+                if self.observers:
+                    self.observers.publish(CopyOnWrite(seq.seq_id, len(table) - 1, src, dst))
+            self._append_blocks(seq, end)
+        return copies
+
+    def _append_blocks(self, seq: Sequence, end: int) -> None:
+        """Fresh blocks until seq's table holds positions < end (the caller counted them)."""
+        table = seq.block_table
         for _ in range(table.num_new_blocks_for(end)):
             table.append_block(self._allocate_block())
             if self.observers:
                 self.observers.publish(BlockAllocated(seq.seq_id, table.block_ids[-1], len(table) - 1))
-        table.num_tokens = end
-        return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Make child share all of parent's blocks (ref_count + 1 each), e.g. a new sample
-        or a surviving beam. Any blocks child held are freed first. The child's table
-        gets its own copy of the parent's block ids and its num_tokens, and its
-        block_hashes (a copy) are the parent's. Its num_computed_tokens is the
+        or a surviving beam. Any blocks child held are freed first. The child's table and
+        block_hashes become copies of the parent's. Its num_computed_tokens is the
         scheduler's to set (Scheduler._fork), as every num_computed_tokens is."""
         self.free(child)
         for block_id in parent.block_table.block_ids:
             self.ref_count[block_id] += 1
         child.block_table.block_ids = list(parent.block_table.block_ids)
-        child.block_table.num_tokens = parent.block_table.num_tokens
         child.block_hashes = list(parent.block_hashes)
         if self.observers:
             self.observers.publish(BlocksShared(child.seq_id, parent.seq_id, tuple(parent.block_table.block_ids)))
@@ -327,16 +328,18 @@ class BlockManager:
 
     def swap_out(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
         """Move a running request's blocks to the CPU pool; returns (gpu, cpu) pairs to
-        copy. Blocks its sequences share stay shared (one copy, ref counted)."""
+        copy. Blocks its sequences share stay shared (one copy, ref counted). Called
+        while they are RUNNING; the scheduler then marks them SWAPPED (which says their
+        ids are CPU blocks)."""
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
         mapping = {}
         for gpu in self._distinct_blocks(seqs):
             mapping[gpu] = cpu = self.free_cpu_block_ids.pop()
         for seq in seqs:
             table = seq.block_table
-            gpu_ids, num_tokens = list(table.block_ids), table.num_tokens
-            self.free(seq)                    # freed GPU blocks keep their cache entries
-            table.block_ids, table.num_tokens, table.on_cpu = [mapping[g] for g in gpu_ids], num_tokens, True
+            gpu_ids = list(table.block_ids)
+            self.free(seq)                    # (still RUNNING) freed GPU blocks keep their cache entries
+            table.block_ids = [mapping[g] for g in gpu_ids]
             for cpu in table.block_ids:
                 self.cpu_ref_count[cpu] += 1
         if self.observers:
@@ -345,16 +348,17 @@ class BlockManager:
         return list(mapping.items())
 
     def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
-        """Move a swapped request's blocks back to the device pool; returns (cpu, gpu) pairs."""
+        """Move a swapped request's blocks back to the device pool; returns (cpu, gpu)
+        pairs. Called while its sequences are SWAPPED; the scheduler then marks them RUNNING."""
         seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
         mapping = {cpu: self._allocate_block() for cpu in self._distinct_blocks(seqs)}
         for gpu in mapping.values():
             self.ref_count[gpu] = 0
         for seq in seqs:
             table = seq.block_table
-            cpu_ids, num_tokens = list(table.block_ids), table.num_tokens
-            self.free(seq)
-            table.block_ids, table.num_tokens = [mapping[c] for c in cpu_ids], num_tokens
+            cpu_ids = list(table.block_ids)
+            self.free(seq)                    # (still SWAPPED) its CPU blocks
+            table.block_ids = [mapping[c] for c in cpu_ids]
             for gpu in table.block_ids:
                 self.ref_count[gpu] += 1
         if self.observers:
@@ -368,10 +372,11 @@ class BlockManager:
         Tail blocks go in first, so when the cache evicts the least recently freed block
         it takes a sequence's last blocks before its first ones (the prefix others share).
         A freed block keeps its prefix-cache entry until it is evicted. A swapped-out
-        sequence (block_table.on_cpu) holds CPU-pool blocks instead: those go back to the
-        CPU pool's free list by its own ref counts.
+        sequence (seq.is_swapped) holds CPU-pool blocks instead: those go back to the
+        CPU pool's free list by its own ref counts. So free a sequence before its status
+        changes (Scheduler._finish_seq does).
         """
-        if seq.block_table.on_cpu:
+        if seq.is_swapped:
             for block_id in seq.block_table.clear():
                 self.cpu_ref_count[block_id] -= 1
                 if self.cpu_ref_count[block_id] == 0:
@@ -387,7 +392,7 @@ class BlockManager:
     def _allocate_block(self) -> int:
         """Take the least recently freed block off the free queue for one holder
         (ref_count 1); a name it still had in the prefix cache is forgotten (evicted).
-        The caller has checked that a block is free (allocate, can_append_slots)."""
+        The caller has checked that a block is free (allocate, append_slots)."""
         block_id, _ = self.free_block_ids.popitem(last=False)   # least recently freed
         self._evict(block_id)
         self.ref_count[block_id] = 1

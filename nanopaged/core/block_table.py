@@ -8,48 +8,40 @@ sequence can be scattered anywhere in memory and grow one block at a time:
 
     logical block   0    1    2            physical pool
     block_ids     [ 7,   1,   3 ]          block 7: tokens 0..15
-    num_tokens = 37 -> last block holds 37 - 2*16 = 5 tokens (the "fill count")
+    37 tokens computed -> last block holds 37 - 2*16 = 5 tokens (the "fill count")
 
 The KV pool is one flat array of slots, so the slot of position `p` is
 `block_ids[p // block_size] * block_size + p % block_size` (vLLM's `slot_mapping`).
 
 The table only records; it never allocates. The BlockManager (block_manager.py) owns
-the pool and decides which physical blocks to hand out. vLLM: `vllm/core/block/
+the pool and decides which physical blocks to hand out. The table stores nothing that
+is known elsewhere: how many of its slots are written is the sequence's
+`num_computed_tokens` (len(block_ids) == ceil(num_computed_tokens / block_size)), and
+whether its ids are CPU swap-pool blocks is the sequence's status (SWAPPED). vLLM: `vllm/core/block/
 block_table.py` (v0) and `vllm/v1/core/kv_cache_manager.py` (v1, `req_to_blocks`).
 """
 from __future__ import annotations
 
 
 class BlockTable:
-    """Logical -> physical block ids of one sequence, plus how many token slots are in use.
+    """Logical -> physical block ids of one sequence.
 
     Attributes:
         block_size: tokens per block.
-        block_ids: physical block id of each logical block, in order.
-        num_tokens: tokens (from position 0) that have a KV slot reserved.
-            Invariant: len(block_ids) == ceil(num_tokens / block_size).
-        on_cpu: the ids are blocks of the CPU swap pool (the sequence is swapped out).
+        block_ids: physical block id of each logical block, in order (device blocks,
+            or CPU swap-pool blocks while the sequence is SWAPPED).
     """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.block_ids: list[int] = []
-        self.num_tokens = 0
-        self.on_cpu = False
 
     def __len__(self) -> int:
         """Number of blocks held."""
         return len(self.block_ids)
 
     def __repr__(self) -> str:
-        return f"BlockTable(block_ids={self.block_ids}, num_tokens={self.num_tokens})"
-
-    @property
-    def last_block_fill(self) -> int:
-        """Tokens held by the last block (0 when the table is empty), in [1, block_size]."""
-        if not self.block_ids:
-            return 0
-        return self.num_tokens - (len(self.block_ids) - 1) * self.block_size
+        return f"BlockTable(block_ids={self.block_ids})"
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
@@ -75,6 +67,5 @@ class BlockTable:
 
     def clear(self) -> list[int]:
         """Forget every block; returns the ids that were held (the caller frees them)."""
-        ids, self.block_ids, self.num_tokens = self.block_ids, [], 0
-        self.on_cpu = False
+        ids, self.block_ids = self.block_ids, []
         return ids

@@ -53,7 +53,7 @@ class RunnerView:
                 blocks_to_swap_in: list[tuple[int, int]]) -> SchedulerOutput:
         """The step's SchedulerOutput, and the view updated to what the runner will know
         after it. scheduled: the step's batch, in order (the scheduler's own records,
-        ScheduledSequence of scheduler.py, never sent); samples[i]: scheduled[i] samples
+        ScheduledSequence of scheduler_output.py, never sent); samples[i]: scheduled[i] samples
         this step (ScheduledSequence.samples, asked before the step's tokens count).
         Reads sequences, writes none of them."""
         out = SchedulerOutput(blocks_to_copy=blocks_to_copy, blocks_to_swap_out=blocks_to_swap_out,

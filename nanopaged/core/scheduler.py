@@ -10,107 +10,49 @@ every step. `schedule()` runs in three phases, each its own function:
     _schedule_swapped   swapped-out requests come back, oldest first, when they fit
     _schedule_waiting   then waiting requests join, strictly first come first served
 
-The limits of one step:
-    max_num_seqs            requests in the batch
-    max_num_batched_tokens  tokens computed in the step (prefill tokens + 1 per decode);
-                            a prompt that does not fit is chunked over several steps
-    free blocks             every token computed needs a KV slot
-
-When a running request needs a new block and none is free, the scheduler preempts the
-request that arrived last (vLLM's policy: the oldest always make progress). By *swap* its
-blocks are copied to a CPU pool and come back before any new request is admitted; by
-*recompute* they are freed and it recomputes prompt + output in one prefill when
-readmitted (paper §4.5). "auto" picks the cheaper by costs measured at start.
+within the step's limits: max_num_seqs requests, max_num_batched_tokens tokens computed
+(a prompt that does not fit is chunked over several steps), and the free blocks. When
+a running request needs a block and none is free, the request that arrived last is
+preempted (vLLM's policy: the oldest always make progress), by *swap* (its blocks go to
+a CPU pool, and come back before any new request is admitted) or by *recompute* (they
+are freed; it recomputes prompt + output in one prefill when readmitted; paper §4.5);
+"auto" picks the cheaper by costs measured at start.
 
 The decision leaves as a self-contained SchedulerOutput (messages.py): the runner never
-sees a Sequence. `update_from_output()` is the other half of the step: it advances
+sees a Sequence. `update_from_output()` is the step's other half: it advances
 num_computed_tokens, names the blocks the forward filled in the prefix cache, appends
-sampled tokens, checks stop conditions, forks the n > 1 siblings and beams, and frees
-what finished. So the scheduler is the only writer of blocks and sequences.
+sampled tokens, checks stop conditions (stop_checker.py), forks the n > 1 siblings and
+beams, and frees what finished. So the scheduler is the only writer of blocks and
+sequences. Its books (which requests, in which queue, how they come and go) are
+request_queues.py; the step it builds, scheduler_output.py.
 
 With async scheduling (chapters/16-async-scheduling.md; vLLM v1's AsyncScheduler) the
-next schedule() runs before this step's output is in: a sequence that samples in a
-step gets a placeholder (`num_output_placeholders`) for the token it will have, its
-num_computed_tokens counts the step's positions at once, and update_from_output
-reconciles (appends, or drops the token of a sequence that stopped meanwhile). After a
-step that forks or advances beams, the next schedule() waits (`can_schedule_ahead`).
+next schedule() runs before this step's output is in: a sequence that samples in a step
+gets a placeholder (`num_output_placeholders`), its num_computed_tokens counts the
+step's positions at once, and update_from_output reconciles. After a step that forks or
+advances beams, the next schedule() waits (`can_schedule_ahead`).
 vLLM: `vllm/v1/core/sched/scheduler.py`; v0's `vllm/core/scheduler.py` for swapping.
 """
 from __future__ import annotations
 
-import itertools
-import logging
 from collections import deque
-from dataclasses import dataclass, field
 
-from ..events import Preempted, RequestAdded, RequestFinished, SequenceScheduled
-from ..messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, GrammarOutput,
-                       ModelRunnerOutput, PreemptionCosts, SchedulerOutput)
-from ..utils.math_utils import cdiv
-from .beam_search import BeamState, beam_search_step
+from ..events import Preempted
+from ..messages import (EngineCoreOutput, EngineCoreOutputs, FinishReason, GrammarOutput, ModelRunnerOutput,
+                        PreemptionCosts, SchedulerOutput)
+from .beam_search import beam_search_step, finished_outputs
 from .block_manager import BlockManager
-from .runner_view import RunnerView
+from .request_queues import RequestQueues
+from .scheduler_output import ScheduledSequence, ScheduledStep
 from .sequence import Sequence, SequenceGroup, SequenceStatus
+from .stop_checker import check_grammar_stop, check_stop
 from .structured_output import StructuredOutputManager
 
-logger = logging.getLogger(__name__)
 
-
-@dataclass
-class ScheduledSequence:
-    """One sequence in this step's batch: the scheduler's own record (never sent).
-
-    Attributes:
-        seq, seq_group: the sequence and its request.
-        num_new_tokens: tokens computed for it this step, from seq.num_computed_tokens.
-        forks: sequences that sample from seq's last row this step (the other n - 1
-            samples of a fresh request); they fork seq's blocks once it is done.
-        num_blocks_before: blocks it held before this step's slots were added.
-        table_replaced: copy-on-write replaced its last block this step.
-    """
-
-    seq: Sequence
-    seq_group: SequenceGroup
-    num_new_tokens: int
-    forks: list[Sequence] = field(default_factory=list)
-    num_blocks_before: int = 0
-    table_replaced: bool = False
-
-    def samples(self) -> bool:
-        """Whether the step samples a token for seq: it computes seq's last position (a
-        prompt's last chunk, or a decode), counting the tokens steps in flight will
-        sample. Asked before the step's tokens are counted as computed."""
-        seq = self.seq
-        return seq.num_computed_tokens + self.num_new_tokens >= seq.num_tokens + seq.num_output_placeholders
-
-    def event(self) -> SequenceScheduled:
-        """This record as the tracer's SequenceScheduled event (taken before the step
-        runs, while num_computed_tokens is still the sequence's start)."""
-        seq, start = self.seq, self.seq.num_computed_tokens
-        decode = self.num_new_tokens == 1 and seq.output_token_ids and start == seq.num_tokens - 1
-        return SequenceScheduled(self.seq_group.request_id, seq.seq_id, "decode" if decode else "prefill",
-                                 start, self.num_new_tokens, tuple(f.seq_id for f in self.forks))
-
-
-@dataclass
-class _Step:
-    """What schedule() has decided so far this step."""
-
-    budget: int
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    preempted: bool = False
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-
-    def add(self, s: ScheduledSequence) -> None:
-        self.scheduled.append(s)
-        self.budget -= s.num_new_tokens
-
-
-class Scheduler:
+class Scheduler(RequestQueues):
     """FCFS continuous-batching scheduler with a token budget, chunked prefill and
-    preemption by swap or recompute; the owner of every Sequence and block change.
+    preemption by swap or recompute; the owner of every Sequence and block change. Its
+    queues and the requests' coming and going are its base, RequestQueues.
 
     Args:
         block_manager: the device pool's BlockManager.
@@ -136,8 +78,7 @@ class Scheduler:
                  preemption_mode: str = "recompute", costs: PreemptionCosts | None = None,
                  async_scheduling: bool = False,
                  structured_output_manager: StructuredOutputManager | None = None) -> None:
-        self.block_manager = block_manager
-        self.observers = block_manager.observers         # one event stream (events.py)
+        super().__init__(block_manager, async_scheduling, structured_output_manager)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -145,59 +86,14 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.costs = costs
         self.async_scheduling = async_scheduling
-        self.structured_output_manager = structured_output_manager
         # the last scheduled step decides something the next schedule() depends on (see
         # can_schedule_ahead)
         self._waits_for_output = False
-        self.requests: dict[str, SequenceGroup] = {}
-        self.waiting: deque[SequenceGroup] = deque()
-        self.running: deque[SequenceGroup] = deque()    # kept in arrival order
-        self.swapped: deque[SequenceGroup] = deque()    # preempted by swap, arrival order
-        self._seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
-        self._seq_ids = itertools.count()
-        self.runner_view = RunnerView(async_scheduling)  # what the model runner knows
-        self._finished_in_schedule: list[SequenceGroup] = []
         self.num_preemptions = self.num_preemptions_swap = self.num_preemptions_recompute = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0             # prefill work done (cache hits excluded)
 
-    # -- requests in and out ----------------------------------------------------------------
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request as a SequenceGroup of n sequences (beam_width for beams).
-
-        Raises:
-            ValueError: request_id already in use; a prompt needing more KV blocks than
-                the whole pool; structured outputs that do not compile, or with beam
-                search. Nothing is queued then.
-        """
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        bs, pool = self.block_manager.block_size, self.block_manager.num_gpu_blocks
-        num_prompt = len(request.prompt_token_ids)
-        if cdiv(num_prompt, bs) > pool:
-            raise ValueError(f"prompt of {num_prompt} tokens needs {cdiv(num_prompt, bs)} KV blocks of {bs} "
-                             f"tokens, but the KV cache holds only {pool} blocks ({pool * bs} tokens)")
-        beam = request.beam_search
-        n = beam.beam_width if beam is not None else request.sampling_params.n
-        seqs = [Sequence(next(self._seq_ids), i, request.prompt_token_ids, bs) for i in range(n)]
-        constraint = request.sampling_params.structured_outputs
-        if constraint is not None:
-            if beam is not None or self.structured_output_manager is None:
-                raise ValueError("structured_outputs work with sampling only, not with beam search"
-                                 if beam is not None else "this scheduler has no StructuredOutputManager")
-            for seq in seqs:       # each its own matcher: the n samples diverge
-                seq.grammar = self.structured_output_manager.grammar_for(constraint, request.eos_token_ids)
-        group = SequenceGroup(request, seqs)
-        group.beam_state = BeamState(beam) if beam is not None else None
-        self.requests[request.request_id] = group
-        self._seqs.update((s.seq_id, (s, group)) for s in seqs)
-        self.waiting.append(group)
-        if self.observers:
-            self.observers.publish(RequestAdded(request.request_id, tuple(s.seq_id for s in seqs), num_prompt))
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+    # -- async scheduling -------------------------------------------------------------------
 
     def can_schedule_ahead(self) -> bool:
         """Async scheduling: may the next schedule() run before the output of the step
@@ -207,25 +103,6 @@ class Scheduler:
         and which blocks they share, is decided there too). Then the engine waits for
         that one step's output before it schedules the next (synchronous for a step)."""
         return not self._waits_for_output
-
-    def abort_requests(self, request_ids) -> None:
-        """Remove requests wherever they are and free their blocks; unknown ids are ignored."""
-        for rid in request_ids:
-            group = self.requests.get(rid)
-            if group is not None:
-                for seq in group.seqs:
-                    self._finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
-                self._remove(group)
-
-    def stop_sequences(self, seqs: list[tuple[str, int]]) -> None:
-        """Finish (request_id, index) sequences with finish_reason "stop": a stop string
-        matched (the OutputProcessor's finding). Unknown or finished ones are ignored."""
-        for rid, index in seqs:
-            group = self.requests.get(rid)
-            if group is not None:
-                self._finish_seq(group.seqs[index], SequenceStatus.FINISHED_STOPPED)
-                if group.is_finished():
-                    self._remove(group)
 
     def reset_after_failure(self, lost: list[SchedulerOutput]) -> None:
         """Async scheduling: a forward raised, so the steps in `lost` (it and any step
@@ -250,29 +127,11 @@ class Scheduler:
         self.waiting = deque(sorted([*self.waiting, *groups], key=lambda g: g.arrival_time))
         self._waits_for_output = False
 
-    def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
-        if not seq.status.is_finished:
-            seq.status = status
-        self.block_manager.free(seq)
-        self.runner_view.finished(seq.seq_id)
-
-    def _remove(self, group: SequenceGroup) -> None:
-        """A request whose sequences are all finished leaves every queue and the books."""
-        for queue in (self.running, self.waiting, self.swapped):
-            if group in queue:
-                queue.remove(group)
-        del self.requests[group.request_id]
-        for seq in group.seqs:
-            del self._seqs[seq.seq_id]
-        if self.observers:
-            self.observers.publish(RequestFinished(group.request_id,
-                                                   tuple(s.status.finish_reason for s in group.seqs)))
-
     # -- schedule(): the three phases -------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Build this step's batch; mutates queues and block tables (see the module doc)."""
-        step = _Step(budget=self.max_num_batched_tokens)
+        step = ScheduledStep(budget=self.max_num_batched_tokens)
         self._schedule_running(step)
         self._schedule_swapped(step)
         self._schedule_waiting(step)
@@ -280,7 +139,7 @@ class Scheduler:
             self.observers.publish(*(s.event() for s in step.scheduled))
         return self._scheduler_output(step)
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: ScheduledStep) -> None:
         """Running requests, oldest first: a decode needs a slot for its next token, a
         chunked prefill goes on with as much of its prompt as the budget allows."""
         kept: deque[SequenceGroup] = deque()
@@ -299,9 +158,12 @@ class Scheduler:
                 kept.append(group)
                 continue
             ends = [s.num_computed_tokens + n for s, n in work]
-            while not self.block_manager.can_append_slots(seqs, ends) and self.running:
+            before = [list(s.block_table.block_ids) for s in seqs]
+            copies = self.block_manager.append_slots(seqs, ends)
+            while copies is None and self.running:
                 self._preempt(self.running.pop(), step)     # evict the latest arrival
-            if not self.block_manager.can_append_slots(seqs, ends):
+                copies = self.block_manager.append_slots(seqs, ends)
+            if copies is None:
                 if kept:
                     self._preempt(group, step)   # it is the latest arrival left: itself
                 elif any(s.num_output_placeholders for s in group.seqs):
@@ -311,12 +173,14 @@ class Scheduler:
                 else:
                     self._finish_too_long(group)
                 continue
-            for (seq, n), end in zip(work, ends):
-                self._append(step, seq, group, n, end, forks)
+            step.blocks_to_copy += copies
+            for (seq, n), ids in zip(work, before):     # copy-on-write replaces a last block
+                replaced = seq.block_table.block_ids[:len(ids)] != ids
+                step.add(ScheduledSequence(seq, group, n, forks, len(ids), replaced))
             kept.append(group)
         self.running = kept
 
-    def _schedule_swapped(self, step: _Step) -> None:
+    def _schedule_swapped(self, step: ScheduledStep) -> None:
         """Swapped-out requests come back, oldest first, when their blocks fit (with one
         block of headroom per sequence, so they are not preempted again at once). They
         run from the next step; the copies happen before this step's forward."""
@@ -330,7 +194,7 @@ class Scheduler:
                 self.runner_view.forget(seq.seq_id)      # every block moved
             self._add_running(group)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: ScheduledStep) -> None:
         """Waiting requests join the batch strictly in order (FCFS: never skip ahead of
         the head) while the step has room: fewer than max_num_seqs running, token budget
         left (step.budget; a lone sequence's prompt is cut to fit by _chunk) and free
@@ -361,7 +225,7 @@ class Scheduler:
             self.waiting.popleft()
             self._admit(step, group, first_end, starts)
 
-    def _admit(self, step: _Step, group: SequenceGroup, first_end: int, starts: list[int]) -> None:
+    def _admit(self, step: ScheduledStep, group: SequenceGroup, first_end: int, starts: list[int]) -> None:
         """A waiting request joins, its blocks allocated: each sequence to compute starts
         at starts[i] (its cache hit or shared prompt), its first sequence computes up to
         first_end; it is put in this step's batch and in the running queue."""
@@ -379,15 +243,7 @@ class Scheduler:
             step.add(ScheduledSequence(seq, group, n, forks if seq is first else []))
         self._add_running(group)
 
-    def _append(self, step: _Step, seq: Sequence, group: SequenceGroup, n: int, end: int,
-                forks: list[Sequence]) -> None:
-        """Give a running sequence slots for positions < end and put it in the batch."""
-        before = len(seq.block_table)
-        copies = self.block_manager.append_slots(seq, end)
-        step.blocks_to_copy += copies
-        step.add(ScheduledSequence(seq, group, n, forks, before, bool(copies)))
-
-    def _scheduler_output(self, step: _Step) -> SchedulerOutput:
+    def _scheduler_output(self, step: ScheduledStep) -> SchedulerOutput:
         """Turn the step into the runner's message (RunnerView.message: what it has not
         seen in full, the rest as deltas). With async scheduling the step's tokens count
         as computed from now on, and each sample gets a placeholder."""
@@ -403,14 +259,6 @@ class Scheduler:
                 for fork in s.forks if sample else []:
                     fork.num_output_placeholders += 1
         return out
-
-    def _add_running(self, group: SequenceGroup) -> None:
-        """Keep the running queue in arrival order (preemption takes its tail): a request
-        coming back from swap or recompute may be older than ones already running."""
-        if self.running and group.arrival_time < self.running[-1].arrival_time:
-            self.running = deque(sorted([*self.running, group], key=lambda g: g.arrival_time))
-        else:
-            self.running.append(group)
 
     def _chunk(self, num_tokens: int, budget: int) -> int:
         """Tokens of a prefill computed this step: all of them, or with chunked prefill
@@ -431,14 +279,14 @@ class Scheduler:
 
     def _ends_in_flight(self, seq: Sequence, group: SequenceGroup) -> bool:
         """Async scheduling: the token a step in flight samples for seq is surely its
-        last (_check_stop's length rules: max_tokens, max_model_len), so it must not be
+        last (check_stop's length rules: max_tokens, max_model_len), so it must not be
         scheduled again: that step would compute the token's K/V and sample a next
         token only to throw it away. False when nothing is in flight for seq."""
         k = seq.num_output_placeholders
         return k > 0 and (len(seq.output_token_ids) + k >= group.sampling_params.max_tokens
                           or seq.num_tokens + k >= self.max_model_len)
 
-    def _preempt(self, group: SequenceGroup, step: _Step) -> None:
+    def _preempt(self, group: SequenceGroup, step: ScheduledStep) -> None:
         """Free a running request's device blocks by swap or by recompute (see the
         module doc); either way it goes to the head of its queue.
 
@@ -486,17 +334,6 @@ class Scheduler:
         num_blocks = len({b for s in seqs for b in s.block_table.block_ids})
         return self.costs.prefer_swap(num_blocks, sum(s.num_computed_tokens for s in seqs))
 
-    def _finish_too_long(self, group: SequenceGroup) -> None:
-        """A request that cannot get its blocks even with the pool to itself will never
-        fit: finish it with finish_reason "length". Without this it would sit at the
-        head of the waiting queue forever, and FCFS would block everyone behind it."""
-        logger.warning("request %r needs more KV blocks than the whole pool has (%d blocks "
-                       "of %d tokens); finishing it with finish_reason='length'",
-                       group.request_id, self.block_manager.num_gpu_blocks, self.block_manager.block_size)
-        for seq in group.seqs:
-            self._finish_seq(seq, SequenceStatus.FINISHED_LENGTH)
-        self._finished_in_schedule.append(group)
-
     # -- update_from_output(): the step's other half ----------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -511,6 +348,12 @@ class Scheduler:
         for seq_id, n in scheduler_output.num_scheduled_tokens.items():
             if n and seq_id in self._seqs:
                 self._computed(*self._seqs[seq_id], starts[seq_id], n, runner_output, result)
+        for seq_id, parent in scheduler_output.sample_from.items():
+            # prefill done: the other n - 1 fork it, before any token is appended (its
+            # own first token may finish it, and a finished sequence holds no blocks)
+            if seq_id in self._seqs and seq_id in runner_output.sampled_token_ids \
+                    and not self._seqs[seq_id][0].status.is_finished:
+                self._fork(self._seqs[parent][0], self._seqs[seq_id][0])
         beam_groups = {}
         for seq_id, token in runner_output.sampled_token_ids.items():
             if seq_id not in self._seqs:
@@ -522,24 +365,13 @@ class Scheduler:
                 # async: it stopped (eos, stop string, a sibling's abort...) after this
                 # step was scheduled: the extra token is discarded, never appended
                 continue
-            parent = scheduler_output.sample_from.get(seq_id)
-            if parent is not None:            # prefill done: the other n - 1 fork it
-                self._fork(self._seqs[parent][0], seq)
             if group.beam_state is not None:
                 beam_groups[group.request_id] = group
                 continue                      # beams advance together, below
             self._append_token(seq, group, token, runner_output, result)
         for group in beam_groups.values():
             self._beam_step(group, runner_output, result)
-        for group in self._finished_in_schedule:
-            result.outputs += [EngineCoreOutput(group.request_id, s.index, [], finish_reason=FinishReason.LENGTH)
-                               for s in group.seqs]
-        self._finished_in_schedule, done = [], self._finished_in_schedule
-        for group in done + [self._seqs[o][1] for o in scheduler_output.num_scheduled_tokens
-                             if o in self._seqs]:
-            if group.request_id in self.requests and group.is_finished():
-                self._remove(group)
-                result.finished_requests.add(group.request_id)
+        self._remove_finished(scheduler_output.num_scheduled_tokens, result)
         return result
 
     def _computed(self, seq: Sequence, group: SequenceGroup, start: int, n: int,
@@ -567,35 +399,14 @@ class Scheduler:
                       runner_output: ModelRunnerOutput, result: EngineCoreOutputs) -> None:
         seq.append_token(token)
         self.num_generated_tokens += 1
-        self._check_stop(seq, group)
-        if seq.grammar is not None and not seq.grammar.accept_token(token):
-            # cannot happen when the step's mask was applied; if it does, the output has
-            # left the language and no mask can bring it back: end it, say why
-            logger.error("request %r: token %d breaks its structured output (%s); aborting it",
-                         group.request_id, token, seq.grammar.error())
-            seq.status = SequenceStatus.FINISHED_ABORTED
-        elif seq.grammar is not None and seq.grammar.terminated:
-            # the language allows nothing more: "stop", even on the max_tokens-th token
-            seq.status = SequenceStatus.FINISHED_STOPPED
-        if seq.status.is_finished:
-            self._finish_seq(seq, seq.status)        # its siblings may run on
+        status = check_stop(seq, group, self.max_model_len)
+        status = check_grammar_stop(seq, group.request_id, token) or status   # the grammar's word wins
+        if status is not None:
+            self._finish_seq(seq, status)            # its siblings may run on
         result.outputs.append(EngineCoreOutput(
             group.request_id, seq.index, [token], new_logprobs=runner_output.logprobs.get(seq.seq_id),
             finish_reason=FinishReason(seq.status.finish_reason) if seq.status.is_finished else None,
             stop_reason=seq.stop_reason, num_cached_tokens=group.num_cached_tokens))
-
-    def _check_stop(self, seq: Sequence, group: SequenceGroup) -> None:
-        """In this order: eos (unless ignore_eos) or a stop token id, once min_tokens are
-        out; then max_tokens; then max_model_len (vLLM's rule: stop once prompt + output
-        reach it, so a prompt of exactly max_model_len tokens still gets one token).
-        (A structured output also stops once its grammar is complete: _append_token.)"""
-        params, token = group.sampling_params, seq.output_token_ids[-1]
-        num_out = len(seq.output_token_ids)
-        if num_out >= params.min_tokens and (
-                (not params.ignore_eos and token in group.request.eos_token_ids) or token in params.stop_ids):
-            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares parent's blocks (BlockManager.fork) and has computed what the
@@ -619,12 +430,7 @@ class Scheduler:
             for seq in beams:                # which a beam may not have kept: resend all
                 self.runner_view.forget(seq.seq_id)
         self.num_generated_tokens += len(beams)
-        state = group.beam_state
-        if state.done:
+        if group.beam_state.done:
             for seq in beams:
                 self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
-            n = len(group.prompt_token_ids)
-            result.outputs += [EngineCoreOutput(group.request_id, i, h.tokens[n:],
-                                                finish_reason=FinishReason(h.finish_reason),
-                                                cumulative_logprob=h.cum_logprob, score=h.score)
-                               for i, h in enumerate(state.finished)]
+            result.outputs += finished_outputs(group)

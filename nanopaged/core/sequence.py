@@ -60,7 +60,8 @@ class Sequence:
         index: which of its request's n sequences it is (0..n-1).
         prompt_token_ids / output_token_ids: token ids (ints).
         num_computed_tokens: tokens (from position 0) whose K/V are in the cache.
-        block_table: where those K/V live (see block_table.py).
+        block_table: where those K/V live (see block_table.py): ceil(num_computed_tokens
+            / block_size) blocks, in the CPU swap pool while it is_swapped.
         block_hashes: prefix-cache hashes of its full blocks (kept across preemption).
         status: a SequenceStatus.
         stop_reason: the eos / stop token id that finished it, if one did.
@@ -117,6 +118,11 @@ class Sequence:
         """Tokens the next forward pass must compute: the whole prompt on prefill, 1 on
         decode (with async scheduling, the token a step in flight is sampling counts)."""
         return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
+
+    @property
+    def is_swapped(self) -> bool:
+        """Preempted by swap (status SWAPPED): its block table holds CPU swap-pool blocks."""
+        return self.status == SequenceStatus.SWAPPED
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

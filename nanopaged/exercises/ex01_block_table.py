@@ -21,11 +21,11 @@ holds len(block_ids) blocks needs only the difference, and never a negative numb
 """
 
 
-def _table(block_size, block_ids, num_tokens):
+def _table(block_size, block_ids):
     from nanopaged.core.block_table import BlockTable
 
     t = BlockTable(block_size)
-    t.block_ids, t.num_tokens = list(block_ids), num_tokens
+    t.block_ids = list(block_ids)
     return t
 
 
@@ -35,13 +35,13 @@ def check_num_blocks_for():
 
     for bs in (1, 2, 4, 16):
         for n in range(41):
-            got = _table(bs, [], 0).num_blocks_for(n)
+            got = _table(bs, []).num_blocks_for(n)
             assert got == cdiv(n, bs), f"block_size {bs}, {n} tokens: you said {got} blocks, it is {cdiv(n, bs)}"
 
 
 def check_num_new_blocks_for():
     """num_new_blocks_for(n) is how many blocks the table lacks for n tokens (never < 0)"""
-    t = _table(4, [7, 1], 6)                       # 2 blocks: room for 8 tokens
+    t = _table(4, [7, 1])                       # 2 blocks: room for 8 tokens
     for n, want in ((0, 0), (6, 0), (8, 0), (9, 1), (12, 1), (13, 2), (17, 3)):
         got = t.num_new_blocks_for(n)
         assert got == want, f"a table of 2 blocks of 4, asked for {n} tokens: you said {got}, it is {want}"
@@ -49,7 +49,7 @@ def check_num_new_blocks_for():
 
 def check_slots():
     """slots(start, end) gives block_ids[p // block_size] * block_size + p % block_size for each p"""
-    t = _table(4, [7, 1, 3], 11)
+    t = _table(4, [7, 1, 3])
     for start, end in ((0, 11), (3, 6), (8, 9), (5, 5)):
         want = [[7, 1, 3][p // 4] * 4 + p % 4 for p in range(start, end)]
         got = t.slots(start, end)

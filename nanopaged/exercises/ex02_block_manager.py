@@ -20,7 +20,7 @@ block tables holding b (fork and the prefix cache make it more than 1): free dec
 it and returns b to the queue only at 0. `seq.block_table.clear()` empties the table and
 returns the ids it held; free walks them from the last to the first. A block taken off
 the queue may still be named in the prefix cache (chapter 08): `self._evict(b)` forgets
-that name. A swapped-out sequence (`block_table.on_cpu`) holds CPU blocks: the same
+that name. A swapped-out sequence (`seq.is_swapped`) holds CPU blocks: the same
 counting with `cpu_ref_count` and the list `free_cpu_block_ids` (append). Events
 (`self.observers`) are optional; the checks do not look at them.
 """
@@ -37,7 +37,7 @@ def _seq(seq_id, prompt, block_ids=(), bm=None):
     from nanopaged.core.sequence import Sequence
 
     seq = Sequence(seq_id, 0, list(prompt), block_size=4)
-    seq.block_table.block_ids, seq.block_table.num_tokens = list(block_ids), len(prompt)
+    seq.block_table.block_ids, seq.num_computed_tokens = list(block_ids), len(prompt)
     if bm is not None:
         for b in block_ids:
             if bm.ref_count[b] == 0:
@@ -63,6 +63,8 @@ def check_allocate_least_recently_freed():
 
 def check_free_ref_counts():
     """free drops one holder per block; a block is free again only once its last holder lets go (swapped-out CPU blocks too)"""
+    from nanopaged.core.sequence import SequenceStatus
+
     bm = _manager(8)
     a = _seq(0, range(10), [0, 1, 2], bm)                        # a holds 0 1 2
     b = _seq(1, range(6), [0, 1], bm)                            # b shares 0 1 with a
@@ -73,7 +75,7 @@ def check_free_ref_counts():
     assert 0 not in bm.free_block_ids and 1 not in bm.free_block_ids, \
         f"b still holds blocks 0 and 1, yet the free queue is {list(bm.free_block_ids)}"
     assert 2 in bm.free_block_ids, f"nobody holds block 2 any more, yet the free queue is {list(bm.free_block_ids)}"
-    assert a.block_table.block_ids == [] and a.block_table.num_tokens == 0, \
+    assert a.block_table.block_ids == [], \
         f"after free(a) its table should be empty, it is {a.block_table}"
     bm.free(b)
     assert bm.ref_count == [0] * 8 and sorted(bm.free_block_ids) == list(range(8)), (
@@ -81,7 +83,7 @@ def check_free_ref_counts():
         "want all 0 and all 8 blocks free")
     cpu = _manager(8, num_cpu_blocks=4)                          # a swapped-out sequence: CPU blocks
     s = _seq(2, range(6), [3, 1])
-    s.block_table.on_cpu = True
+    s.status = SequenceStatus.SWAPPED
     cpu.cpu_ref_count[3] = cpu.cpu_ref_count[1] = 1
     cpu.free_cpu_block_ids = [2, 0]
     cpu.free(s)

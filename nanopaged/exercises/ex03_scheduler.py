@@ -109,13 +109,13 @@ def check_when_nobody_joins():
     """nobody joins in a step that preempted or while one is swapped out; a request the pool can never hold is finished ("length")"""
     import logging
 
-    from nanopaged.core.scheduler import _Step
+    from nanopaged.core.scheduler_output import ScheduledStep
     from nanopaged.core.sequence import SequenceStatus
 
     for why in ("preempted", "swapped"):
         sched = _scheduler()
         _add(sched, "A", 100, 3)
-        step = _Step(budget=16, preempted=why == "preempted")
+        step = ScheduledStep(budget=16, preempted=why == "preempted")
         if why == "swapped":
             sched.swapped.append(object())   # stands for a swapped-out request
         sched._schedule_waiting(step)

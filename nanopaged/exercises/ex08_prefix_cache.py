@@ -56,7 +56,7 @@ def _pool_with(tokens, block_ids):
         bm.free_block_ids.pop(b)
         bm.ref_count[b] = 1
         seq.block_table.append_block(b)
-    seq.block_table.num_tokens = seq.num_computed_tokens = len(tokens)
+    seq.num_computed_tokens = len(tokens)
     bm.cache_full_blocks(seq, 0, len(tokens))
     return bm
 

@@ -69,7 +69,7 @@ def _world(mode, num_cpu_blocks=8, costs=None):
                 del bm.free_block_ids[block_id]
             bm.ref_count[block_id] += 1
             seq.block_table.append_block(block_id)
-        seq.block_table.num_tokens = seq.num_computed_tokens = 6
+        seq.num_computed_tokens = 6
         sched.runner_view.known[seq.seq_id] = 7
     done = b.seqs[2]
     done.output_token_ids, done.num_computed_tokens, done.status = [11, 12, 13, 14], 9, SequenceStatus.FINISHED_STOPPED
@@ -79,9 +79,9 @@ def _world(mode, num_cpu_blocks=8, costs=None):
 
 
 def _step():
-    from nanopaged.core.scheduler import _Step
+    from nanopaged.core.scheduler_output import ScheduledStep
 
-    return _Step(budget=64)
+    return ScheduledStep(budget=64)
 
 
 def check_should_swap_by_mode():
@@ -143,7 +143,7 @@ def check_preempt_by_swap():
     assert sorted(pairs) == [2, 5, 6] and len(step.blocks_to_swap_out) == 3, (
         f"step.blocks_to_swap_out is {step.blocks_to_swap_out}: expected one (device, cpu) pair for each of the "
         "distinct blocks 2, 5, 6, as block_manager.swap_out returns them")
-    assert all(s.block_table.on_cpu for s in b.seqs[:2]) and b.seqs[0].block_table.block_ids == [pairs[2], pairs[5]], (
+    assert [s.block_table.block_ids for s in b.seqs[:2]] == [[pairs[2], pairs[5]], [pairs[2], pairs[6]]], (
         f"the running sequences' tables should point at CPU blocks now: {[s.block_table for s in b.seqs[:2]]}")
     assert bm.get_num_free_gpu_blocks() == 8 and bm.get_num_free_cpu_blocks() == 5, (
         f"{bm.get_num_free_gpu_blocks()} device and {bm.get_num_free_cpu_blocks()} CPU blocks free, expected 8 and 5")

@@ -16,15 +16,15 @@ nothing. `python -m nanopaged.trace` draws every step with them, and so does the
 """
 HINT = """
 table_rows: bm = self.engine.block_manager, bs = bm.block_size, bt = seq.block_table.
-Block i holds min(bs, bt.num_tokens - i * bs) written tokens (bt.num_tokens, not
-seq.num_tokens: the token sampled last has no K/V yet), whose ids are
-seq.token_ids_slice(i * bs, i * bs + fill). The physical text is str(block_id), or
-f"cpu {block_id}" when bt.on_cpu; add f" ×{bm.ref_count[block_id]}" for a device block
-held more than once.
+Block i holds min(bs, seq.num_computed_tokens - i * bs) written tokens
+(num_computed_tokens, not seq.num_tokens: the token sampled last has no K/V yet), whose
+ids are seq.token_ids_slice(i * bs, i * bs + fill). The physical text is str(block_id),
+or f"cpu {block_id}" when seq.is_swapped (its table holds CPU-pool blocks); add
+f" ×{bm.ref_count[block_id]}" for a device block held more than once.
 next_slot: return None unless seq.output_token_ids, seq.num_computed_tokens ==
-seq.num_tokens - 1, not bt.on_cpu and not seq.status.is_finished. The new token goes to
-position n = bt.num_tokens: offset n % bs of the last block, or a new block when that
-is 0. The token's text is repr(self.token(seq.output_token_ids[-1])).
+seq.num_tokens - 1, not seq.is_swapped and not seq.status.is_finished. The new token
+goes to position n = seq.num_computed_tokens: offset n % bs of the last block, or a new
+block when that is 0. The token's text is repr(self.token(seq.output_token_ids[-1])).
 """
 
 
@@ -51,18 +51,17 @@ def _view():
     return TraceView(SimpleNamespace(block_manager=bm, tokenizer=_Tokenizer()), Console(file=io.StringIO()))
 
 
-def _seq(view, prompt, output, blocks, table_tokens, on_cpu=False):
-    """A running sequence whose table holds `blocks` and has slots for table_tokens
-    tokens (all computed); device blocks get a ref count from it."""
+def _seq(view, prompt, output, blocks, computed, swapped=False):
+    """A running (or, with swapped, a swapped-out) sequence whose table holds `blocks`, with
+    `computed` tokens computed; device blocks get a ref count from it."""
     from nanopaged.core.sequence import Sequence, SequenceStatus
 
     seq = Sequence(0, 0, list(prompt), 4)
     seq.output_token_ids = list(output)
-    seq.status = SequenceStatus.SWAPPED if on_cpu else SequenceStatus.RUNNING
-    seq.block_table.block_ids, seq.block_table.num_tokens = list(blocks), table_tokens
-    seq.block_table.on_cpu = on_cpu
-    seq.num_computed_tokens = table_tokens
-    if not on_cpu:
+    seq.status = SequenceStatus.SWAPPED if swapped else SequenceStatus.RUNNING
+    seq.block_table.block_ids = list(blocks)
+    seq.num_computed_tokens = computed
+    if not swapped:
         for b in blocks:
             view.engine.block_manager.ref_count[b] += 1
     return seq
@@ -95,7 +94,7 @@ def check_shared_and_swapped():
     got = [row[1] for row in _plain(view.table_rows(seq))]
     assert got == ["0 ×2", "3"], \
         f"block 0 has ref_count 2, block 3 ref_count 1: physical column {got}, expected ['0 ×2', '3']"
-    swapped = _seq(view, range(1, 7), [7], [1, 0], 6, on_cpu=True)
+    swapped = _seq(view, range(1, 7), [7], [1, 0], 6, swapped=True)
     got = [row[1] for row in _plain(view.table_rows(swapped))]
     assert got == ["cpu 1", "cpu 0"], (
         f"a swapped-out table lists CPU blocks 1 and 0 (no ref counts there: those are the device pool's): {got}, "
@@ -112,7 +111,7 @@ def check_next_slot():
              (_seq(view, range(1, 9), [9], [3, 1], 8), "next 't9' → needs a new block",
               "8 tokens in blocks [3, 1] (both full), a 9th sampled"),
              (_seq(view, range(1, 5), [], [2], 4), None, "a prompt of 4 tokens, nothing sampled yet"),
-             (_seq(view, range(1, 7), [7], [1, 0], 6, on_cpu=True), None, "a sequence swapped out to the CPU pool")]
+             (_seq(view, range(1, 7), [7], [1, 0], 6, swapped=True), None, "a sequence swapped out to the CPU pool")]
     waiting = _seq(view, range(1, 7), [7], [], 0)
     waiting.status = SequenceStatus.WAITING
     finished = _seq(view, range(1, 7), [7, 8], [], 0)

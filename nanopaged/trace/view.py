@@ -218,7 +218,7 @@ class TraceView:
             for seq in group.seqs:
                 self.seq_request[seq.seq_id] = rid
                 bt = seq.block_table
-                where = "CPU pool (swapped out)" if bt.on_cpu else seq.status.name.lower()
+                where = "CPU pool (swapped out)" if seq.is_swapped else seq.status.name.lower()
                 t = Table(title=Text.assemble(self.seq(seq.seq_id), f" · {where}"), title_justify="left",
                           box=None, pad_edge=False, header_style="dim", caption_justify="left")
                 for name in ("logical", "physical", "filled"):
@@ -243,15 +243,15 @@ class TraceView:
             the physical block id, "cpu 3" when the table is in the CPU pool (swapped
                 out), "5 ×2" when a device block's ref_count is 2 or more;
             "3/4": how many of the block's block_size slots hold tokens whose K/V are
-                written (the table's num_tokens counts them);
+                written (seq.num_computed_tokens counts them);
             those tokens as text, self.tokens(their ids, block_size).
         """
         bm, bs = self.engine.block_manager, self.engine.block_manager.block_size
         bt, rows = seq.block_table, []
         for i, block_id in enumerate(bt.block_ids):
-            fill = min(bs, bt.num_tokens - i * bs)
-            physical = f"cpu {block_id}" if bt.on_cpu else str(block_id)
-            if not bt.on_cpu and bm.ref_count[block_id] > 1:
+            fill = min(bs, seq.num_computed_tokens - i * bs)
+            physical = f"cpu {block_id}" if seq.is_swapped else str(block_id)
+            if not seq.is_swapped and bm.ref_count[block_id] > 1:
                 physical += f" ×{bm.ref_count[block_id]}"
             tokens = self.tokens(seq.token_ids_slice(i * bs, i * bs + fill), bs)
             rows.append((str(i), physical, f"{fill}/{bs}", tokens))
@@ -265,10 +265,10 @@ class TraceView:
         slot 2" (that slot of the table's last block; tok is repr(self.token(id))), or
         "next 'tok' → needs a new block" when the last block is full."""
         bt, bs = seq.block_table, self.engine.block_manager.block_size
-        if (not seq.output_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or bt.on_cpu
+        if (not seq.output_token_ids or seq.num_computed_tokens != seq.num_tokens - 1 or seq.is_swapped
                 or seq.status.is_finished):
             return None
-        n = bt.num_tokens
+        n = seq.num_computed_tokens
         return (f"next {self.token(seq.output_token_ids[-1])!r} → "
                 + (f"block {bt.block_ids[-1]}, slot {n % bs}" if n % bs else "needs a new block"))
 
@@ -277,7 +277,7 @@ class TraceView:
         holders: dict[int, dict[str, None]] = {}
         for rid, group in self.engine.requests.items():
             for seq in group.seqs:
-                if not seq.block_table.on_cpu:
+                if not seq.is_swapped:
                     for b in seq.block_table.block_ids:
                         holders.setdefault(b, {})[rid] = None
         return {b: list(rids) for b, rids in holders.items()}
@@ -302,7 +302,7 @@ class TraceView:
         bm = self.engine.block_manager
         if bm.get_num_free_cpu_blocks() == bm.num_cpu_blocks:
             return None
-        owners = {b: rid for rid, g in self.engine.requests.items() for s in g.seqs if s.block_table.on_cpu
+        owners = {b: rid for rid, g in self.engine.requests.items() for s in g.seqs if s.is_swapped
                   for b in s.block_table.block_ids}
         cells = [Text(f"cpu {b}\n{owners[b]}", style=f"bold black on {self.colour(owners[b])}", justify="center")
                  if b in owners else Text(f"cpu {b}\nfree", style="dim", justify="center")

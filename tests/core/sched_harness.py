@@ -98,10 +98,11 @@ class Harness:
     def add_observer(self, observer) -> None:
         self.block_manager.observers.append(observer)
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int = 8, n: int = 1) -> None:
-        """A request arriving now (later than every earlier one)."""
+    def add(self, request_id: str, prompt: list[int], max_tokens: int = 8, n: int = 1, **sampling) -> None:
+        """A request arriving now (later than every earlier one); `sampling`: more
+        SamplingParams fields (stop_token_ids, ...)."""
         self._clock += 1.0
-        params = SamplingParams(n=n, max_tokens=max_tokens)
+        params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)
         self.scheduler.add_request(EngineCoreRequest(request_id, prompt, params, frozenset(), self._clock))
         for seq in self.scheduler.requests[request_id].seqs:
             self._names[seq.seq_id] = request_id if seq.index == 0 else f"{request_id}/{seq.index}"

@@ -56,16 +56,17 @@ def test_prefix_caching_never_changes_greedy_output(tiny_model_dir):
 def test_fork_shares_blocks_and_copy_on_write_copies_the_partial_block():
     bm = BlockManager(num_gpu_blocks=8, block_size=4, enable_prefix_caching=False)
     parent, child = Sequence(0, 0, list(range(6)), 4), Sequence(1, 1, list(range(6)), 4)
-    bm.append_slots(parent)                                # 6 tokens: blocks [a, b], b half full
+    bm.append_slots([parent])                              # 6 tokens: blocks [a, b], b half full
+    parent.num_computed_tokens = child.num_computed_tokens = 6       # (the scheduler's part)
     bm.fork(parent, child)
     assert child.block_table.block_ids == parent.block_table.block_ids
     assert [bm.ref_count[b] for b in parent.block_table.block_ids] == [2, 2]
     for seq, tok in ((parent, 100), (child, 200)):
         seq.append_token(tok)
     shared = parent.block_table.block_ids[1]
-    copies = bm.append_slots(parent)                       # parent writes into the shared block
+    copies = bm.append_slots([parent])                     # parent writes into the shared block
     assert copies == [(shared, parent.block_table.block_ids[1])] and child.block_table.block_ids[1] == shared
-    assert bm.append_slots(child) == []                    # the last holder writes in place
+    assert bm.append_slots([child]) == []                  # the last holder writes in place
     assert parent.block_table.block_ids[0] == child.block_table.block_ids[0]
     assert parent.block_table.block_ids[1] != child.block_table.block_ids[1]
     assert bm.ref_count[parent.block_table.block_ids[0]] == 2 and bm.num_copy_on_write == 1

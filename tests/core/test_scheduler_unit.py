@@ -59,7 +59,7 @@ def test_preemption_evicts_the_latest_arrivals(mode):
         assert (c.block_table.block_ids, d.block_table.block_ids) == ([1], [0])
         for seq in (c, d):
             assert seq.status == SequenceStatus.SWAPPED
-            assert (seq.block_table.on_cpu, seq.num_computed_tokens) == (True, 4)
+            assert (seq.is_swapped, seq.num_computed_tokens) == (True, 4)
         assert [g.request_id for g in h.scheduler.swapped] == ["C", "D"]
     assert (c.output_token_ids, d.output_token_ids) == ([301], [401])
     h.finish(so, {"A": 102, "B": 202})
@@ -81,7 +81,7 @@ def test_preemption_evicts_the_latest_arrivals(mode):
         so, _ = h.step({})
         assert h.scheduled(so) == {} and so.blocks_to_swap_in == [(1, 3), (0, 0)]
         assert (c.block_table.block_ids, d.block_table.block_ids) == ([3], [0])
-        assert not (c.block_table.on_cpu or d.block_table.on_cpu)
+        assert not (c.is_swapped or d.is_swapped)
         so, _ = h.step({"C": 302, "D": 402})
         assert h.scheduled(so) == {"C": 1, "D": 1}
         assert (c.block_table.block_ids, d.block_table.block_ids) == ([3, 2], [0, 1])
