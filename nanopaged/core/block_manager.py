@@ -57,11 +57,14 @@ class ComputedBlocks:
         num_computed_tokens: the tokens they hold (len(block_ids) * block_size).
         num_shared_tokens: the tokens in its prompt's full blocks, which its other
             sequences (only after a recompute preemption of n > 1) share with the first.
+        never_fits: it needs more blocks than the whole pool, even with the pool to
+            itself and no cache hits, so waiting for others to finish cannot help.
     """
 
     block_ids: list[int]
     num_computed_tokens: int
     num_shared_tokens: int
+    never_fits: bool = False
 
 
 class BlockManager:
@@ -134,14 +137,17 @@ class BlockManager:
 
     def get_computed_blocks(self, seq_group: SequenceGroup) -> ComputedBlocks:
         """What a waiting request already has in the pool (no side effects): its first
-        sequence's longest cached prefix, and the full prompt blocks its other sequences
+        sequence's longest cached prefix, the full prompt blocks its other sequences
         will share with the first (they exist only after a recompute preemption; see
-        allocate). The scheduler's one question before allocate (vLLM v1's
-        KVCacheManager.get_computed_blocks)."""
-        first = seq_group.seqs_to_compute()[0]
+        allocate), and whether the whole pool could ever hold it. The scheduler's one
+        question before allocate (vLLM v1's KVCacheManager.get_computed_blocks)."""
+        first, *rest = seq_group.seqs_to_compute()
         hits = self._cached_prefix(seq_group, first)
-        shared = len(first.prompt_token_ids) // self.block_size * self.block_size
-        return ComputedBlocks(hits, len(hits) * self.block_size, shared)
+        shared = len(first.prompt_token_ids) // self.block_size
+        need = first.block_table.num_blocks_for(first.num_tokens)
+        need += sum(s.block_table.num_blocks_for(s.num_tokens) - shared for s in rest)
+        return ComputedBlocks(hits, len(hits) * self.block_size, shared * self.block_size,
+                              need > self.num_gpu_blocks)
 
     def cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Name the blocks that became full when seq's positions [start, end) were
@@ -185,15 +191,6 @@ class BlockManager:
         take += sum(1 for b in set(hits) if self.ref_count[b] == 0)
         shared = computed.num_shared_tokens // self.block_size
         return take + sum(s.block_table.num_blocks_for(s.num_tokens) - shared for s in rest)
-
-    def never_fits(self, seq_group: SequenceGroup) -> bool:
-        """True if the request needs more blocks than the whole pool, even with the pool
-        to itself and no cache hits (so waiting for others to finish cannot help)."""
-        first, *rest = seq_group.seqs_to_compute()
-        shared = len(first.prompt_token_ids) // self.block_size
-        need = first.block_table.num_blocks_for(first.num_tokens)
-        need += sum(s.block_table.num_blocks_for(s.num_tokens) - shared for s in rest)
-        return need > self.num_gpu_blocks
 
     def _writes_shared_block(self, seq: Sequence) -> bool:
         """seq's next write (position num_computed_tokens) lands in a partly filled last

@@ -12,8 +12,10 @@ A request (a SequenceGroup) is in exactly one of three queues until it leaves:
 (`_finish_seq`: its blocks are freed at once, even while its siblings run on), and a
 request leaves every queue and these books once all its sequences have finished
 (`_remove`), by stop, length, abort (`abort_requests`) or a stop string
-(`stop_sequences`). What moves requests *between* the queues each step (the three
-phases, preemption) is the Scheduler's (scheduler.py), built on this class.
+(`stop_sequences`). After a failed forward, `reset_after_failure` puts the requests it
+held back in `waiting`; `get_grammar_bitmask` reads their grammars for a step. What
+moves requests *between* the queues each step (the three phases, preemption) is the
+Scheduler's (scheduler.py), built on this class.
 vLLM v1: `vllm/v1/core/sched/request_queue.py` and the add/finish half of
 `vllm/v1/core/sched/scheduler.py`.
 """
@@ -24,7 +26,8 @@ import logging
 from collections import deque
 
 from ..events import RequestAdded, RequestFinished
-from ..messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from ..messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, GrammarOutput,
+                        SchedulerOutput)
 from ..utils.math_utils import cdiv
 from .beam_search import BeamState
 from .block_manager import BlockManager
@@ -173,3 +176,36 @@ class RequestQueues:
             if group.request_id in self.requests and group.is_finished():
                 self._remove(group)
                 result.finished_requests.add(group.request_id)
+
+    def reset_after_failure(self, lost: list[SchedulerOutput]) -> None:
+        """Async scheduling: a forward raised, so the steps in `lost` (it and any step
+        scheduled after it) produced nothing, and the runner's record of their sequences
+        is stale. Each unfinished request they scheduled goes back to the waiting queue
+        as a recompute preemption would leave it: blocks freed, num_computed_tokens 0,
+        no placeholder, sent to the runner in full when it runs again. Its tokens so far
+        are kept, and no block was named (C39), so it goes on as if nothing happened."""
+        seq_ids = {i for so in lost for i in (*so.num_scheduled_tokens, *so.sample_from)}
+        groups = {self._seqs[i][1] for i in seq_ids if i in self._seqs}
+        for group in groups:
+            for queue in (self.running, self.swapped, self.waiting):
+                if group in queue:
+                    queue.remove(group)
+            for seq in group.seqs:
+                seq.num_output_placeholders = 0
+                self.runner_view.forget(seq.seq_id)
+                if not seq.status.is_finished:
+                    self.block_manager.free(seq)
+                    seq.num_computed_tokens = 0
+                    seq.status = SequenceStatus.WAITING
+        self.waiting = deque(sorted([*self.waiting, *groups], key=lambda g: g.arrival_time))
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput:
+        """The token masks of the constrained rows of a scheduled step, from their
+        matchers as they are now. Call it once every step before this one has been taken
+        in (update_from_output): with async scheduling that is after the forward of
+        this step has started, so the mask is filled while the forward runs (vLLM v1)."""
+        grammars = {}
+        for seq_id in scheduler_output.structured_output_seq_ids:
+            seq = self._seqs.get(seq_id, (None,))[0]
+            grammars[seq_id] = seq.grammar if seq is not None and not seq.status.is_finished else None
+        return self.structured_output_manager.grammar_bitmask(scheduler_output, grammars)

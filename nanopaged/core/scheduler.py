@@ -38,8 +38,8 @@ from __future__ import annotations
 from collections import deque
 
 from ..events import Preempted
-from ..messages import (EngineCoreOutput, EngineCoreOutputs, FinishReason, GrammarOutput, ModelRunnerOutput,
-                        PreemptionCosts, SchedulerOutput)
+from ..messages import (EngineCoreOutput, EngineCoreOutputs, FinishReason, ModelRunnerOutput, PreemptionCosts,
+                        SchedulerOutput)
 from .beam_search import beam_search_step, finished_outputs
 from .block_manager import BlockManager
 from .request_queues import RequestQueues
@@ -105,26 +105,8 @@ class Scheduler(RequestQueues):
         return not self._waits_for_output
 
     def reset_after_failure(self, lost: list[SchedulerOutput]) -> None:
-        """Async scheduling: a forward raised, so the steps in `lost` (it and any step
-        scheduled after it) produced nothing, and the runner's record of their sequences
-        is stale. Each unfinished request they scheduled goes back to the waiting queue
-        as a recompute preemption would leave it: blocks freed, num_computed_tokens 0,
-        no placeholder, sent to the runner in full when it runs again. Its tokens so far
-        are kept, and no block was named (C39), so it goes on as if nothing happened."""
-        seq_ids = {i for so in lost for i in (*so.num_scheduled_tokens, *so.sample_from)}
-        groups = {self._seqs[i][1] for i in seq_ids if i in self._seqs}
-        for group in groups:
-            for queue in (self.running, self.swapped, self.waiting):
-                if group in queue:
-                    queue.remove(group)
-            for seq in group.seqs:
-                seq.num_output_placeholders = 0
-                self.runner_view.forget(seq.seq_id)
-                if not seq.status.is_finished:
-                    self.block_manager.free(seq)
-                    seq.num_computed_tokens = 0
-                    seq.status = SequenceStatus.WAITING
-        self.waiting = deque(sorted([*self.waiting, *groups], key=lambda g: g.arrival_time))
+        """RequestQueues.reset_after_failure, and nothing waits for a lost step."""
+        super().reset_after_failure(lost)
         self._waits_for_output = False
 
     # -- schedule(): the three phases -------------------------------------------------------
@@ -205,12 +187,12 @@ class Scheduler(RequestQueues):
         while (self.waiting and not step.preempted and not self.swapped
                and len(self.running) < self.max_num_seqs):
             group = self.waiting[0]
-            if self.block_manager.never_fits(group):
+            computed = self.block_manager.get_computed_blocks(group)   # cache hits: not computed
+            if computed.never_fits:
                 self.waiting.popleft()            # can never fit again; see _finish_too_long
                 self._finish_too_long(group)
                 continue
             first, *rest = group.seqs_to_compute()
-            computed = self.block_manager.get_computed_blocks(group)   # cache hits: not computed
             first_tokens = first.num_tokens - computed.num_computed_tokens
             rest_tokens = sum(s.num_tokens - computed.num_shared_tokens for s in rest)
             # Only a lone sequence is chunked. A recomputed n > 1 request may need more
@@ -265,17 +247,6 @@ class Scheduler(RequestQueues):
         as many as the budget has left, never fewer than 0 (the budget can be negative
         once a step is full). Decodes never come here: 1 token is never cut."""
         return min(num_tokens, max(budget, 0)) if self.enable_chunked_prefill else num_tokens
-
-    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput:
-        """The token masks of the constrained rows of a scheduled step, from their
-        matchers as they are now. Call it once every step before this one has been taken
-        in (update_from_output): with async scheduling that is after the forward of
-        this step has started, so the mask is filled while the forward runs (vLLM v1)."""
-        grammars = {}
-        for seq_id in scheduler_output.structured_output_seq_ids:
-            seq = self._seqs.get(seq_id, (None,))[0]
-            grammars[seq_id] = seq.grammar if seq is not None and not seq.status.is_finished else None
-        return self.structured_output_manager.grammar_bitmask(scheduler_output, grammars)
 
     def _ends_in_flight(self, seq: Sequence, group: SequenceGroup) -> bool:
         """Async scheduling: the token a step in flight samples for seq is surely its

@@ -144,10 +144,10 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_gpu_blocks, num_cpu_blocks)
         kernel = {"torch": "the PyTorch reference", "cpu": "the C++ CPU kernel", "cuda": "the CUDA kernel"}
         size = num_gpu_blocks * per_block[0]
-        logger.info("KV cache: %d blocks of %d tokens (%s%s), swap pool %d blocks; dtype %s, attention: %s",
-                    num_gpu_blocks, c.block_size, f"{size / 2**30:.2f} GiB" if size >= 2**30 else
-                    f"{size / 2**20:.1f} MiB", " per rank" if len(per_block) > 1 else "", num_cpu_blocks,
-                    c.dtype, kernel.get(self.attn_backend.name, self.attn_backend.name))
+        unit = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if size >= s or u == "KiB")
+        logger.info("KV cache: %d blocks of %d tokens (%.1f %s%s), swap pool %d blocks; dtype %s, attention: %s",
+                    num_gpu_blocks, c.block_size, size / unit[1], unit[0], " per rank" if len(per_block) > 1 else "",
+                    num_cpu_blocks, c.dtype, kernel.get(self.attn_backend.name, self.attn_backend.name))
         return num_gpu_blocks, num_cpu_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:

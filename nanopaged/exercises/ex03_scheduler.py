@@ -22,9 +22,10 @@ _schedule_waiting, in a loop over self.waiting[0] (look at the head, pop it only
 is admitted; `break` at the first one that does not fit: FCFS never skips the head):
 - stop when the queue is empty, when step.preempted, when self.swapped is not empty, or
   when len(self.running) reaches self.max_num_seqs;
-- self.block_manager.never_fits(group): pop it and self._finish_too_long(group);
-- first, *rest = group.seqs_to_compute(); ask the block manager once what it already has:
-  computed = self.block_manager.get_computed_blocks(group). The first sequence computes
+- ask the block manager once what it already has: computed =
+  self.block_manager.get_computed_blocks(group); if computed.never_fits (the whole pool
+  could not hold it), pop it and self._finish_too_long(group);
+- first, *rest = group.seqs_to_compute(). The first sequence computes
   first_tokens = first.num_tokens - computed.num_computed_tokens (cache hits excluded),
   each other one s.num_tokens - computed.num_shared_tokens (rest_tokens, their sum);
 - only a lone sequence is chunked: n_first = first_tokens if rest else self._chunk(...);
