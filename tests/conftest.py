@@ -68,3 +68,15 @@ def paged_logits(model, tokens: list[int], block_size: int, prefill: int) -> tor
     for p in range(prefill, len(tokens)):
         run(p, p + 1)
     return torch.cat(logits)
+
+
+def interrupt_next_forward(layer) -> None:
+    """Make the next call of `layer.forward` raise KeyboardInterrupt (Ctrl-C inside a
+    forward pass); the call after that runs the layer as before."""
+    forward = layer.forward
+
+    def interrupted(*args, **kwargs):
+        layer.forward = forward
+        raise KeyboardInterrupt
+
+    layer.forward = interrupted

@@ -7,6 +7,7 @@ import pytest
 from nanopaged import LLM, BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
 
 from invariants import check_block_invariants, run_checked
+from conftest import interrupt_next_forward
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [list(range(100, 117)), [5, 6, 7, 8, 9], list(range(200, 230))]
@@ -158,14 +159,7 @@ def test_an_exception_in_the_forward_leaves_requests_that_go_on_unchanged(tiny_m
     eng.add_request("a", PROMPTS[0], GREEDY)
     for _ in range(4):
         eng.step()
-    layer = eng.model_runner.model.layers[1]
-    forward = layer.forward
-
-    def interrupted(*a, **k):
-        layer.forward = forward
-        raise KeyboardInterrupt
-
-    layer.forward = interrupted
+    interrupt_next_forward(eng.model_runner.model.layers[1])
     with pytest.raises(KeyboardInterrupt):
         eng.step()
     check_block_invariants(eng)

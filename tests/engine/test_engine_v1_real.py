@@ -30,6 +30,8 @@ from nanopaged import LLM, BeamSearchParams, SamplingParams
 from nanopaged.entrypoints.chat import build_prompt
 from nanopaged.sampling_params import RequestOutputKind
 
+from conftest import interrupt_next_forward
+
 pytestmark = pytest.mark.slow
 SMALL_KV = 64 << 20
 
@@ -176,14 +178,7 @@ def test_c39_an_interrupted_forward_poisons_no_cache_block(default_model_dir, ll
     fresh = LLM(str(default_model_dir), dtype="float32", kv_cache_memory_bytes=SMALL_KV, block_size=16)
     expected = fresh.generate(prompt, params)[0].outputs[0].token_ids
     interrupted = LLM(str(default_model_dir), dtype="float32", kv_cache_memory_bytes=SMALL_KV, block_size=16)
-    layer = interrupted.engine.model_runner.model.layers[15]
-    forward = layer.forward
-
-    def raise_once(*a, **k):
-        layer.forward = forward
-        raise KeyboardInterrupt
-
-    layer.forward = raise_once
+    interrupt_next_forward(interrupted.engine.model_runner.model.layers[15])
     with pytest.raises(KeyboardInterrupt):
         interrupted.generate(prompt, params)
     assert not interrupted.engine.block_manager.cached_blocks
