@@ -23,8 +23,8 @@ def check_stop(seq: Sequence, group: SequenceGroup, max_model_len: int) -> Seque
 
     In this order: eos (unless ignore_eos) or a stop token id, once min_tokens are out:
     FINISHED_STOPPED, and seq.stop_reason is set to that token; then max_tokens
-    outputs, or prompt + output reaching max_model_len (vLLM's rule, so a prompt of
-    exactly max_model_len tokens still gets one token): FINISHED_LENGTH. seq.status
+    outputs, or prompt + output reaching max_model_len (the Processor admits only
+    prompts with room for one output token): FINISHED_LENGTH. seq.status
     is left alone: the scheduler frees the blocks first, then sets it.
     """
     params, token = group.sampling_params, seq.output_token_ids[-1]

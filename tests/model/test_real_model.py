@@ -11,8 +11,10 @@ C06  a request that can never fit (block size 4, 4 blocks): a 20-token prompt fa
      16-token prompt that fills the pool ends with finish_reason "length" instead of
      looping; every block is free afterwards;
 C07  a prompt longer than max_model_len: a ValueError naming its length and max_model_len
-     before it is scheduled, the next request still runs, and a prompt of exactly
-     max_model_len tokens gets one token (vLLM's rule);
+     before it is scheduled, the next request still runs; the boundary's one rule is
+     prompt_len + 1 <= max_model_len (room for one output token, as vLLM asks), so a
+     prompt of exactly max_model_len tokens is refused the same way and one of
+     max_model_len - 1 tokens gets exactly one token;
 C12  top_p=0 is a ValueError naming top_p; top_p=1e-9 gives the greedy output; top_k 0 and
      -1 mean no top-k filter;
 C14  max_tokens=0 is a ValueError naming max_tokens, with the free blocks unchanged;
@@ -175,10 +177,13 @@ def test_c07_prompt_longer_than_max_model_len(default_model_dir):
     assert not eng.has_unfinished_requests()
     assert llm.generate([list(range(100, 105))], SamplingParams(max_tokens=4))[0].finished
     assert eng.get_stats()["num_waiting"] == 0
-    # The rule (vLLM's): a sequence stops once prompt + output reach max_model_len, so a
-    # prompt of exactly max_model_len tokens still gets one token, and never more.
+    # The rule: prompt_len + 1 <= max_model_len, and a sequence stops once prompt +
+    # output reach max_model_len. A prompt of exactly max_model_len tokens has no room
+    # for an output token (it once ran to max_model_len + 1 tokens in all).
+    with pytest.raises(ValueError, match=r"32 tokens, too long for max_model_len=32: .* at most 31 tokens"):
+        llm.generate([list(range(100, 132))], SamplingParams(temperature=0, max_tokens=1))
     for max_tokens in (1, 5):
-        out = llm.generate([list(range(100, 132))], SamplingParams(temperature=0, max_tokens=max_tokens,
+        out = llm.generate([list(range(100, 131))], SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                    ignore_eos=True))[0]
         assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
     out = llm.generate([list(range(100, 130))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
