@@ -86,13 +86,16 @@ class FakeExecutor:
         self.initialized = (num_gpu_blocks, num_cpu_blocks)
 
 
+TORCH = SimpleNamespace(name="torch")          # the attention backend, for the log line
+
+
 def test_the_core_takes_the_smallest_pool_over_the_ranks():
     executor = FakeExecutor(available=[1000, 700], per_block=[100, 100])
-    core = SimpleNamespace(config=EngineConfig(num_cpu_blocks=3), executor=executor)
+    core = SimpleNamespace(config=EngineConfig(num_cpu_blocks=3), executor=executor, attn_backend=TORCH)
     assert EngineCore._initialize_kv_caches(core) == (7, 3)
     assert executor.initialized == (7, 3)
     executor = FakeExecutor(available=[1000, 700], per_block=[100, 100])
-    core = SimpleNamespace(config=EngineConfig(swap_space=1 / 1024), executor=executor)   # 1 MiB
+    core = SimpleNamespace(config=EngineConfig(swap_space=1 / 1024), executor=executor, attn_backend=TORCH)  # 1 MiB
     assert EngineCore._initialize_kv_caches(core) == (7, MiB // 100) == executor.initialized
 
 
