@@ -21,9 +21,11 @@ swapping, the running and the reporting.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
 import pkgutil
+import shutil
 import tempfile
 from contextlib import contextmanager
 from types import ModuleType
@@ -54,6 +56,7 @@ def tiny_model_folder() -> str:
 
     hf_logging.disable_progress_bar()          # no "Writing model shards" bar above the checks
     folder = tempfile.mkdtemp(prefix="nanopaged-exercise-model-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)     # gone when the process ends
     make_tiny_llama(folder)
     return folder
 

@@ -2,6 +2,7 @@
 checker can fail and can pass. For each exercise the untouched stub fails its check
 and the reference solution (the engine's own code) passes it, in this process, the way
 `check` runs them. Plus the command line, once, as a student meets it."""
+import os
 import subprocess
 import sys
 
@@ -44,9 +45,13 @@ def test_the_stub_fails_and_the_reference_passes(number, tmp_path):
 
 
 def test_the_command_line_start_check_hint_reset(tmp_path):
+    scratch = tmp_path / "tmp"                  # the checks' TMPDIR: their tiny model goes there
+    scratch.mkdir()
+
     def run(*args):
         proc = subprocess.run([sys.executable, "-m", "nanopaged.exercise", *args, "--dir", str(tmp_path)],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "TMPDIR": str(scratch)})
         return proc.returncode, proc.stdout + proc.stderr
 
     code, out = run("list")
@@ -73,5 +78,6 @@ def test_the_command_line_start_check_hint_reset(tmp_path):
     assert "NotImplementedError" in (tmp_path / "ex01_block_table.py").read_text()
     code, out = run("check", "2")
     assert code == 1 and f"run `python -m nanopaged.exercise --dir {tmp_path} start 2` first" in out
+    assert list(scratch.glob("nanopaged-*")) == [], "a check left its tiny model folder behind"
     code, out = run("check", "99")
     assert code == 1 and "exercise number must be one of" in out
