@@ -24,6 +24,7 @@ import argparse
 import ast
 import importlib
 import inspect
+import logging
 import signal
 import shlex
 import sys
@@ -266,14 +267,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("number", nargs="?", type=int)
     ap.add_argument("--dir", default=DEFAULT_DIR, help=f"where your exercise files are (default ./{DEFAULT_DIR})")
     args = ap.parse_args(argv)
+    logging.getLogger("nanopaged").setLevel(logging.WARNING)   # the checks' engines start quietly
     exercises = all_exercises()
     folder = Path(args.dir)
     if args.command == "list":
         width = max(len(ex.TITLE) for ex in exercises.values())
-        for n, ex in exercises.items():
-            state = "not started" if not exercise_file(ex, folder).exists() else "started"
-            print(f"{n:3}  {state:<11}  {ex.TITLE:<{width}}  chapters/{ex.CHAPTER}")
+        try:
+            for n, ex in exercises.items():
+                state = "not started" if not exercise_file(ex, folder).exists() else "started"
+                print(f"{n:3}  {state:<11}  {ex.TITLE:<{width}}  chapters/{ex.CHAPTER}", flush=True)
+        except BrokenPipeError:        # `list | head`: the reader has what it wanted
+            sys.stdout = None          # no second error when Python flushes stdout at exit
         return 0
+    if args.number is None:
+        print(f"`{args.command}` needs an exercise number (0 to {max(exercises)}): "
+              f"python -m nanopaged.exercise {args.command} N; `list` shows them", file=sys.stderr)
+        return 1
     if args.number not in exercises:
         print(f"exercise number must be one of {', '.join(map(str, exercises))}, got {args.number}",
               file=sys.stderr)
@@ -288,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path} exists already: edit it, or `{command('reset', ex, folder)}` for a fresh stub")
             return 0
         folder.mkdir(parents=True, exist_ok=True)
-        if path.exists():
+        if path.exists() and path.read_text() != stub_source(ex, folder):     # an untouched stub: no .bak
             path.rename(path.with_suffix(path.suffix + ".bak"))
             print(f"your version is kept in {path.with_suffix(path.suffix + '.bak')}")
         path.write_text(stub_source(ex, folder))

@@ -73,9 +73,18 @@ def test_the_command_line_start_check_hint_reset(tmp_path):
     assert code == 1 and "3 of 4 checks pass" in out and "positions 0..10" in out
     code, out = run("hint", "1")
     assert code == 0 and "block_size" in out
+    assert "INFO" not in out, out                   # the checks' engines start quietly
     code, out = run("reset", "1")
     assert code == 0 and (tmp_path / "ex01_block_table.py.bak").exists()
     assert "NotImplementedError" in (tmp_path / "ex01_block_table.py").read_text()
+    (tmp_path / "ex01_block_table.py.bak").unlink()
+    code, out = run("reset", "1")                  # an untouched stub: nothing worth a .bak
+    assert code == 0 and not (tmp_path / "ex01_block_table.py.bak").exists(), out
+    code, out = run("start")
+    assert code == 1 and "`start` needs an exercise number (0 to 18)" in out, out
+    piped = subprocess.run(f"{sys.executable} -m nanopaged.exercise list | head -1", shell=True,
+                           capture_output=True, text=True, timeout=120)
+    assert piped.stdout.count("\n") == 1 and "Traceback" not in piped.stderr, piped.stderr
     code, out = run("check", "2")
     assert code == 1 and f"run `python -m nanopaged.exercise --dir {tmp_path} start 2` first" in out
     assert list(scratch.glob("nanopaged-*")) == [], "a check left its tiny model folder behind"
