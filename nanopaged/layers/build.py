@@ -93,7 +93,9 @@ def build_extension(name: str, source: Path, kind: str):
     or import the build cached for exactly this source and flags (no ninja, no compiler).
 
     The build folder is <nanopaged cache>/kernels/<name>-<python>-<torch>-<hash of the
-    source's path, contents and flags>, so a build is reused only for exactly this source.
+    source's name, contents and flags>, so a build is reused only for exactly this source
+    (from any checkout or install that has it: a test suite's scratch install, or a second
+    clone, does not push the first one's build out of the cache; see prune_builds).
     CPU builds are named after the instruction set they target (e.g. nanopaged_cpu_avx2)
     and use OpenMP, torch's own thread pool.
 
@@ -119,10 +121,12 @@ def build_extension(name: str, source: Path, kind: str):
         if torch.version.cuda is None:
             raise KernelBuildError(f"torch {torch.__version__} is a CPU build: no CUDA kernels")
     # One folder per python and torch version (an extension only loads into the torch it
-    # was built for) and per source file, contents and flags: two checkouts, or an edited
-    # kernel, never rebuild over each other, and a missing .so means a build is coming.
+    # was built for) and per source contents and flags: an edited kernel never loads an
+    # old build, checkouts with the same source share one (a build under way holds the
+    # folder's lock, so a second process waits for it), and a missing .so means a build
+    # is coming.
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    key = hashlib.sha256(f"{source.resolve()}\n{sorted(flags.items())}\n".encode() + source.read_bytes())
+    key = hashlib.sha256(f"{source.name}\n{sorted(flags.items())}\n".encode() + source.read_bytes())
     build_dir = cache_dir() / "kernels" / f"{name}-{py}-torch{torch.__version__}-{key.hexdigest()[:12]}"
     cached = _load_cached_build(name, build_dir / f"{name}{cpp_extension.LIB_EXT}")
     if cached is not None:

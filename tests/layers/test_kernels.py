@@ -285,6 +285,29 @@ def test_a_broken_cached_library_is_not_loaded(tmp_path):
     assert build._load_cached_build("nanopaged_cpu_x", tmp_path / "nanopaged_cpu_x.so") is None
 
 
+def test_checkouts_with_the_same_kernel_source_share_one_build(tmp_path, monkeypatch):
+    """The build folder is named by the source's contents and flags, not its path: a
+    second clone, or the test suite's scratch wheel install, loads the build the first
+    one made (and does not push it out of the cache); an edited source gets its own."""
+    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path / "cache"))
+    asked = []
+
+    def cached(name, library):                 # as if every build were there already
+        library.parent.mkdir(parents=True, exist_ok=True)
+        asked.append(library)
+        return object()
+    monkeypatch.setattr(build, "_load_cached_build", cached)
+    source = build.KERNELS_DIR / build.KERNEL_SOURCES["cpu"]
+    copy = tmp_path / "another-clone" / source.name
+    copy.parent.mkdir()
+    copy.write_bytes(source.read_bytes())
+    build.build_extension("nanopaged_cpu", source, "cpu")
+    build.build_extension("nanopaged_cpu", copy, "cpu")
+    copy.write_bytes(source.read_bytes() + b"\n// edited\n")
+    build.build_extension("nanopaged_cpu", copy, "cpu")
+    assert asked[0] == asked[1] != asked[2]
+
+
 def test_old_builds_are_pruned_keeping_the_most_recently_used(tmp_path):
     """After a new build, the cache keeps KEEP_BUILDS builds of that kernel (name, python
     and torch alike): the most recently used; other kernels and a build under way (its
