@@ -10,12 +10,15 @@ the engine runs in. (The KV pool's size is the workers' to measure.)
 """
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from .utils.checks import check_int, invalid, is_real
+
+logger = logging.getLogger(__name__)
 
 
 # LLM(attention_backend=...): "auto" picks the compiled kernels where they build, else the
@@ -36,6 +39,96 @@ def cpu_has_bf16_dot_products() -> bool:
     probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None),
               getattr(torch.cpu, "_is_amx_tile_supported", None))
     return any(probe is not None and probe() for probe in probes)
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (chapters/19-speculative-decoding.md): propose
+    num_speculative_tokens tokens cheaply, then let the model check them all in one
+    forward. vLLM's SpeculativeConfig names (`vllm/config/speculative.py`); LLM(...)
+    takes it as a dict: `speculative_config={"method": "ngram", "num_speculative_tokens": 4}`.
+
+    Args:
+        method: "ngram" (prompt lookup: the tokens that followed the sequence's last
+            n-gram where it occurred before) or "draft_model" (a smaller model with the
+            same tokenizer, greedy, its own KV cache under the same block tables).
+        num_speculative_tokens: k, tokens proposed per step (>= 1).
+        prompt_lookup_min, prompt_lookup_max: n-gram lengths tried, longest first
+            ("ngram" only). vLLM's defaults: both 5 when neither is given, else the
+            one given for both.
+        model: the draft's local Hugging Face folder ("draft_model" only). Its
+            vocabulary and tokenizer must be the target's.
+        disable_by_batch_size: propose nothing in a step whose batch has more running
+            requests than this (vLLM's speculative_disable_by_batch_size; None = never):
+            a big batch is compute bound, and checking k extra tokens per row then costs
+            more than it saves.
+
+    Raises:
+        ValueError: naming the field, for any bad value.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | os.PathLike | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.method!r}")
+        check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, minimum=1,
+                  rule="a positive integer")
+        if self.disable_by_batch_size is not None:
+            check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, minimum=1,
+                      rule="a positive integer")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError(f"speculative_config.model is for method 'draft_model', but method is "
+                                 f"'ngram' (got model={self.model!r})")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if value is not None:
+                    check_int(f"speculative_config.{name}", value, minimum=1, rule="a positive integer")
+            lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min={lo} is larger than "
+                                 f"prompt_lookup_max={hi}")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        else:
+            if self.model is None:
+                raise ValueError("speculative_config.model is required for method 'draft_model' "
+                                 "(the draft's local Hugging Face folder)")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} is for method 'ngram', but method is "
+                                     f"'draft_model' (got {getattr(self, name)!r})")
+
+    @classmethod
+    def from_value(cls, value) -> "SpeculativeConfig | None":
+        """None, a SpeculativeConfig, or a dict of its fields (vLLM's form) -> a
+        SpeculativeConfig or None. Raises ValueError for an unknown key or another type."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise invalid("speculative_config", value, "a dict such as {'method': 'ngram', "
+                          "'num_speculative_tokens': 4}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots past a step's own tokens that the proposer writes (the draft model's K/V
+        of its k proposals, vLLM's num_lookahead_tokens); n-gram proposing writes none."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +181,9 @@ class EngineConfig:
             worker in this process), "mp" (one process per rank, torch.distributed
             gloo on the CPU or NCCL on CUDA) or "external_launcher" (the ranks are
             processes started by torchrun, each running the whole engine).
+        speculative_config: None (off), a SpeculativeConfig, or a dict of its fields
+            (vLLM's form). Speculative steps are synchronous: with it,
+            async_scheduling is turned off (with a warning) when the config resolves.
     """
 
     model: str | os.PathLike | None = None
@@ -109,8 +205,10 @@ class EngineConfig:
     async_scheduling: bool = False
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         for name in ("block_size", "max_num_seqs"):
             check_int(name, getattr(self, name), minimum=1, rule="a positive integer")
         for name in ("num_gpu_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens",
@@ -199,5 +297,11 @@ class EngineConfig:
                              f"than max_model_len={max_model_len}: a full-length prompt "
                              "could never be scheduled (turn on enable_chunked_prefill)")
         dtype = next(name for name, d in _DTYPES.items() if d == self.torch_dtype)   # canonical first
+        async_scheduling = self.async_scheduling
+        if async_scheduling and self.speculative_config is not None:
+            # a step's proposals come with its output, and the next step needs them
+            logger.warning("speculative decoding runs synchronous steps: async_scheduling is turned off")
+            async_scheduling = False
         return replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget, dtype=dtype,
-                       device=str(self.torch_device), distributed_executor_backend=self.executor_backend)
+                       device=str(self.torch_device), distributed_executor_backend=self.executor_backend,
+                       async_scheduling=async_scheduling)

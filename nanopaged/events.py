@@ -97,6 +97,8 @@ class SequenceScheduled:
     start, num_tokens: it computes positions [start, start + num_tokens).
     forks: seq ids that sample from its logits too (the other n - 1 samples of a
     fresh request, which fork its blocks once this prefill is done).
+    spec_token_ids: draft tokens it verifies (speculative decoding): they are the last
+    len(spec_token_ids) of its num_tokens positions; kind is then "verify".
     """
 
     request_id: str
@@ -105,12 +107,40 @@ class SequenceScheduled:
     start: int
     num_tokens: int
     forks: tuple[int, ...] = ()
+    spec_token_ids: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         where = (f"position {self.start}" if self.num_tokens == 1 else
                  f"{self.num_tokens} tokens, positions {self.start}..{self.start + self.num_tokens - 1}")
         forks = f", sampled by seqs {list(self.forks)} too" if self.forks else ""
-        return f"seq {self.seq_id} ({self.request_id}) {self.kind}: {where}{forks}"
+        drafts = f", drafts {list(self.spec_token_ids)}" if self.spec_token_ids else ""
+        return f"seq {self.seq_id} ({self.request_id}) {self.kind}: {where}{forks}{drafts}"
+
+
+@dataclass(frozen=True)
+class DraftsVerified:
+    """Speculative decoding: a sequence's drafts were checked by the forward (published
+    by the scheduler in update_from_output, before the BlockFreed of any block that
+    held only rejected slots).
+
+    spec_token_ids: the drafts, at positions start + 1 .. start + k.
+    num_accepted: how many of them, from the first, the model agreed with.
+    num_computed_tokens: the sequence's num_computed_tokens after the rollback (the
+    positions of rejected drafts are no longer counted: their slots are taken back).
+    """
+
+    request_id: str
+    seq_id: int
+    start: int
+    spec_token_ids: tuple[int, ...]
+    num_accepted: int
+    num_computed_tokens: int
+
+    def __str__(self) -> str:
+        k, a = len(self.spec_token_ids), self.num_accepted
+        rejected = f", slots from position {self.num_computed_tokens} taken back" if a < k else ""
+        return (f"seq {self.seq_id} ({self.request_id}) verified drafts {list(self.spec_token_ids)}: "
+                f"accepted {a} of {k}{rejected}")
 
 
 @dataclass(frozen=True)
@@ -263,7 +293,7 @@ class SwapIn:
         return f"swap in {self.request_id}: {pairs}"
 
 
-Event = Union[RequestAdded, RequestFinished, SequenceScheduled, Preempted, BlockAllocated,
+Event = Union[RequestAdded, RequestFinished, SequenceScheduled, DraftsVerified, Preempted, BlockAllocated,
               BlockFreed, BlocksShared, PrefixCacheHit, CopyOnWrite, BlockCached, BlockEvicted,
               SwapOut, SwapIn]
 Observer = Callable[[Event], None]

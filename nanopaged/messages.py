@@ -135,6 +135,14 @@ class SchedulerOutput:
             this step (forks included), in the order of the GrammarOutput's rows. When
             it is not empty, the runner's execute_model stops after the forward and
             sample_tokens(GrammarOutput) samples (vLLM v1's split of the step).
+        scheduled_spec_decode_tokens: seq_id -> the draft tokens it verifies this step
+            (speculative decoding; vLLM v1's name). Its num_scheduled_tokens counts them:
+            1 + len(drafts), its last token and then the drafts, and the step samples
+            one row per position (k + 1 rows). Structured-output sequences have k + 1
+            rows in the GrammarOutput too, one per position, in order.
+        num_lookahead_tokens: slots each sampling sequence has past its scheduled
+            tokens, for the draft model's K/V of its proposals (0 unless the
+            speculative method is "draft_model").
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -147,6 +155,8 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     finished_seq_ids: set[int] = field(default_factory=set)
     structured_output_seq_ids: list[int] = field(default_factory=list)
+    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
+    num_lookahead_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -197,15 +207,24 @@ class ModelRunnerOutput:
 
     Attributes:
         sampled_token_ids: seq_id -> the token sampled for it (only sequences whose
-            prompt is fully computed after this step sample).
-        logprobs: seq_id -> its sampled token's Logprobs (one row), for sequences
-            whose SamplingParams.logprobs is set.
+            prompt is fully computed after this step sample). For a sequence that
+            verified drafts, the token after the accepted ones (the target's own token
+            where it rejected one, or the bonus token when it accepted all).
+        num_accepted_tokens: seq_id -> how many of its drafts (scheduled_spec_decode_tokens,
+            in order) it accepted, for sequences that verified drafts this step. Its new
+            tokens are drafts[:num_accepted] + [sampled_token_ids[seq_id]].
+        draft_token_ids: seq_id -> the tokens proposed for its next step (speculative
+            decoding; may be empty). They follow the tokens this step gave it.
+        logprobs: seq_id -> Logprobs of its new tokens (one row each, in order), for
+            sequences whose SamplingParams.logprobs is set.
         prompt_logprobs: seq_id -> Logprobs of the prompt tokens at positions
             [start + 1, end] computed this step (row j: the token at position start+1+j),
             for sequences whose SamplingParams.prompt_logprobs is set.
     """
 
     sampled_token_ids: dict[int, int] = field(default_factory=dict)
+    num_accepted_tokens: dict[int, int] = field(default_factory=dict)
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
 

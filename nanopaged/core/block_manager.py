@@ -386,6 +386,24 @@ class BlockManager:
             if self.observers:
                 self.observers.publish(BlockFreed(seq.seq_id, block_id, self.ref_count[block_id]))
 
+    def free_slots_past_computed(self, seq: Sequence) -> None:
+        """Speculative decoding's rollback: give back the blocks at the end of seq's table
+        that hold no computed token, only slots of rejected drafts (or the draft model's
+        lookahead), so the table again holds ceil(num_computed_tokens / block_size)
+        blocks. They were fresh this step and never named (a block is named only when
+        all its slots hold accepted tokens: cache_full_blocks), so they go to the *front*
+        of the free queue, reused before any block whose prefix-cache entry has value."""
+        table = seq.block_table
+        keep = table.num_blocks_for(seq.num_computed_tokens)
+        for block_id in reversed(table.block_ids[keep:]):
+            self.ref_count[block_id] -= 1
+            if self.ref_count[block_id] == 0:
+                self.free_block_ids[block_id] = None
+                self.free_block_ids.move_to_end(block_id, last=False)
+            if self.observers:
+                self.observers.publish(BlockFreed(seq.seq_id, block_id, self.ref_count[block_id]))
+        del table.block_ids[keep:]
+
     def _allocate_block(self) -> int:
         """Take the least recently freed block off the free queue for one holder
         (ref_count 1); a name it still had in the prefix cache is forgotten (evicted).

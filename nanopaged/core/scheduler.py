@@ -37,9 +37,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..events import Preempted
-from ..messages import (EngineCoreOutput, EngineCoreOutputs, FinishReason, ModelRunnerOutput, PreemptionCosts,
-                        SchedulerOutput)
+from ..config import SpeculativeConfig
+from ..events import DraftsVerified, Preempted
+from ..messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, Logprobs,
+                        ModelRunnerOutput, PreemptionCosts, SchedulerOutput)
 from .beam_search import beam_search_step, finished_outputs
 from .block_manager import BlockManager
 from .request_queues import RequestQueues
@@ -71,14 +72,21 @@ class Scheduler(RequestQueues):
         structured_output_manager: compiles the matchers of requests with
             structured outputs and fills their bitmasks (structured_output.py); None
             makes such requests a ValueError at add_request.
+        speculative_config: speculative decoding (None: off). A decoding sequence
+            verifies the drafts the runner proposed for it (seq.spec_token_ids) in its
+            next step; the draft model also gets num_lookahead_tokens slots past a
+            sampling sequence's tokens. See _take_drafts and _verified.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
                  preemption_mode: str = "recompute", costs: PreemptionCosts | None = None,
                  async_scheduling: bool = False,
-                 structured_output_manager: StructuredOutputManager | None = None) -> None:
+                 structured_output_manager: StructuredOutputManager | None = None,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         super().__init__(block_manager, async_scheduling, structured_output_manager)
+        self.speculative_config = speculative_config
+        self.num_lookahead_tokens = speculative_config.num_lookahead_tokens if speculative_config else 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -92,6 +100,18 @@ class Scheduler(RequestQueues):
         self.num_preemptions = self.num_preemptions_swap = self.num_preemptions_recompute = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0             # prefill work done (cache hits excluded)
+        # speculative decoding, vLLM's SpecDecodingStats: verify steps, drafts, accepted
+        self.num_spec_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * (speculative_config.num_speculative_tokens
+                                                  if speculative_config else 0)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """RequestQueues.add_request; also a ValueError for beam search with speculative
+        decoding (beams advance one token a step together; drafts do not fit that)."""
+        if request.beam_search is not None and self.speculative_config is not None:
+            raise ValueError("beam search does not work with speculative_config "
+                             f"(method {self.speculative_config.method!r}): use one or the other")
+        super().add_request(request)
 
     # -- async scheduling -------------------------------------------------------------------
 
@@ -141,7 +161,14 @@ class Scheduler(RequestQueues):
                 continue
             ends = [s.num_computed_tokens + n for s, n in work]
             before = [list(s.block_table.block_ids) for s in seqs]
-            copies = self.block_manager.append_slots(seqs, ends)
+            drafts = self._take_drafts(group, work, step.budget - sum(n for _, n in work))
+            copies = None
+            for extra in self._slot_plans(work, drafts):     # drafts and lookahead if they fit
+                copies = self.block_manager.append_slots(seqs, [e + x for e, x in zip(ends, extra)])
+                if copies is not None:
+                    break
+            if copies is None:
+                drafts = [[] for _ in seqs]      # no room even for its own tokens: no drafts
             while copies is None and self.running:
                 self._preempt(self.running.pop(), step)     # evict the latest arrival
                 copies = self.block_manager.append_slots(seqs, ends)
@@ -156,11 +183,34 @@ class Scheduler(RequestQueues):
                     self._finish_too_long(group)
                 continue
             step.blocks_to_copy += copies
-            for (seq, n), ids in zip(work, before):     # copy-on-write replaces a last block
+            for (seq, n), ids, d in zip(work, before, drafts):     # copy-on-write replaces a last block
                 replaced = seq.block_table.block_ids[:len(ids)] != ids
-                step.add(ScheduledSequence(seq, group, n, forks, len(ids), replaced))
+                step.add(ScheduledSequence(seq, group, n + len(d), forks, len(ids), replaced, d))
             kept.append(group)
         self.running = kept
+
+    def _take_drafts(self, group: SequenceGroup, work: list[tuple[Sequence, int]], budget: int) -> list[list[int]]:
+        """Speculative decoding: the drafts each decoding sequence verifies this step, its
+        proposals (seq.spec_token_ids, which are used up here) cut so that the step stays
+        within `budget`, the tokens left of the token budget, and the sequence within
+        max_tokens and max_model_len (a verify step gives it up to k + 1 tokens)."""
+        drafts = []
+        for seq, n in work:
+            proposed, seq.spec_token_ids = seq.spec_token_ids, []
+            room = min(budget, group.sampling_params.max_tokens - len(seq.output_token_ids) - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            d = proposed[:max(room, 0)] if n == 1 and seq.num_uncomputed_tokens == 1 else []
+            budget -= len(d)
+            drafts.append(d)
+        return drafts
+
+    def _slot_plans(self, work: list[tuple[Sequence, int]], drafts: list[list[int]]) -> list[list[int]]:
+        """Slots to ask for past each sequence's own tokens, most first: its drafts plus
+        the draft model's lookahead when it samples; its drafts only; nothing. A plan
+        that does not fit falls back to the next (drafts are never worth a preemption)."""
+        la = [self.num_lookahead_tokens if s.num_computed_tokens + n >= s.num_tokens else 0 for s, n in work]
+        plans = [[len(d) + x for d, x in zip(drafts, la)], [len(d) for d in drafts], [0] * len(work)]
+        return [p for i, p in enumerate(plans) if p not in plans[:i]]
 
     def _schedule_swapped(self, step: ScheduledStep) -> None:
         """Swapped-out requests come back, oldest first, when their blocks fit (with one
@@ -201,7 +251,11 @@ class Scheduler(RequestQueues):
             if n_first == 0 or (n_first + rest_tokens > step.budget and step.scheduled):
                 break
             first_end = computed.num_computed_tokens + n_first
-            starts = self.block_manager.allocate(group, computed, first_end)
+            starts = None
+            if self.num_lookahead_tokens and first_end == first.num_tokens:   # the draft's slots, if they fit
+                starts = self.block_manager.allocate(group, computed, first_end + self.num_lookahead_tokens)
+            if starts is None:
+                starts = self.block_manager.allocate(group, computed, first_end)
             if starts is None:                    # not enough free blocks: wait
                 break
             self.waiting.popleft()
@@ -232,6 +286,8 @@ class Scheduler(RequestQueues):
         samples = [s.samples() for s in step.scheduled]       # before anything counts
         out = self.runner_view.message(step.scheduled, samples, step.blocks_to_copy, step.blocks_to_swap_out,
                                        step.blocks_to_swap_in)
+        out.scheduled_spec_decode_tokens = {s.seq.seq_id: list(s.spec_token_ids)
+                                            for s in step.scheduled if s.spec_token_ids}
         self._waits_for_output = any(sample and (s.seq_group.beam_state is not None or s.forks)
                                      for s, sample in zip(step.scheduled, samples))
         if self.async_scheduling:
@@ -277,6 +333,7 @@ class Scheduler(RequestQueues):
         running = group.get_seqs(SequenceStatus.RUNNING)
         for seq in running:
             self.runner_view.forget(seq.seq_id)
+            seq.spec_token_ids = []
         if swap:
             step.blocks_to_swap_out += self.block_manager.swap_out(group)
             for seq in running:
@@ -316,9 +373,12 @@ class Scheduler(RequestQueues):
         c = scheduler_output.scheduled_cached_reqs      # where each sequence started
         starts = dict(zip(c.seq_ids, c.num_computed_tokens))
         starts.update((r.seq_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs)
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for seq_id, n in scheduler_output.num_scheduled_tokens.items():
             if n and seq_id in self._seqs:
-                self._computed(*self._seqs[seq_id], starts[seq_id], n, runner_output, result)
+                # the positions of rejected drafts are not computed: rolled back here
+                rejected = len(spec.get(seq_id, ())) - runner_output.num_accepted_tokens.get(seq_id, 0)
+                self._computed(*self._seqs[seq_id], starts[seq_id], n - rejected, runner_output, result)
         for seq_id, parent in scheduler_output.sample_from.items():
             # prefill done: the other n - 1 fork it, before any token is appended (its
             # own first token may finish it, and a finished sequence holds no blocks)
@@ -339,11 +399,39 @@ class Scheduler(RequestQueues):
             if group.beam_state is not None:
                 beam_groups[group.request_id] = group
                 continue                      # beams advance together, below
-            self._append_token(seq, group, token, runner_output, result)
+            accepted = spec.get(seq_id, [])[:runner_output.num_accepted_tokens.get(seq_id, 0)]
+            self._append_tokens(seq, group, accepted + [token], runner_output.logprobs.get(seq_id), result)
         for group in beam_groups.values():
             self._beam_step(group, runner_output, result)
+        for seq_id, n in scheduler_output.num_scheduled_tokens.items():
+            if seq_id in self._seqs and (seq_id in spec or self.num_lookahead_tokens):
+                self._verified(*self._seqs[seq_id], starts[seq_id], spec.get(seq_id, []), runner_output)
+        for seq_id, drafts in runner_output.draft_token_ids.items():
+            if seq_id in self._seqs and self._seqs[seq_id][0].status == SequenceStatus.RUNNING:
+                self._seqs[seq_id][0].spec_token_ids = list(drafts)     # for its next step
         self._remove_finished(scheduler_output.num_scheduled_tokens, result)
         return result
+
+    def _verified(self, seq: Sequence, group: SequenceGroup, start: int, drafts: list[int],
+                  runner_output: ModelRunnerOutput) -> None:
+        """Speculative decoding, after seq's new tokens are appended: count its drafts,
+        name the blocks its accepted tokens filled (only now are their tokens known:
+        a block is named only when every slot holds an accepted token), and take back
+        the blocks that hold only rejected slots or lookahead."""
+        if drafts:
+            accepted = runner_output.num_accepted_tokens.get(seq.seq_id, 0)
+            self.num_spec_drafts += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += accepted
+            for i in range(accepted):
+                self.num_accepted_tokens_per_pos[i] += 1
+            if self.observers:
+                self.observers.publish(DraftsVerified(group.request_id, seq.seq_id, start, tuple(drafts), accepted,
+                                                      seq.num_computed_tokens))
+        if seq.status != SequenceStatus.RUNNING:
+            return                                # finished: its blocks are freed already
+        self.block_manager.cache_full_blocks(seq, start, seq.num_computed_tokens)
+        self.block_manager.free_slots_past_computed(seq)
 
     def _computed(self, seq: Sequence, group: SequenceGroup, start: int, n: int,
                   runner_output: ModelRunnerOutput, result: EngineCoreOutputs) -> None:
@@ -366,16 +454,24 @@ class Scheduler(RequestQueues):
                 result.outputs.append(EngineCoreOutput(group.request_id, seq.index, [], new_prompt_logprobs=sliced,
                                                        num_cached_tokens=group.num_cached_tokens))
 
-    def _append_token(self, seq: Sequence, group: SequenceGroup, token: int,
-                      runner_output: ModelRunnerOutput, result: EngineCoreOutputs) -> None:
-        seq.append_token(token)
-        self.num_generated_tokens += 1
-        status = check_stop(seq, group, self.max_model_len)
-        status = check_grammar_stop(seq, group.request_id, token) or status   # the grammar's word wins
-        if status is not None:
-            self._finish_seq(seq, status)            # its siblings may run on
+    def _append_tokens(self, seq: Sequence, group: SequenceGroup, tokens: list[int],
+                       logprobs: Logprobs | None, result: EngineCoreOutputs) -> None:
+        """Append a step's tokens to seq (one, or accepted drafts and one more), each
+        checked for a stop: tokens after the one that finishes it are dropped."""
+        for i, token in enumerate(tokens):
+            seq.append_token(token)
+            self.num_generated_tokens += 1
+            status = check_stop(seq, group, self.max_model_len)
+            status = check_grammar_stop(seq, group.request_id, token) or status   # the grammar's word wins
+            if status is not None:
+                self._finish_seq(seq, status)            # its siblings may run on
+                tokens = tokens[:i + 1]
+                break
+        if logprobs is not None and len(logprobs.ranks) > len(tokens):
+            logprobs = Logprobs(logprobs.token_ids[:len(tokens)], logprobs.logprobs[:len(tokens)],
+                                logprobs.ranks[:len(tokens)])
         result.outputs.append(EngineCoreOutput(
-            group.request_id, seq.index, [token], new_logprobs=runner_output.logprobs.get(seq.seq_id),
+            group.request_id, seq.index, tokens, new_logprobs=logprobs,
             finish_reason=FinishReason(seq.status.finish_reason) if seq.status.is_finished else None,
             stop_reason=seq.stop_reason, num_cached_tokens=group.num_cached_tokens))
 

@@ -71,6 +71,8 @@ class Sequence:
             positions those steps compute (chapters/16-async-scheduling.md).
         grammar: its structured-output matcher (structured_output.Grammar), which has
             read every token of output_token_ids; None for an unconstrained request.
+        spec_token_ids: speculative decoding: the draft tokens proposed to follow its
+            tokens (vLLM v1's Request.spec_token_ids), verified by its next decode step.
     No text and no random generator: strings live in the OutputProcessor, generators
     in the model runner (messages.py says why).
     """
@@ -91,6 +93,7 @@ class Sequence:
         # Request.num_output_placeholders); 0 when the engine runs synchronously
         self.num_output_placeholders = 0
         self.grammar = None
+        self.spec_token_ids: list[int] = []
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, num_tokens={self.num_tokens}, "

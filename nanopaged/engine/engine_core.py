@@ -97,7 +97,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.enable_chunked_prefill,
                                    config.preemption_mode, costs, config.async_scheduling,
-                                   self.structured_output_manager)
+                                   self.structured_output_manager, config.speculative_config)
         self.num_steps = 0
         # async scheduling: one worker thread runs the forwards, in the order given
         self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="nanopaged-forward")
@@ -274,4 +274,8 @@ class EngineCore:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_copy_on_write": bm.num_copy_on_write,
+            # speculative decoding (vLLM's spec_decode_* metrics); 0 when it is off
+            "spec_decode_num_drafts": s.num_spec_drafts,
+            "spec_decode_num_draft_tokens": s.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
         }

@@ -146,24 +146,37 @@ class InputBatch:
 
     # -- what the sampler reads -----------------------------------------------------------
 
-    def make_sampling_metadata(self, seq_ids: list[int]) -> SamplingMetadata:
+    def make_sampling_metadata(self, seq_ids: list[int],
+                               extra_token_ids: list[list[int]] | None = None) -> SamplingMetadata:
         """The SamplingMetadata of a step whose row i samples for seq_ids[i] (a sequence
         may have several rows: a fork samples from its parent's row), with the penalty
         rows' prompt_mask / output_counts gathered ([num_penalty_rows, vocab] copies,
         in row order) and each row's generator.
 
+        extra_token_ids[i] (speculative decoding): output tokens row i comes after that
+        the record does not hold yet, the drafts before its position. Row j of a
+        sequence verifying drafts d is sampled as if d[:j] had been generated: min_tokens,
+        bad words and penalties see them (so greedy verification picks what plain
+        decoding would).
+
         Raises:
             KeyError: an unknown seq_id.
         """
         states = [self.seqs[i] for i in seq_ids]
-        counted = [s.counts_row for s in states if s.counts_row is not None]
+        extra = extra_token_ids or [[] for _ in states]
+        outputs = [s.output_token_ids + e if e else s.output_token_ids for s, e in zip(states, extra)]
+        counted = [(s.counts_row, e) for s, e in zip(states, extra) if s.counts_row is not None]
         prompt_mask = output_counts = None
         if counted:
-            rows = torch.tensor(counted, dtype=torch.int64, device=self.device)
+            rows = torch.tensor([r for r, _ in counted], dtype=torch.int64, device=self.device)
             prompt_mask, output_counts = self.prompt_mask[rows], self.output_counts[rows]
+            flat = [i * self.vocab_size + t for i, (_, e) in enumerate(counted) for t in e]
+            if flat:                                   # the copies count the drafts too
+                output_counts.view(-1).scatter_add_(
+                    0, torch.tensor(flat, dtype=torch.int64, device=self.device),
+                    torch.ones(len(flat), dtype=torch.int32, device=self.device))
         return SamplingMetadata.build([s.sampling_params for s in states], [s.generator for s in states],
-                                      [s.output_token_ids for s in states], self.vocab_size, self.device,
-                                      prompt_mask, output_counts)
+                                      outputs, self.vocab_size, self.device, prompt_mask, output_counts)
 
     # -- helpers --------------------------------------------------------------------------
 

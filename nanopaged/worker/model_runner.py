@@ -33,10 +33,11 @@ vLLM: `vllm/v1/worker/gpu_model_runner.py`, `gpu_input_batch.py`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ..config import SpeculativeConfig
 from ..messages import GrammarOutput, Logprobs, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
 from ..model.llama import LlamaForCausalLM
 from ..layers.attention import AttentionMetadata
@@ -44,6 +45,9 @@ from ..layers.backends import TorchBackend
 from ..utils.math_utils import cdiv
 from .input_batch import InputBatch
 from .sampler import Sampler, apply_grammar_bitmask, compute_logprobs
+from .spec_decode.draft_model import DraftModelProposer
+from .spec_decode.ngram_proposer import NgramProposer
+from .spec_decode.rejection_sampler import RejectionSampler
 
 
 @dataclass
@@ -60,6 +64,11 @@ class ModelInput:
         sampled_seq_ids: seq_id of each of those rows.
         prompt_logprob_rows: seq_id -> (first hidden row, number of rows, first
             position) for sequences that want prompt logprobs of this step's tokens.
+        spec_token_ids: seq_id -> the drafts it verifies (speculative decoding), in the
+            order of its rows; such a sequence has k + 1 consecutive rows in
+            logits_indices, its last token's and one per draft.
+        proposal_seq_ids: the sequences that computed tokens and sample this step (not
+            the forks): the ones the proposer drafts for.
     """
 
     input_ids: torch.Tensor
@@ -68,6 +77,8 @@ class ModelInput:
     logits_indices: torch.Tensor
     sampled_seq_ids: list[int]
     prompt_logprob_rows: dict[int, tuple[int, int, int]]
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    proposal_seq_ids: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -82,11 +93,17 @@ class ModelRunner:
         attn_backend: the attention backend (layers/backends.py); None = the PyTorch reference.
         async_scheduling: append each sampled token to the sequence's record at once
             (step 6 of the module doc); the scheduler then does not send it back.
+        speculative_config: speculative decoding (config.SpeculativeConfig), or None.
+            The runner then verifies each step's drafts (_verify) and proposes the next
+            ones (_propose), with an n-gram proposer or `draft_model`.
+        draft_model: the loaded draft (a LlamaForCausalLM), for method "draft_model".
+        max_model_len: no draft is proposed at or past it.
     """
 
     def __init__(self, model: LlamaForCausalLM, num_gpu_blocks: int, block_size: int,
                  seed: int = 0, num_cpu_blocks: int = 0, attn_backend: TorchBackend | None = None,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, speculative_config: SpeculativeConfig | None = None,
+                 draft_model: LlamaForCausalLM | None = None, max_model_len: int | None = None) -> None:
         c = model.config
         self.model = model
         self.async_scheduling = async_scheduling
@@ -108,6 +125,17 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)   # rows without a seed
         self.input_batch = InputBatch(c.vocab_size, self.device)
         self._pending = None       # (ModelInput, logits, output) of a step awaiting sample_tokens
+        self.speculative_config = sc = speculative_config
+        self.rejection_sampler = RejectionSampler()
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if sc is not None and sc.method == "ngram":
+            self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max)
+        elif sc is not None:
+            if draft_model is None:
+                raise ValueError("speculative_config.method is 'draft_model' but no draft model was loaded")
+            draft_model.set_attention_backend(self.attn_backend)
+            self.proposer = DraftModelProposer(draft_model, sc.num_speculative_tokens, num_gpu_blocks, block_size,
+                                               num_cpu_blocks, max_model_len or self.model.rope_cos.shape[0])
 
     @staticmethod
     def kv_cache_bytes_per_block(model_config, block_size: int, dtype: torch.dtype,
@@ -132,7 +160,8 @@ class ModelRunner:
            counts of its tokens; a seeded sequence keeps its generator if it has one:
            a resumed one draws on where it was).
         3. so.scheduled_cached_reqs: the deltas of the sequences it knows (parallel
-           lists): append the new block ids, or take them as the whole table when
+           lists): append the new block ids (after dropping the blocks the scheduler
+           took back past num_computed_tokens), or take them as the whole table when
            block_ids_replaced; set num_computed_tokens; append the new tokens, every
            sequence's in one call for the step (self.input_batch.append_output_tokens,
            which also counts them).
@@ -149,6 +178,10 @@ class ModelRunner:
             if replaced:
                 state.block_ids = list(blocks)
             else:
+                # speculative decoding: the scheduler took back the blocks past the
+                # accepted tokens (rejected drafts, lookahead); before a step a table
+                # holds ceil(num_computed_tokens / block_size) blocks, so they go here
+                del state.block_ids[cdiv(computed, self.block_size):]
                 state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
             appended_seqs += [seq_id] * len(tokens)
@@ -171,10 +204,11 @@ class ModelRunner:
         for fork, parent in so.sample_from.items():
             forks_of.setdefault(parent, []).append(fork)
         input_ids, positions, seq_lens, query_start_loc = [], [], [], [0]
-        logits_indices, sampled_seq_ids, prompt_rows = [], [], {}
+        logits_indices, sampled_seq_ids, prompt_rows, spec, proposal_seq_ids = [], [], {}, {}, []
         for state, n in scheduled:
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
-            input_ids += state.token_ids(start, end)
+            drafts = so.scheduled_spec_decode_tokens.get(state.seq_id, [])
+            input_ids += state.token_ids(start, end - len(drafts)) + drafts
             positions += range(start, end)
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + n)
@@ -182,7 +216,13 @@ class ModelRunner:
             if state.sampling_params.prompt_logprobs is not None and start < num_prompt - 1:
                 # hidden row of position p predicts the prompt token at p + 1
                 prompt_rows[state.seq_id] = (query_start_loc[-2], min(end, num_prompt - 1) - start, start)
-            if end == state.num_tokens:      # prompt fully computed: sample the next token
+            if end - len(drafts) == state.num_tokens:
+                proposal_seq_ids.append(state.seq_id)
+            if drafts:                       # verify: a row for its last token and each draft
+                spec[state.seq_id] = drafts
+                logits_indices += range(query_start_loc[-1] - 1 - len(drafts), query_start_loc[-1])
+                sampled_seq_ids += [state.seq_id] * (len(drafts) + 1)
+            elif end == state.num_tokens:    # prompt fully computed: sample the next token
                 for seq_id in [state.seq_id, *forks_of.get(state.seq_id, [])]:
                     logits_indices.append(query_start_loc[-1] - 1)
                     sampled_seq_ids.append(seq_id)
@@ -203,7 +243,8 @@ class ModelRunner:
             seq_lens_list=seq_lens, query_start_loc_list=query_start_loc)
         return ModelInput(input_ids=t(input_ids), positions=pos, attn_metadata=meta,
                           logits_indices=t(logits_indices), sampled_seq_ids=sampled_seq_ids,
-                          prompt_logprob_rows=prompt_rows)
+                          prompt_logprob_rows=prompt_rows, spec_token_ids=spec,
+                          proposal_seq_ids=proposal_seq_ids)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -213,12 +254,16 @@ class ModelRunner:
         are made, which the core does while this forward runs (vLLM v1's split)."""
         self._pending = None
         self._update_states(so)
-        if so.blocks_to_swap_out:       # first: their device blocks may be reused now
-            self.swap_blocks(self.kv_cache, self.cpu_kv_cache, so.blocks_to_swap_out)
-        if so.blocks_to_swap_in:
-            self.swap_blocks(self.cpu_kv_cache, self.kv_cache, so.blocks_to_swap_in)
-        if so.blocks_to_copy:
-            self.copy_blocks(so.blocks_to_copy)
+        caches = [(self.kv_cache, self.cpu_kv_cache)]
+        if isinstance(self.proposer, DraftModelProposer):      # the draft's K/V move with the target's
+            caches.append((self.proposer.kv_cache, self.proposer.cpu_kv_cache))
+        for device_cache, cpu_cache in caches:
+            if so.blocks_to_swap_out:       # first: their device blocks may be reused now
+                self.attn_backend.swap_blocks(device_cache, cpu_cache, so.blocks_to_swap_out)
+            if so.blocks_to_swap_in:
+                self.attn_backend.swap_blocks(cpu_cache, device_cache, so.blocks_to_swap_in)
+            if so.blocks_to_copy:
+                self.attn_backend.copy_blocks(device_cache, so.blocks_to_copy)
         if so.is_empty:
             return ModelRunnerOutput()
         inp = self.prepare_inputs(so)
@@ -243,19 +288,74 @@ class ModelRunner:
         if self._pending is None:
             raise RuntimeError("sample_tokens: execute_model left no step waiting for its grammar bitmask")
         (inp, logits, out), self._pending = self._pending, None
-        row_of = {seq_id: i for i, seq_id in enumerate(inp.sampled_seq_ids)}
-        rows = [row_of[i] for i in grammar_output.structured_output_seq_ids]
+        rows_of: dict[int, list[int]] = {}       # a verifying sequence has k + 1 rows, in order
+        for i, seq_id in enumerate(inp.sampled_seq_ids):
+            rows_of.setdefault(seq_id, []).append(i)
+        rows = [rows_of[i].pop(0) for i in grammar_output.structured_output_seq_ids]
         apply_grammar_bitmask(logits, rows, grammar_output.grammar_bitmask.to(self.device))
         return self._sample(inp, logits, out)
 
     def _sample(self, inp: ModelInput, logits: torch.Tensor, out: ModelRunnerOutput) -> ModelRunnerOutput:
-        meta = self.input_batch.make_sampling_metadata(inp.sampled_seq_ids)
-        sampled = self.sampler(logits, meta, self.generator)
-        out.sampled_token_ids = dict(zip(inp.sampled_seq_ids, sampled.sampled_token_ids.tolist()))
-        out.logprobs = {i: lp for i, lp in zip(inp.sampled_seq_ids, sampled.logprobs) if lp is not None}
+        """Sample the plain rows (one per sequence), verify the drafts of the others
+        (_verify), then propose the next step's drafts (speculative decoding)."""
+        spec = inp.spec_token_ids
+        plain = [i for i, seq_id in enumerate(inp.sampled_seq_ids) if seq_id not in spec]
+        seq_ids = [inp.sampled_seq_ids[i] for i in plain]
+        if plain:
+            meta = self.input_batch.make_sampling_metadata(seq_ids)
+            sampled = self.sampler(logits[plain] if spec else logits, meta, self.generator)
+            out.sampled_token_ids = dict(zip(seq_ids, sampled.sampled_token_ids.tolist()))
+            out.logprobs = {i: lp for i, lp in zip(seq_ids, sampled.logprobs) if lp is not None}
+        if spec:
+            self._verify(inp, logits, out)
+        if self.proposer is not None:
+            out.draft_token_ids = self._propose(inp, out)
         if self.async_scheduling:
             self.input_batch.append_output_tokens(list(out.sampled_token_ids), list(out.sampled_token_ids.values()))
         return out
+
+    def _verify(self, inp: ModelInput, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Speculative decoding: check each verifying sequence's drafts against its
+        k + 1 rows of logits (worker/spec_decode/rejection_sampler.py). Row j is
+        processed as if drafts[:j] were already output (penalties, min_tokens, bad
+        words), so greedy verification accepts exactly what plain decoding would pick.
+        Fills sampled_token_ids (the token after the accepted drafts),
+        num_accepted_tokens and the logprobs of the new tokens (raw, one row each)."""
+        spec = inp.spec_token_ids
+        rows = [i for i, seq_id in enumerate(inp.sampled_seq_ids) if seq_id in spec]
+        row_seq_ids = [inp.sampled_seq_ids[i] for i in rows]
+        drafts = list(spec.values())
+        meta = self.input_batch.make_sampling_metadata(row_seq_ids, [d[:j] for d in drafts
+                                                                      for j in range(len(d) + 1)])
+        raw = logits[rows]                                                    # [sum(k_i + 1), vocab]
+        tokens = self.rejection_sampler(self.sampler.apply_logits_processors(raw, meta), drafts, meta,
+                                        self.generator)
+        first = 0
+        for seq_id, d, new in zip(spec, drafts, tokens):
+            out.sampled_token_ids[seq_id] = new[-1]
+            out.num_accepted_tokens[seq_id] = len(new) - 1
+            k = self.input_batch.seqs[seq_id].sampling_params.logprobs
+            if k is not None:
+                targets = torch.tensor(new, dtype=torch.int64, device=self.device)
+                out.logprobs[seq_id] = compute_logprobs(raw[first:first + len(new)], targets, k)
+            first += len(d) + 1
+
+    def _propose(self, inp: ModelInput, out: ModelRunnerOutput) -> dict[int, list[int]]:
+        """The drafts of each sequence that computed tokens and sampled this step (forks
+        that only sample from a parent's row wait a step: they have no blocks yet), to
+        follow the tokens this step gave it. None in a step of more sequences than
+        speculative_config.disable_by_batch_size."""
+        limit = self.speculative_config.disable_by_batch_size
+        if limit is not None and inp.attn_metadata.num_seqs > limit:
+            return {}
+        seqs = []
+        for seq_id in inp.proposal_seq_ids:
+            if seq_id in out.sampled_token_ids:
+                accepted = inp.spec_token_ids.get(seq_id, [])[:out.num_accepted_tokens.get(seq_id, 0)]
+                seqs.append((self.input_batch.seqs[seq_id], accepted + [out.sampled_token_ids[seq_id]]))
+        if isinstance(self.proposer, DraftModelProposer):
+            return self.proposer.propose(inp, seqs)
+        return {s.seq_id: self.proposer.propose(s.prompt_token_ids + s.output_token_ids + new) for s, new in seqs}
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput) -> dict[int, Logprobs]:
         """Logprobs of the prompt tokens this step's hidden rows predict (raw, fp32)."""

@@ -85,12 +85,21 @@ class Worker:
         self.model = load_model(model_path, config.torch_dtype, device, config.max_model_len, self.tp)
         if rank == 0:
             logger.info("weights loaded in %.1f s", time.perf_counter() - start)
+        self.draft_model = None                            # speculative decoding's draft
+        sc = config.speculative_config
+        if sc is not None and sc.method == "draft_model":
+            self.draft_model = load_model(sc.model, config.torch_dtype, device, config.max_model_len, self.tp)
+            if rank == 0:
+                logger.info("draft model loaded from %s (%d layers)", sc.model,
+                            self.draft_model.config.num_hidden_layers)
         self.model_runner: ModelRunner | None = None       # made by initialize_kv_cache
 
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one KV block takes on this rank (its KV heads only), all layers, K and V."""
-        return ModelRunner.kv_cache_bytes_per_block(self.model.config, self.config.block_size,
-                                                    self.config.torch_dtype, self.model.num_local_kv_heads)
+        """Bytes one KV block takes on this rank (its KV heads only), all layers, K and V;
+        with a draft model, its block of the same tokens too (it shares the tables)."""
+        return sum(ModelRunner.kv_cache_bytes_per_block(m.config, self.config.block_size, self.config.torch_dtype,
+                                                        m.num_local_kv_heads)
+                   for m in (self.model, self.draft_model) if m is not None)
 
     def determine_available_memory(self) -> int:
         """Bytes this rank can give its KV pool, measured now that its weights are on
@@ -115,7 +124,8 @@ class Worker:
         if isinstance(attn_backend, str):
             attn_backend = get_attn_backend(attn_backend, self.device)
         self.model_runner = ModelRunner(self.model, num_gpu_blocks, self.config.block_size, self.config.seed,
-                                        num_cpu_blocks, attn_backend, self.config.async_scheduling)
+                                        num_cpu_blocks, attn_backend, self.config.async_scheduling,
+                                        self.config.speculative_config, self.draft_model, self.config.max_model_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step on this rank (every rank computes the same ModelRunnerOutput);

@@ -1,0 +1,144 @@
+"""DraftModelProposer: a small model with the target's tokenizer proposes the drafts.
+
+Speculative decoding with a draft model (Leviathan et al. 2023, §3; Chen et al. 2023):
+a model many times cheaper than the target guesses the next k tokens one at a time, and
+the target checks all of them in its next forward. Here the draft is any local Hugging
+Face Llama folder with the target's vocabulary (checked when the engine is configured:
+engine/arg_utils.py); `make_layer_draft` below makes one from the target's first layers,
+which needs no second download (the tests and chapter 19 use it).
+
+The draft keeps its own paged KV cache under the *same* block tables as the target:
+block b of the draft's cache holds the draft's K/V of the tokens whose target K/V are in
+block b of the target's. So the scheduler allocates once for both, copy-on-write and
+swaps copy both, a prefix-cache hit reuses both, and the draft needs no bookkeeping of
+its own. Each step, after the target has sampled:
+
+1. the draft runs over the step's input (the same tokens, positions and slots as the
+   target's forward), so it has K/V wherever the target has: for prompts, accepted
+   drafts, and (overwritten later) rejected ones;
+2. from each sequence's newest token it decodes k tokens greedily, one batched forward
+   per token, writing its K/V into the slots just past the sequence's tokens (the
+   scheduler's lookahead slots: SpeculativeConfig.num_lookahead_tokens). Those slots
+   are scratch: the next step's target forward writes them again, or the scheduler
+   takes them back.
+
+Proposals are greedy (argmax), so q is one-hot and the rejection sampler keeps the
+target's distribution exactly; vLLM v1's EAGLE and draft-model proposers draw greedy
+drafts too (`vllm/v1/spec_decode/eagle.py`, `draft_model.py`).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from ..input_batch import SeqState
+    from ..model_runner import ModelInput
+
+
+class DraftModelProposer:
+    """Greedy k-token proposals from a draft model with its own KV cache (module doc).
+
+    Args:
+        model: the draft, a loaded LlamaForCausalLM (this rank's shard under tensor
+            parallelism), on the target's device and dtype.
+        num_speculative_tokens: k.
+        num_gpu_blocks, block_size, num_cpu_blocks: the target's pools' shape: the draft
+            has as many blocks, with its own layers and heads.
+        max_model_len: no position at or past it is proposed.
+    """
+
+    def __init__(self, model, num_speculative_tokens: int, num_gpu_blocks: int, block_size: int,
+                 num_cpu_blocks: int, max_model_len: int) -> None:
+        c = model.config
+        self.model = model
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = model.embed_tokens.weight.device
+        dtype = model.embed_tokens.weight.dtype
+        shape = (c.num_hidden_layers, 2, num_gpu_blocks, block_size, model.num_local_kv_heads, c.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.cpu_kv_cache = torch.empty((shape[0], 2, num_cpu_blocks, *shape[3:]), dtype=dtype,
+                                        pin_memory=self.device.type == "cuda")
+
+    def propose(self, inp: ModelInput, seqs: list[tuple[SeqState, list[int]]]) -> dict[int, list[int]]:
+        """Run the draft over `inp` (the step's input, step 1 of the module doc), then
+        propose up to k tokens for each (state, new tokens) pair: the runner's record
+        of a sequence that sampled this step, and the tokens the step gave it (not yet
+        in the record). A sequence gets fewer than k when its table has fewer slots
+        past its tokens, or max_model_len is near. Returns seq_id -> proposals."""
+        self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata)
+        bs = self.block_size
+        # per sequence: its newest token, that token's position, its block ids
+        live = [(s.seq_id, new[-1], s.num_tokens + len(new) - 1, s.block_ids) for s, new in seqs]
+        drafts: dict[int, list[int]] = {s.seq_id: [] for s, _ in seqs}
+        for _ in range(self.k):
+            live = [x for x in live if x[2] < min(len(x[3]) * bs, self.max_model_len - 1)]
+            if not live:
+                break
+            tokens = self._decode_step(live)
+            live = [(seq_id, t, pos + 1, blocks) for (seq_id, _, pos, blocks), t in zip(live, tokens)]
+            for (seq_id, *_), t in zip(live, tokens):
+                drafts[seq_id].append(t)
+        return drafts
+
+    def _decode_step(self, live: list[tuple[int, int, int, list[int]]]) -> list[int]:
+        """One batched greedy decode of the draft: each (seq_id, token, position, block
+        ids) writes its token's K/V at its slot and gets the draft's argmax next token."""
+        bs = self.block_size
+        max_blocks = max(len(b) for *_, b in live)
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=self.device)
+
+        positions = [pos for _, _, pos, _ in live]
+        seq_lens = [pos + 1 for pos in positions]
+        meta = AttentionMetadata(
+            slot_mapping=t([b[p // bs] * bs + p % bs for (*_, p, b) in live]),
+            block_tables=t([b + [0] * (max_blocks - len(b)) for *_, b in live]),
+            seq_lens=t(seq_lens), query_start_loc=t(list(range(len(live) + 1))), num_decodes=len(live),
+            seq_lens_list=seq_lens, query_start_loc_list=list(range(len(live) + 1)))
+        hidden = self.model(t([tok for _, tok, _, _ in live]), t(positions), self.kv_cache, meta)
+        return self.model.compute_logits(hidden).float().argmax(dim=-1).tolist()
+
+
+def make_layer_draft(target_dir: str | Path, out_dir: str | Path, num_layers: int) -> Path:
+    """Write a draft model made of a Llama folder's first `num_layers` decoder layers
+    (plus its embedding, final norm and LM head, and its tokenizer files) to out_dir,
+    as a Hugging Face folder any loader reads. Self-speculation from a shallow copy of
+    the target (as LayerSkip's early exit, Elhoushi et al. 2024) needs no second
+    download; its proposals are weaker than a trained draft's.
+
+    Raises:
+        ValueError: num_layers not in 1 .. the target's num_hidden_layers - 1.
+    """
+    from safetensors.torch import load_file, save_file
+
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    config = json.loads((target_dir / "config.json").read_text())
+    total = config["num_hidden_layers"]
+    if not (isinstance(num_layers, int) and 1 <= num_layers < total):
+        raise ValueError(f"num_layers must be an integer in 1..{total - 1} (the target has {total}), "
+                         f"got {num_layers!r}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights = {}
+    for f in sorted(target_dir.glob("*.safetensors")):
+        for name, w in load_file(f).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                continue
+            weights[name] = w.contiguous()
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    config["num_hidden_layers"] = num_layers
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for f in target_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, out_dir / f.name)
+    return out_dir
