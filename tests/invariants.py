@@ -83,9 +83,16 @@ def check_runner_state(engine) -> None:
             if seq.seq_id not in sched.runner_view.known:
                 continue
             state = runner.input_batch.seqs[seq.seq_id]
-            assert state.block_ids == seq.block_table.block_ids, (seq, state.block_ids)
+            table = seq.block_table.block_ids
+            # speculative decoding: the blocks the scheduler took back after a verify step
+            # are dropped by the runner when the next message comes (its num_computed_tokens)
+            spec = sched.speculative_config
+            extra = state.block_ids[len(table):] if spec is not None else []
+            assert state.block_ids == table + extra, (seq, state.block_ids)
             tokens = state.prompt_token_ids + state.output_token_ids
-            assert seq.num_computed_tokens <= len(tokens) <= seq.num_tokens + seq.num_output_placeholders, \
+            # ... and the drafts a verify step accepted reach it then too (as the sampled token)
+            lag = spec.num_speculative_tokens if spec is not None else 0
+            assert seq.num_computed_tokens - lag <= len(tokens) <= seq.num_tokens + seq.num_output_placeholders, \
                 (seq, len(tokens))
             assert tokens[:seq.num_tokens] == seq.token_ids[:len(tokens)], seq
     live = {s.seq_id for g in sched.requests.values() for s in g.seqs if not s.status.is_finished}

@@ -80,8 +80,9 @@ class RunnerView:
                                                        if self.async_scheduling else 0)
             if not sample:
                 continue                     # a chunk: nobody samples yet
-            if seq.grammar is not None:
-                out.structured_output_seq_ids += [seq.seq_id, *(f.seq_id for f in s.forks)]
+            if seq.grammar is not None:     # a row per position verified, then the forks'
+                out.structured_output_seq_ids += [seq.seq_id] * (1 + len(s.spec_token_ids))
+                out.structured_output_seq_ids += [f.seq_id for f in s.forks]
             for fork in s.forks:             # samples only: its blocks come when it forks
                 out.scheduled_new_reqs.append(new_request_data(fork, s.seq_group, []))
                 out.num_scheduled_tokens[fork.seq_id] = 0

@@ -161,14 +161,12 @@ class Scheduler(RequestQueues):
                 continue
             ends = [s.num_computed_tokens + n for s, n in work]
             before = [list(s.block_table.block_ids) for s in seqs]
-            drafts = self._take_drafts(group, work, step.budget - sum(n for _, n in work))
             copies = None
-            for extra in self._slot_plans(work, drafts):     # drafts and lookahead if they fit
+            for drafts, extra in self._slot_plans(work, self._take_drafts(group, work, step.budget - sum(
+                    n for _, n in work))):      # with drafts and lookahead if they fit, else less
                 copies = self.block_manager.append_slots(seqs, [e + x for e, x in zip(ends, extra)])
                 if copies is not None:
                     break
-            if copies is None:
-                drafts = [[] for _ in seqs]      # no room even for its own tokens: no drafts
             while copies is None and self.running:
                 self._preempt(self.running.pop(), step)     # evict the latest arrival
                 copies = self.block_manager.append_slots(seqs, ends)
@@ -193,24 +191,31 @@ class Scheduler(RequestQueues):
         """Speculative decoding: the drafts each decoding sequence verifies this step, its
         proposals (seq.spec_token_ids, which are used up here) cut so that the step stays
         within `budget`, the tokens left of the token budget, and the sequence within
-        max_tokens and max_model_len (a verify step gives it up to k + 1 tokens)."""
+        max_tokens and max_model_len (a verify step gives it up to k + 1 tokens), and
+        with structured outputs before the first draft its grammar forbids."""
         drafts = []
         for seq, n in work:
             proposed, seq.spec_token_ids = seq.spec_token_ids, []
             room = min(budget, group.sampling_params.max_tokens - len(seq.output_token_ids) - 1,
                        self.max_model_len - seq.num_tokens - 1)
             d = proposed[:max(room, 0)] if n == 1 and seq.num_uncomputed_tokens == 1 else []
+            if d and seq.grammar is not None:      # a draft the grammar forbids ends them
+                d = d[:seq.grammar.validate_tokens(d)]
             budget -= len(d)
             drafts.append(d)
         return drafts
 
-    def _slot_plans(self, work: list[tuple[Sequence, int]], drafts: list[list[int]]) -> list[list[int]]:
-        """Slots to ask for past each sequence's own tokens, most first: its drafts plus
+    def _slot_plans(self, work: list[tuple[Sequence, int]],
+                    drafts: list[list[int]]) -> list[tuple[list[list[int]], list[int]]]:
+        """(drafts, slots past its own tokens) per sequence, most first: its drafts plus
         the draft model's lookahead when it samples; its drafts only; nothing. A plan
-        that does not fit falls back to the next (drafts are never worth a preemption)."""
+        that does not fit falls back to the next (drafts are never worth a preemption);
+        the last one is the plan without speculation."""
         la = [self.num_lookahead_tokens if s.num_computed_tokens + n >= s.num_tokens else 0 for s, n in work]
-        plans = [[len(d) + x for d, x in zip(drafts, la)], [len(d) for d in drafts], [0] * len(work)]
-        return [p for i, p in enumerate(plans) if p not in plans[:i]]
+        none = [[] for _ in work]
+        plans = [(drafts, [len(d) + x for d, x in zip(drafts, la)]), (drafts, [len(d) for d in drafts]),
+                 (none, [0] * len(work))]
+        return [p for i, p in enumerate(plans) if p[1] not in [q[1] for q in plans[:i]] or i == 2]
 
     def _schedule_swapped(self, step: ScheduledStep) -> None:
         """Swapped-out requests come back, oldest first, when their blocks fit (with one

@@ -128,6 +128,12 @@ class Grammar:
         self.terminated = self.matcher.is_stopped()
         return ok
 
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many of token_ids, from the first, the matcher would accept in a row (its
+        state unchanged): speculative decoding cuts a sequence's drafts there, so a
+        proposal the grammar forbids is rejected at its position (vLLM v1 does the same)."""
+        return 0 if self.terminated else self.matcher.validate_tokens(token_ids)
+
     def allowed_token_ids(self) -> list[int]:
         """The token ids the matcher allows next (for the tracer and the course: the
         engine itself only ever uses the packed bitmask)."""
@@ -210,14 +216,30 @@ class StructuredOutputManager:
         there is discarded anyway.
 
         Bit j of word w of a row is token 32 * w + j: 1 = allowed.
+
+        A sequence verifying drafts d (scheduled_spec_decode_tokens) has k + 1 rows in
+        a row: row j is the mask after d[:j], so the matcher reads each draft before the
+        next row and is rolled back to where it was at the end.
         """
         start = time.perf_counter()
         seq_ids = scheduler_output.structured_output_seq_ids
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         bitmask = torch.full((len(seq_ids), self.mask_words), -1, dtype=torch.int32)
+        num_read: dict[int, int] = {}           # seq_id -> drafts its matcher has read here
         for row, seq_id in enumerate(seq_ids):
             grammar = grammars.get(seq_id)
-            if grammar is not None:     # llguidance writes the row in place
-                grammar.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), 4 * self.mask_words)
+            if grammar is None:
+                continue
+            if seq_id in num_read:              # the next row of a verifying sequence
+                grammar.matcher.consume_token(drafts[seq_id][num_read[seq_id]])
+                num_read[seq_id] += 1
+            else:
+                num_read[seq_id] = 0
+            # llguidance writes the row in place
+            grammar.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), 4 * self.mask_words)
+        for seq_id, n in num_read.items():
+            if n:
+                grammars[seq_id].matcher.rollback(n)
         self.mask_seconds += time.perf_counter() - start
         self.num_mask_rows += len(seq_ids)
         return GrammarOutput(list(seq_ids), bitmask)

@@ -197,28 +197,30 @@ class OutputProcessor:
         # output whose grammar completed stops on a token of its text: stop_reason None.)
         stop_terminated = out.finish_reason is FinishReason.STOP and ids and out.stop_reason is not None
         to_decode = ids[:-1] if stop_terminated and not params.include_stop_str_in_output else ids
-        num_before = len(comp.token_ids)
-        comp.token_ids.extend(ids)
-        check_from = len(comp.text)
-        for i, token_id in enumerate(to_decode):
-            comp.text += comp.detokenizer.step(token_id)
-            if num_before + i + 1 <= params.min_tokens:
-                check_from = len(comp.text)   # no stop string may end in the first min_tokens
-        if out.new_logprobs is not None and comp.logprobs is not None:
-            dicts = self._logprob_dicts(out.new_logprobs)
-            comp.logprobs.extend(dicts)
-            comp.cumulative_logprob += sum(row[0] for row in out.new_logprobs.logprobs)
-
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if params.stop and len(comp.token_ids) > params.min_tokens:
+        # A step may bring several tokens (speculative decoding: accepted drafts and one
+        # more). Stop strings are checked after each, as if they had come one a step: the
+        # tokens after the one that completes a stop string are dropped.
+        kept = len(ids)
+        for i, token_id in enumerate(to_decode):
+            check_from = len(comp.text)
+            comp.text += comp.detokenizer.step(token_id)
+            if not params.stop or len(comp.token_ids) + i + 1 <= params.min_tokens:
+                continue                      # no stop string may end in the first min_tokens
             match = check_stop_strings(comp.text, len(comp.text) - check_from, params.stop,
                                        params.include_stop_str_in_output)
             if match is not None:
                 stop_reason, cut = match
                 comp.text = comp.text[:cut]
-                if finish_reason is None:     # the core runs it still: tell it to stop
+                if finish_reason is None or i + 1 < len(ids):   # the core runs it still: tell it
                     seqs_to_stop.append((state.request_id, comp.index))
-                finish_reason = FinishReason.STOP
+                finish_reason, kept = FinishReason.STOP, i + 1
+                break
+        comp.token_ids.extend(ids[:kept])
+        if out.new_logprobs is not None and comp.logprobs is not None:
+            dicts = self._logprob_dicts(out.new_logprobs)[:kept]
+            comp.logprobs.extend(dicts)
+            comp.cumulative_logprob += sum(row[0] for row in out.new_logprobs.logprobs[:kept])
         if finish_reason is not None:
             comp.finish_reason, comp.stop_reason = str(finish_reason), stop_reason
         return bool(ids) or comp.finished
