@@ -10,6 +10,7 @@ the engine runs in. (The KV pool's size is the workers' to measure.)
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, fields, replace
@@ -111,10 +112,16 @@ class SpeculativeConfig:
 
     @classmethod
     def from_value(cls, value) -> "SpeculativeConfig | None":
-        """None, a SpeculativeConfig, or a dict of its fields (vLLM's form) -> a
+        """None, a SpeculativeConfig, a dict of its fields (vLLM's form), or that dict as
+        JSON text (the command line's `--speculative-config '{"method": "ngram"}'`) -> a
         SpeculativeConfig or None. Raises ValueError for an unknown key or another type."""
         if value is None or isinstance(value, cls):
             return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON ({e}): {value!r}") from None
         if not isinstance(value, dict):
             raise invalid("speculative_config", value, "a dict such as {'method': 'ngram', "
                           "'num_speculative_tokens': 4}")
@@ -181,9 +188,10 @@ class EngineConfig:
             worker in this process), "mp" (one process per rank, torch.distributed
             gloo on the CPU or NCCL on CUDA) or "external_launcher" (the ranks are
             processes started by torchrun, each running the whole engine).
-        speculative_config: None (off), a SpeculativeConfig, or a dict of its fields
-            (vLLM's form). Speculative steps are synchronous: with it,
-            async_scheduling is turned off (with a warning) when the config resolves.
+        speculative_config: None (off), a SpeculativeConfig, a dict of its fields
+            (vLLM's form), or that dict as JSON ('{"method": "ngram",
+            "num_speculative_tokens": 4}' on the command line). Speculative steps are
+            synchronous: async_scheduling is then turned off, with a warning.
     """
 
     model: str | os.PathLike | None = None

@@ -302,7 +302,7 @@ class EngineCoreOutputs:
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     finished_requests: set[str] = field(default_factory=set)
-    scheduler_stats: dict[str, int] | None = None
+    scheduler_stats: dict[str, int | float] | None = None
     rejected_requests: dict[str, str] = field(default_factory=dict)
     pongs: list[int] = field(default_factory=list)
 

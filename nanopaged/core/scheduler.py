@@ -46,6 +46,7 @@ from .block_manager import BlockManager
 from .request_queues import RequestQueues
 from .scheduler_output import ScheduledSequence, ScheduledStep
 from .sequence import Sequence, SequenceGroup, SequenceStatus
+from .spec_decode import SpecDecodingStats, slot_plans, take_drafts
 from .stop_checker import check_grammar_stop, check_stop
 from .structured_output import StructuredOutputManager
 
@@ -75,7 +76,7 @@ class Scheduler(RequestQueues):
         speculative_config: speculative decoding (None: off). A decoding sequence
             verifies the drafts the runner proposed for it (seq.spec_token_ids) in its
             next step; the draft model also gets num_lookahead_tokens slots past a
-            sampling sequence's tokens. See _take_drafts and _verified.
+            sampling sequence's tokens. See spec_decode.py and _verified.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -100,10 +101,7 @@ class Scheduler(RequestQueues):
         self.num_preemptions = self.num_preemptions_swap = self.num_preemptions_recompute = 0
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0             # prefill work done (cache hits excluded)
-        # speculative decoding, vLLM's SpecDecodingStats: verify steps, drafts, accepted
-        self.num_spec_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.num_accepted_tokens_per_pos = [0] * (speculative_config.num_speculative_tokens
-                                                  if speculative_config else 0)
+        self.spec_decoding_stats = SpecDecodingStats()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """RequestQueues.add_request; also a ValueError for beam search with speculative
@@ -162,8 +160,8 @@ class Scheduler(RequestQueues):
             ends = [s.num_computed_tokens + n for s, n in work]
             before = [list(s.block_table.block_ids) for s in seqs]
             copies = None
-            for drafts, extra in self._slot_plans(work, self._take_drafts(group, work, step.budget - sum(
-                    n for _, n in work))):      # with drafts and lookahead if they fit, else less
+            drafts = take_drafts(group, work, step.budget - sum(n for _, n in work), self.max_model_len)
+            for drafts, extra in slot_plans(work, drafts, self.num_lookahead_tokens):   # the best that fits
                 copies = self.block_manager.append_slots(seqs, [e + x for e, x in zip(ends, extra)])
                 if copies is not None:
                     break
@@ -186,36 +184,6 @@ class Scheduler(RequestQueues):
                 step.add(ScheduledSequence(seq, group, n + len(d), forks, len(ids), replaced, d))
             kept.append(group)
         self.running = kept
-
-    def _take_drafts(self, group: SequenceGroup, work: list[tuple[Sequence, int]], budget: int) -> list[list[int]]:
-        """Speculative decoding: the drafts each decoding sequence verifies this step, its
-        proposals (seq.spec_token_ids, which are used up here) cut so that the step stays
-        within `budget`, the tokens left of the token budget, and the sequence within
-        max_tokens and max_model_len (a verify step gives it up to k + 1 tokens), and
-        with structured outputs before the first draft its grammar forbids."""
-        drafts = []
-        for seq, n in work:
-            proposed, seq.spec_token_ids = seq.spec_token_ids, []
-            room = min(budget, group.sampling_params.max_tokens - len(seq.output_token_ids) - 1,
-                       self.max_model_len - seq.num_tokens - 1)
-            d = proposed[:max(room, 0)] if n == 1 and seq.num_uncomputed_tokens == 1 else []
-            if d and seq.grammar is not None:      # a draft the grammar forbids ends them
-                d = d[:seq.grammar.validate_tokens(d)]
-            budget -= len(d)
-            drafts.append(d)
-        return drafts
-
-    def _slot_plans(self, work: list[tuple[Sequence, int]],
-                    drafts: list[list[int]]) -> list[tuple[list[list[int]], list[int]]]:
-        """(drafts, slots past its own tokens) per sequence, most first: its drafts plus
-        the draft model's lookahead when it samples; its drafts only; nothing. A plan
-        that does not fit falls back to the next (drafts are never worth a preemption);
-        the last one is the plan without speculation."""
-        la = [self.num_lookahead_tokens if s.num_computed_tokens + n >= s.num_tokens else 0 for s, n in work]
-        none = [[] for _ in work]
-        plans = [(drafts, [len(d) + x for d, x in zip(drafts, la)]), (drafts, [len(d) for d in drafts]),
-                 (none, [0] * len(work))]
-        return [p for i, p in enumerate(plans) if p[1] not in [q[1] for q in plans[:i]] or i == 2]
 
     def _schedule_swapped(self, step: ScheduledStep) -> None:
         """Swapped-out requests come back, oldest first, when their blocks fit (with one
@@ -425,11 +393,7 @@ class Scheduler(RequestQueues):
         the blocks that hold only rejected slots or lookahead."""
         if drafts:
             accepted = runner_output.num_accepted_tokens.get(seq.seq_id, 0)
-            self.num_spec_drafts += 1
-            self.num_draft_tokens += len(drafts)
-            self.num_accepted_tokens += accepted
-            for i in range(accepted):
-                self.num_accepted_tokens_per_pos[i] += 1
+            self.spec_decoding_stats.observe(len(drafts), accepted)
             if self.observers:
                 self.observers.publish(DraftsVerified(group.request_id, seq.seq_id, start, tuple(drafts), accepted,
                                                       seq.num_computed_tokens))

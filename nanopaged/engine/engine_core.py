@@ -254,8 +254,9 @@ class EngineCore:
                 blocks_to_swap_in=ahead.blocks_to_swap_in, finished_seq_ids=ahead.finished_seq_ids))
         self.scheduler.reset_after_failure([failed.scheduler_output] + ([ahead] if ahead else []))
 
-    def get_stats(self) -> dict[str, int]:
-        """Counters for monitoring and tests: pool occupancy, queue sizes, work done."""
+    def get_stats(self) -> dict[str, int | float]:
+        """Counters for monitoring and tests: pool occupancy, queue sizes, work done,
+        and speculative decoding's drafts (acceptance rate: accepted / drafted, 0..1)."""
         bm, s = self.block_manager, self.scheduler
         return {
             "num_total_gpu_blocks": bm.num_gpu_blocks,
@@ -275,7 +276,8 @@ class EngineCore:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_copy_on_write": bm.num_copy_on_write,
             # speculative decoding (vLLM's spec_decode_* metrics); 0 when it is off
-            "spec_decode_num_drafts": s.num_spec_drafts,
-            "spec_decode_num_draft_tokens": s.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+            "spec_decode_num_drafts": s.spec_decoding_stats.num_drafts,
+            "spec_decode_num_draft_tokens": s.spec_decoding_stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": s.spec_decoding_stats.num_accepted_tokens,
+            "spec_decode_acceptance_rate": s.spec_decoding_stats.acceptance_rate,
         }

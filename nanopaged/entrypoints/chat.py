@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with bf16 dot products, else fp32), float32, bfloat16")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="split the model over this many worker processes (chapter 17; default 1)")
+    ap.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help="speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                         "or '{\"method\": \"draft_model\", \"model\": PATH, ...}' (chapter 19; default off)")
     args = ap.parse_args(argv)
 
     from rich.console import Console
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                        seed=args.seed)
         with err.status("loading the model ..."):
             from .llm import LLM
-            engine = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size).engine
+            engine = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                         speculative_config=args.speculative_config).engine
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         err.print(f"[red]error:[/red] {e}")
         return 1

@@ -163,6 +163,39 @@ def test_bad_engine_flag_exits_1_naming_the_field(tiny_model_dir, capsys):
     assert "block_size" in capsys.readouterr().err
 
 
+def test_speculative_decoding_through_the_server(tiny_model_dir):
+    """--speculative-config takes vLLM's JSON; greedy completions (plain and streamed) are
+    the engine's without speculation, and /metrics counts drafts and accepted tokens
+    (the target as its own draft: every draft accepted). A bad config exits 1 naming
+    the field."""
+    from nanopaged import LLM
+    from nanopaged.entrypoints.openai.api_server import main
+    assert main(["--model", str(tiny_model_dir), "--speculative-config", '{"method": "ngram", "k": 2}']) == 1
+    engine = dict(block_size=4, num_gpu_blocks=256, dtype="float32")
+    want = [_greedy(LLM(str(tiny_model_dir), **engine), p, 16, ignore_eos=True).text for p in PROMPTS]
+    spec = json.dumps({"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3})
+    server = Server(tiny_model_dir, "--block-size", "4", "--num-gpu-blocks", "256", "--dtype", "float32",
+                    "--speculative-config", spec)
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            body = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+            got = [http.post("/v1/completions", json=dict(body, prompt=p)).json()["choices"][0]["text"]
+                   for p in PROMPTS]
+
+
+            async def stream_all():
+                async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                    return [await _stream_text(c, dict(body, prompt=p)) for p in PROMPTS]
+            streamed = asyncio.run(stream_all())
+            m = _metrics(http)
+    finally:
+        alive = server.stop()
+    assert got == streamed == want
+    assert m["nanopaged:spec_decode_num_draft_tokens_total"] > 0 and m["nanopaged:spec_decode_acceptance_rate"] == 1
+    assert m["nanopaged:spec_decode_num_accepted_tokens_total"] == m["nanopaged:spec_decode_num_draft_tokens_total"]
+    assert server.proc.returncode == 0 and not alive
+
+
 # ---- the openai client ------------------------------------------------------------
 
 def test_models_lists_the_served_name(client, tiny_model_dir):

@@ -57,6 +57,15 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
         yield counter("num_preemptions", "Preemptions (swap or recompute).", s["num_preemptions"])
         yield counter("generation_tokens", "Tokens generated.", s["num_generated_tokens"])
+        # speculative decoding (vLLM's spec_decode_* series; 0 when it is off)
+        yield counter("spec_decode_num_drafts", "Verify steps: a sequence checking its drafts.",
+                      s.get("spec_decode_num_drafts", 0))
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and checked.",
+                      s.get("spec_decode_num_draft_tokens", 0))
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens the model accepted.",
+                      s.get("spec_decode_num_accepted_tokens", 0))
+        yield gauge("spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start (0..1).",
+                    s.get("spec_decode_acceptance_rate", 0.0))
 
 
 class ServerMetrics:
