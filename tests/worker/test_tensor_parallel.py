@@ -374,3 +374,20 @@ def test_nccl_tp2_equals_tp1(tp_model_dir):
     got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     llm.shutdown()
+
+
+def test_tp2_speculative_decoding_equals_tp1(tp_model_dir, tp1_reference, tmp_path):
+    """Speculative decoding at tp=2: every rank verifies with the same rejection sampler
+    and proposes the same drafts (n-gram; a draft model, itself split over the ranks, here
+    the target as its own draft so every draft is accepted): greedy ids equal tp=1's."""
+    spec = [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+            {"method": "draft_model", "model": str(tp_model_dir), "num_speculative_tokens": 3}]
+    ref = [o.outputs[0].token_ids for o in tp1_reference[0]]
+    for config in spec:
+        llm = LLM(str(tp_model_dir), num_gpu_blocks=64, block_size=4, tensor_parallel_size=2, dtype="float32",
+                  speculative_config=config)
+        out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == ref, config["method"]
+        stats = llm.engine.get_stats()
+        assert stats["spec_decode_num_draft_tokens"] > 0 and stats["num_free_gpu_blocks"] == 64
+        llm.shutdown()
