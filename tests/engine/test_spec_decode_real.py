@@ -72,3 +72,18 @@ def test_bfloat16_greedy_with_speculation_equals_without(default_model_dir, prom
         assert stats["spec_decode_num_accepted_tokens"] > 0, spec["method"]
         if spec is NGRAM:          # the copy prompts accept many drafts: far fewer steps
             assert stats["spec_decode_acceptance_rate"] > 0.2 and stats["num_steps"] < base["num_steps"], stats
+
+
+def test_block_size_1_a_tight_pool_and_a_prefix_hit(default_model_dir, prompts):
+    """bfloat16, n-gram, block size 1 (every draft crosses block boundaries), a pool that
+    holds one request and a half (the later one is preempted), then the same prompts
+    again (prefix-cache hits): the ids without speculation, every time."""
+    want, _ = greedy(default_model_dir, prompts, dtype="bfloat16", block_size=1)
+    pool = max(len(p) for p in prompts) + PARAMS.max_tokens + 60
+    llm = LLM(str(default_model_dir), dtype="bfloat16", block_size=1, num_gpu_blocks=pool,
+              preemption_mode="recompute", speculative_config=NGRAM)
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == want
+    stats = llm.engine.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["num_free_gpu_blocks"] == pool
