@@ -99,6 +99,10 @@ class TraceView:
                              f"device blocks · {bm.num_cpu_blocks} CPU blocks · preemption "
                              f"{e.config.preemption_mode} · prefix caching "
                              f"{'on' if bm.enable_prefix_caching else 'off'}")
+        sc = e.config.speculative_config
+        if sc is not None:
+            body.append(f" · speculative decoding: {sc.method}, {sc.num_speculative_tokens} drafts a step"
+                        + (f", n-grams of {sc.prompt_lookup_min}-{sc.prompt_lookup_max}" if sc.method == "ngram" else ""))
         for r in scenario.requests:
             p = r.params
             sampling = "greedy" if p.temperature == 0 else f"temperature {p.temperature}, seed {p.seed}"
