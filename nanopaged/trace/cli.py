@@ -3,6 +3,8 @@
     python -m nanopaged.trace [--model PATH] [--scenario NAME | --prompt TEXT ...]
         [--max-tokens N] [--block-size 4] [--num-gpu-blocks N] [--steps N] [--no-pause]
         [--export FILE.svg|FILE.html] [--width N]
+        [--speculative-method ngram|draft_model [--num-speculative-tokens K]
+         [--prompt-lookup-min N] [--prompt-lookup-max N] [--draft-model PATH]]
 
 It runs the real engine on the real model (a small pool and block size 4 by default, so
 paging is visible) and after every step draws what happened (the events of events.py)
@@ -13,7 +15,10 @@ and where everything now lives (read from the block manager):
 - what happened to blocks: allocated, released, shared, copied on write, cached, evicted;
 - each sequence's block table: logical -> physical block, fill count, the tokens in it;
 - the physical pool as a grid coloured by owner, with ref counts, free and cached blocks;
-- the prefix cache, and the CPU swap pool when it holds anything.
+- the prefix cache, and the CPU swap pool when it holds anything;
+- with speculative decoding (--speculative-method, or the `speculative` scenario):
+  each sequence's drafts, which were accepted, the model's own token at the first
+  rejection, and the blocks taken back (chapter 19).
 
 These are the three columns of the PagedAttention paper's Figures 6 and 7 (logical
 blocks, block table, physical blocks), drawn from a live engine rather than by hand; vLLM
@@ -134,7 +139,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="also write the whole trace to an SVG or HTML file")
     ap.add_argument("--width", type=_positive("--width"), default=None, metavar="N",
                     help="characters per line (default: the terminal's; 120 when not a terminal)")
+    spec = ap.add_argument_group("speculative decoding (chapter 19; default: the scenario's, usually off)")
+    spec.add_argument("--speculative-method", choices=["ngram", "draft_model"], default=None,
+                      help="propose drafts by prompt lookup, or with a draft model (--draft-model)")
+    spec.add_argument("--num-speculative-tokens", type=_positive("--num-speculative-tokens"), default=None,
+                      metavar="K", help="drafts per step (default 4)")
+    spec.add_argument("--prompt-lookup-min", type=_positive("--prompt-lookup-min"), default=None, metavar="N",
+                      help="shortest n-gram matched (ngram)")
+    spec.add_argument("--prompt-lookup-max", type=_positive("--prompt-lookup-max"), default=None, metavar="N",
+                      help="longest n-gram matched (ngram)")
+    spec.add_argument("--draft-model", default=None, metavar="PATH", help="the draft's local HF folder (draft_model)")
     args = ap.parse_args(argv)
+    speculative = None
+    if args.speculative_method is not None:
+        speculative = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens or 4}
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(args, key) is not None:
+                speculative[key] = getattr(args, key)
+        if args.draft_model is not None:
+            speculative["model"] = args.draft_model
+    elif any(getattr(args, k) is not None for k in ("num_speculative_tokens", "prompt_lookup_min",
+                                                    "prompt_lookup_max", "draft_model")):
+        ap.error("--num-speculative-tokens, --prompt-lookup-min/max and --draft-model need --speculative-method")
     if args.scenario is not None and args.scenario not in SCENARIOS:
         ap.error(f"unknown scenario {args.scenario!r}: choose one of {', '.join(SCENARIOS)}")
     if args.prompt is not None and not all(p.strip() for p in args.prompt):
@@ -152,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True, highlight=False, soft_wrap=True)     # messages are never cut into lines
     try:
         with err.status("loading the model ..."):
-            engine = scenario.build_engine(args.model, args.block_size, args.num_gpu_blocks)
+            engine = scenario.build_engine(args.model, args.block_size, args.num_gpu_blocks, speculative)
         run_trace(engine, scenario, console, steps=args.steps,
                   pause=tty and sys.stdin.isatty() and not args.no_pause)
         if args.export is not None:

@@ -13,10 +13,13 @@ run's events (events.py), the step where the point is made:
              automatic prefix caching)
     preempt  a pool too small for three requests: one swapped out to the CPU pool and
              back in, one recomputed because the CPU pool is full (§4.5)
+    speculative  n-gram speculative decoding on a prompt that repeats itself: drafts
+             accepted, and a rejection at a block boundary whose block is taken back
+             (chapter 19)
 
 `python -m nanopaged.trace --scenario NAME` runs one (cli.py). The engine settings are
-the scenario's; --block-size and --num-gpu-blocks override them, and the tracer then says
-whether the point was still made.
+the scenario's; --block-size, --num-gpu-blocks and the speculative flags override them,
+and the tracer then says whether the point was still made.
 """
 from __future__ import annotations
 
@@ -56,6 +59,8 @@ class Scenario:
             scenarios run in float32, so chapter 13's figures are what every CPU draws
             (in bfloat16 a seeded sample can pick another token); your own prompts in
             the engine's "auto".
+        speculative_config: speculative decoding (EngineConfig's field: None, or a dict
+            such as {"method": "ngram", "num_speculative_tokens": 4}).
         transition: the point, as a phrase ("a new block is allocated right after ...").
         find: the first step (1-based) of a run's history at which the point has been
             made, or None; see shown_at.
@@ -71,20 +76,22 @@ class Scenario:
     preemption_mode: str = "recompute"
     enable_prefix_caching: bool = True
     dtype: str = "float32"
+    speculative_config: dict | None = None
     transition: str = ""
     find: Callable[[History], int | None] | None = field(default=None, repr=False)
 
     def build_engine(self, model=None, block_size: int | None = None,
-                     num_gpu_blocks: int | None = None) -> LLMEngine:
+                     num_gpu_blocks: int | None = None, speculative_config: dict | None = None) -> LLMEngine:
         """The scenario's engine on `model` (None: the default model), optionally with
-        another block size or pool size. Raises what EngineConfig / LLMEngine raise."""
+        another block size, pool size or speculative_config. Raises what EngineConfig /
+        LLMEngine raise."""
         from ..config import EngineConfig
         from ..engine.llm_engine import LLMEngine
         return LLMEngine(EngineConfig(
             model=model, block_size=block_size or self.block_size,
             num_gpu_blocks=num_gpu_blocks or self.num_gpu_blocks, num_cpu_blocks=self.num_cpu_blocks,
             preemption_mode=self.preemption_mode, enable_prefix_caching=self.enable_prefix_caching,
-            dtype=self.dtype))
+            dtype=self.dtype, speculative_config=speculative_config or self.speculative_config))
 
     def shown_at(self, history: History) -> int | None:
         """The step at which this run made the scenario's point (None: it did not)."""
@@ -150,6 +157,32 @@ def _swapped_back_and_recomputed(history: History) -> int | None:
     return _first_step(history, found)
 
 
+def taken_back(events: list[ev.Event]) -> list[int]:
+    """Speculative decoding's rollback in one step's events: the indices of the
+    BlockFreed events that give back blocks past a sequence's accepted tokens. The
+    scheduler publishes them right after the sequence's DraftsVerified, with only the
+    BlockCached of the blocks its accepted tokens filled in between (Scheduler._verified)."""
+    found, verified = [], None
+    for i, e in enumerate(events):
+        if isinstance(e, ev.DraftsVerified):
+            verified = e.seq_id
+        elif isinstance(e, ev.BlockFreed) and e.seq_id == verified:
+            found.append(i)
+        elif not (isinstance(e, ev.BlockCached) and e.seq_id == verified):
+            verified = None
+    return found
+
+
+def _drafts_accepted_then_block_taken_back(history: History) -> int | None:
+    """speculative: a step in which a sequence keeps some drafts, rejects the rest, and
+    gives back a block that held only rejected slots."""
+    def found(step, _):
+        back = {step[i].seq_id for i in taken_back(step)}
+        return any(e.seq_id in back and 0 < e.num_accepted < len(e.spec_token_ids)
+                   for e in _of(ev.DraftsVerified, step))
+    return _first_step(history, found)
+
+
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -200,6 +233,19 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         num_gpu_blocks=6, num_cpu_blocks=2, preemption_mode="swap",
         transition="one request swapped out and back in, another recomputed",
         find=_swapped_back_and_recomputed),
+    Scenario(
+        "speculative", "Speculative decoding: n-gram drafts, verified in one forward",
+        "The prompt asks to copy a list, so the text repeats itself and prompt lookup (n-gram) "
+        "drafts up to 4 tokens a step; each verify step computes the last token and the drafts "
+        "in one forward and keeps the drafts the model agrees with. At step 3 the fourth draft "
+        "is rejected at a block boundary: the block reserved for it is taken back.",
+        (TraceRequest("A", "Copy the list exactly.\nList: red apple, green pear, blue plum, yellow lemon.\n"
+                           "Copy: red apple, green", _greedy(12)),),
+        num_gpu_blocks=24,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                            "prompt_lookup_max": 3},
+        transition="drafts accepted, then a rejected one's block taken back",
+        find=_drafts_accepted_then_block_taken_back),
 ]}
 
 

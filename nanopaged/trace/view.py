@@ -20,7 +20,9 @@ block id (* when the prefix cache names it) and its holders with the ref count
 (A×2: two of A's sequences share it; A+B: two requests share a cached prefix); "free"
 blocks are empty, "cached" ones are free but still reusable by a prefix-cache hit.
 The paper's Figures 6 and 7 draw the same three things: logical blocks, the block table,
-physical blocks.
+physical blocks. With speculative decoding (chapter 19) a verify step also shows each
+sequence's drafts, the ones the model accepted, the model's own token where it first
+disagreed, and the blocks taken back because they held only rejected drafts' slots.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import events as ev
+from .scenarios import taken_back
 
 if TYPE_CHECKING:
     from ..core.sequence import Sequence
@@ -59,6 +62,7 @@ class TraceView:
         self.colours: dict[str, str] = {}             # request id -> colour, in arrival order
         self.seq_request: dict[int, str] = {}         # seq id -> request id
         self._token_text: dict[int, str] = {}
+        self._seen: dict[int, Sequence] = {}          # seq id -> its Sequence (kept once it finishes)
 
     def colour(self, request_id: str) -> str:
         """The request's colour: the next of PALETTE the first time it is seen."""
@@ -95,6 +99,10 @@ class TraceView:
                              f"device blocks · {bm.num_cpu_blocks} CPU blocks · preemption "
                              f"{e.config.preemption_mode} · prefix caching "
                              f"{'on' if bm.enable_prefix_caching else 'off'}")
+        sc = e.config.speculative_config
+        if sc is not None:
+            body.append(f" · speculative decoding: {sc.method}, {sc.num_speculative_tokens} drafts a step"
+                        + (f", n-grams of {sc.prompt_lookup_min}-{sc.prompt_lookup_max}" if sc.method == "ngram" else ""))
         for r in scenario.requests:
             p = r.params
             sampling = "greedy" if p.temperature == 0 else f"temperature {p.temperature}, seed {p.seed}"
@@ -136,8 +144,8 @@ class TraceView:
 
     def decision(self, events: list[ev.Event]) -> Table:
         """The scheduler's decision and what happened to blocks, from the step's events."""
-        rows: dict[str, list[Text]] = {k: [] for k in ("added", "scheduled", "preempted", "swapped", "blocks",
-                                                       "finished", "queues")}
+        rows: dict[str, list[Text]] = {k: [] for k in ("added", "scheduled", "drafts", "preempted", "swapped",
+                                                       "blocks", "finished", "queues")}
         for e in events:
             if isinstance(e, ev.RequestAdded):
                 rows["added"].append(Text.assemble(self.request(e.request_id),
@@ -146,8 +154,12 @@ class TraceView:
                 last = e.start + e.num_tokens - 1
                 where = f"position {e.start}" if e.num_tokens == 1 else f"positions {e.start}-{last}"
                 forks = f" (seq {', '.join(map(str, e.forks))} samples from it too)" if e.forks else ""
+                k = len(e.spec_token_ids)
+                drafts = f" (its last token and {k} draft{'s' if k > 1 else ''})" if k else ""
                 rows["scheduled"].append(Text.assemble(self.seq(e.seq_id), f" {e.kind}: {e.num_tokens} token"
-                                                       f"{'s' if e.num_tokens > 1 else ''}, {where}{forks}"))
+                                                       f"{'s' if e.num_tokens > 1 else ''}, {where}{forks}{drafts}"))
+            elif isinstance(e, ev.DraftsVerified):
+                rows["drafts"].append(self.verified(e))
             elif isinstance(e, ev.Preempted):
                 rows["preempted"].append(Text.assemble(self.request(e.request_id), f" by {e.mode}"))
             elif isinstance(e, (ev.SwapOut, ev.SwapIn)):
@@ -170,13 +182,37 @@ class TraceView:
                 grid.add_row(name, Text("\n").join(lines))
         return grid
 
+    def verified(self, e: ev.DraftsVerified) -> Text:
+        """One sequence's drafts after verification: the drafts, how many the model
+        accepted, and the model's own token after them (at the first rejected draft's
+        position, or the bonus token when all were accepted)."""
+        k, a = len(e.spec_token_ids), e.num_accepted
+        drafts = "[" + ", ".join(repr(self.token(t)) for t in e.spec_token_ids) + "]"
+        line = Text.assemble(self.seq(e.seq_id), f" proposed {drafts}: {'all ' if a == k else ''}{a} accepted")
+        seq = self._seen.get(e.seq_id)
+        position = e.start + 1 + a                  # the token the model chose itself
+        own = (self.token(seq.token_ids_slice(position, position + 1)[0])
+               if seq is not None and position < seq.num_tokens else None)
+        if a < k:
+            line.append(f", {self.token(e.spec_token_ids[a])!r} rejected at position {position}")
+            if own is not None:
+                line.append(f", where the model's own token is {own!r}")
+            line.append(f"; slots from position {e.num_computed_tokens} on taken back")
+        elif own is not None:
+            line.append(f", then the model's own next token (the bonus): {own!r}")
+        return line
+
     def block_lines(self, events: list[ev.Event]) -> list[Text]:
         """One line per block event, a run of one kind for one sequence merged into one."""
         runs: list[list] = []
+        # speculative decoding: the blocks past a sequence's accepted tokens, given back
+        # after its drafts were verified (BlockManager.free_slots_past_computed)
+        back = {id(events[i]) for i in taken_back(events)}
         for e in events:
             last = runs[-1][0] if runs else None
             if (isinstance(e, (ev.BlockAllocated, ev.BlockFreed, ev.BlockCached, ev.BlockEvicted))
-                    and type(e) is type(last) and getattr(e, "seq_id", None) == getattr(last, "seq_id", None)):
+                    and type(e) is type(last) and getattr(e, "seq_id", None) == getattr(last, "seq_id", None)
+                    and (id(e) in back) == (id(last) in back)):
                 runs[-1].append(e)
             else:
                 runs.append([e])
@@ -184,7 +220,12 @@ class TraceView:
         for run in runs:
             e, ids = run[0], ", ".join(str(getattr(x, "block_id", "")) for x in run)
             s = "s" if len(run) > 1 else ""
-            if isinstance(e, ev.BlockAllocated):
+            if id(e) in back:
+                free = ", ".join(str(x.block_id) for x in run if x.ref_count == 0)
+                lines.append(Text.assemble(self.seq(e.seq_id), (f" takes back block{s} {ids}: no accepted token "
+                                                               f"in {'them' if s else 'it'}", "bold"),
+                                           f"; free again: {free}" if free else ""))
+            elif isinstance(e, ev.BlockAllocated):
                 lines.append(Text.assemble(self.seq(e.seq_id), f" gets new block{s} {ids} as logical "
                                            + ", ".join(str(x.logical_index) for x in run)))
             elif isinstance(e, ev.BlockFreed):
@@ -217,6 +258,7 @@ class TraceView:
         for rid, group in self.engine.requests.items():
             for seq in group.seqs:
                 self.seq_request[seq.seq_id] = rid
+                self._seen[seq.seq_id] = seq
                 bt = seq.block_table
                 where = "CPU pool (swapped out)" if seq.is_swapped else seq.status.name.lower()
                 t = Table(title=Text.assemble(self.seq(seq.seq_id), f" · {where}"), title_justify="left",
