@@ -120,8 +120,8 @@ class SequenceScheduled:
 @dataclass(frozen=True)
 class DraftsVerified:
     """Speculative decoding: a sequence's drafts were checked by the forward (published
-    by the scheduler in update_from_output, before the BlockFreed of any block that
-    held only rejected slots).
+    by the scheduler in update_from_output; then come the BlockCached of blocks its
+    accepted tokens filled, and the BlockFreed of blocks that held only rejected slots).
 
     spec_token_ids: the drafts, at positions start + 1 .. start + k.
     num_accepted: how many of them, from the first, the model agreed with.

@@ -25,7 +25,6 @@ from nanopaged.exercises.ex19_spec_rollback import scripted_drafts
 from nanopaged.trace.scenarios import SCENARIOS, TraceRequest, taken_back
 from nanopaged.trace.cli import main, run_trace
 
-import invariants
 from invariants import EventReplay, check_block_invariants
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,8 +41,7 @@ def traced(engine, scenario, **kw):
 
     def checked_step():
         outputs = step()
-        with relaxed_runner_check(engine):
-            check_block_invariants(engine)
+        check_block_invariants(engine)
         replay.check()
         return outputs
 
@@ -55,38 +53,6 @@ def traced(engine, scenario, **kw):
         del engine.step
         engine.remove_observer(replay.apply)
     return history, console.file.getvalue()
-
-
-@contextmanager
-def relaxed_runner_check(engine):
-    """invariants.check_runner_state expects the runner to know at least a sequence's
-    computed tokens. After a verify step it knows fewer: the accepted drafts' positions
-    are computed, but the drafts reach its token list with the next step's
-    SchedulerOutput. Its block table also still has the blocks the scheduler took
-    back, until that message (ModelRunner._update_states cuts them). With speculative
-    decoding on, check the rest: the scheduler's table a prefix of the runner's, and
-    the runner's tokens a prefix of the sequence's."""
-    if engine.config.speculative_config is None:
-        yield
-        return
-
-    def check(engine):
-        sched, runner = engine.scheduler, engine.model_runner
-        for group in sched.running:
-            for seq in group.get_seqs():
-                if seq.status.is_finished or seq.is_swapped or seq.seq_id not in sched.runner_view.known:
-                    continue
-                state = runner.input_batch.seqs[seq.seq_id]
-                table = seq.block_table.block_ids
-                assert state.block_ids[:len(table)] == table, (seq, state.block_ids)
-                tokens = state.prompt_token_ids + state.output_token_ids
-                assert tokens == seq.token_ids[:len(tokens)], seq
-    original = invariants.check_runner_state
-    invariants.check_runner_state = check
-    try:
-        yield
-    finally:
-        invariants.check_runner_state = original
 
 
 # -- the scenarios ----------------------------------------------------------------------------
