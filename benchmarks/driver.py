@@ -46,7 +46,7 @@ structured: structured outputs (chapters/18-structured-outputs.md): the throughp
 overlap:    async scheduling (chapters/16-async-scheduling.md): the throughput workload
             with async_scheduling off vs on (runs off, on, on, off), best of two each: time per
             engine step (ms) and tokens/s, and the ratio on / off.
-spec:       (not in the default list: ~5 minutes) speculative decoding (issue 25) vs plain
+spec:       (not in the default list: 5-8 minutes) speculative decoding (issue 25) vs plain
             decoding, the same engine settings but speculative_config, greedy, eos
             honoured, max_tokens --spec-max-tokens: chat requests that copy (repeat a
             paragraph with one word changed, rename a variable in a code snippet) and plain
