@@ -11,6 +11,8 @@
     sampling.py, structured.py, overlap.py
                     full sampling vs greedy; JSON-schema constrained vs free; async
                     scheduling off vs on
+    spec.py         speculative decoding (n-gram, layer draft) vs off, copy-heavy and
+                    plain chat, batch 1 and 8 (not default)
     kernels.py      the compiled paged-attention kernel vs the PyTorch reference
     serve.py        the OpenAI server vs `transformers serve`, Poisson arrivals (not default)
     tp.py           tensor parallelism vs one rank (not default)

@@ -7,6 +7,8 @@
                     [--kernels] [--sections serve --request-rates 0.5,2,inf --serve-requests 32]
                     [--sections tp] [--sections vllm --vllm-python PATH] [--max-output 128]
                     [--sections soak --soak-rounds 8]
+                    [--sections spec --spec-requests 8 --spec-max-tokens 48 --spec-batches 1,8
+                                     --spec-k 2,4 --spec-draft-layers 10 --spec-draft-k 4 --spec-rounds 2]
 
 throughput: nanopaged vs HF transformers `generate` (below).
 prefix:     one 512-token system prompt shared by 32 short questions, prefix caching on
@@ -44,6 +46,17 @@ structured: structured outputs (chapters/18-structured-outputs.md): the throughp
 overlap:    async scheduling (chapters/16-async-scheduling.md): the throughput workload
             with async_scheduling off vs on (runs off, on, on, off), best of two each: time per
             engine step (ms) and tokens/s, and the ratio on / off.
+spec:       (not in the default list: 5-8 minutes) speculative decoding (issue 25) vs plain
+            decoding, the same engine settings but speculative_config, greedy, eos
+            honoured, max_tokens --spec-max-tokens: chat requests that copy (repeat a
+            paragraph with one word changed, rename a variable in a code snippet) and plain
+            chat questions, at batch 1 (one request after another) and 8 (all at once),
+            with n-gram proposals (prompt lookup 2..5, one engine per --spec-k) and a
+            draft made of the target's first --spec-draft-layers layers; interleaved
+            rounds, best of --spec-rounds each. Per row: output tokens/s off and on, the
+            ratio, acceptance (accepted / proposed), accepted tokens per verify step, and
+            whether every output is the baseline's token for token (targets: n-gram
+            >= 1.5x on copy at batch 1, >= 0.95x on chat; benchmarks/spec.py).
 vllm:       (not in the default list: needs vLLM's own venv) nanopaged vs vLLM's CPU
             backend on the throughput workload and batch-1 decode, vLLM in a child
             process of its own interpreter (benchmarks/vllm.py says how to make its venv).
@@ -70,6 +83,7 @@ from .pressure import bench_memory_pressure
 from .sampling import bench_sampling
 from .serve import bench_serve
 from .soak import bench_soak
+from .spec import bench_spec
 from .sharing import bench_sharing_memory
 from .structured import bench_structured
 from . import throughput
@@ -95,12 +109,20 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
     ap.add_argument("--sections",
                     default="throughput,chat,sampling,structured,overlap,prefix,sharing,pressure,memory,kernels",
-                    help="comma-separated, from the list above; serve, soak, tp and vllm are not in the default")
+                    help="comma-separated, from the list above; serve, soak, spec, tp and vllm are not in the default")
     ap.add_argument("--kernels", action="store_true", help="only the kernels section")
     ap.add_argument("--request-rates", default="0.5,2,inf", help="serve: requests per second")
     ap.add_argument("--serve-requests", type=int, default=32, help="serve: requests per rate")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="serve, soak: threads per server")
     ap.add_argument("--soak-rounds", type=int, default=8, help="soak: rounds of mixed load")
+    ap.add_argument("--spec-requests", type=int, default=8, help="spec: requests per workload (default 8)")
+    ap.add_argument("--spec-max-tokens", type=int, default=48, help="spec: max_tokens of each request (default 48)")
+    ap.add_argument("--spec-batches", default="1,8", help="spec: requests at once (1: one after another)")
+    ap.add_argument("--spec-k", default="2,4", help="spec: n-gram num_speculative_tokens, one engine each")
+    ap.add_argument("--spec-draft-layers", type=int, default=10,
+                    help="spec: the layer draft's depth (the target's first layers; 0: no draft engine)")
+    ap.add_argument("--spec-draft-k", type=int, default=4, help="spec: the draft's num_speculative_tokens")
+    ap.add_argument("--spec-rounds", type=int, default=2, help="spec: interleaved rounds, best of them")
     args = ap.parse_args()
     sections = ["kernels"] if args.kernels else args.sections.split(",")
     if args.dtype == "auto":
@@ -128,6 +150,8 @@ def main() -> None:
         bench_structured(args.model, args)
     if "kernels" in sections:
         bench_kernels(args.model, args)
+    if "spec" in sections:
+        bench_spec(args.model, args)
     if "prefix" in sections:
         bench_prefix_caching(args.model, args.dtype)
     if "sharing" in sections:
