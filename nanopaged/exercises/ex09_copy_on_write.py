@@ -43,16 +43,9 @@ def _pool(num_blocks=8):
 
 def _holding(bm, seq_id, num_tokens, block_ids):
     """A sequence of num_tokens tokens (all computed) whose table holds block_ids."""
-    from nanopaged.core.sequence import Sequence
+    from . import holding_sequence
 
-    seq = Sequence(seq_id, seq_id, list(range(1, num_tokens + 1)), 4)
-    for b in block_ids:
-        if bm.ref_count[b] == 0:
-            del bm.free_block_ids[b]
-        bm.ref_count[b] += 1
-        seq.block_table.append_block(b)
-    seq.num_computed_tokens = num_tokens
-    return seq
+    return holding_sequence(bm, seq_id, num_tokens, block_ids)
 
 
 def check_fork():

@@ -41,16 +41,9 @@ def _pool(num_blocks=8):
 def _holding(bm, seq_id, num_computed, block_ids):
     """A sequence whose first num_computed positions are computed and whose table holds
     block_ids (the ones past them reserved for drafts)."""
-    from nanopaged.core.sequence import Sequence
+    from . import holding_sequence
 
-    seq = Sequence(seq_id, seq_id, list(range(1, num_computed + 2)), _BLOCK)
-    for b in block_ids:
-        if bm.ref_count[b] == 0:
-            del bm.free_block_ids[b]
-        bm.ref_count[b] += 1
-        seq.block_table.append_block(b)
-    seq.num_computed_tokens = num_computed
-    return seq
+    return holding_sequence(bm, seq_id, num_computed + 1, block_ids, num_computed)
 
 
 def check_takes_back_the_blocks_past_the_accepted_tokens():
