@@ -129,6 +129,8 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if sc is not None and sc.method == "ngram":
+            if c.vocab_size > 0x110000:          # token ids become characters (ngram_proposer.py)
+                raise ValueError(f"n-gram speculation needs vocab_size <= {0x110000}, got {c.vocab_size}")
             self.proposer = NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max)
         elif sc is not None:
             if draft_model is None:
@@ -355,7 +357,11 @@ class ModelRunner:
                 seqs.append((self.input_batch.seqs[seq_id], accepted + [out.sampled_token_ids[seq_id]]))
         if isinstance(self.proposer, DraftModelProposer):
             return self.proposer.propose(inp, seqs)
-        return {s.seq_id: self.proposer.propose(s.prompt_token_ids + s.output_token_ids + new) for s, new in seqs}
+        drafts = {}
+        for s, new in seqs:        # the n-gram search runs on a str kept with the record
+            s.lookup_text += "".join(map(chr, s.token_ids(len(s.lookup_text), s.num_tokens)))
+            drafts[s.seq_id] = self.proposer.propose_text(s.lookup_text + "".join(map(chr, new)))
+        return drafts
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput) -> dict[int, Logprobs]:
         """Logprobs of the prompt tokens this step's hidden rows predict (raw, fp32)."""
