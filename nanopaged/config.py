@@ -121,7 +121,9 @@ class SpeculativeConfig:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON ({e}): {value!r}") from None
+                raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
+                                 f"'num_speculative_tokens': 4}}, or that dict as JSON text; got {value!r}, "
+                                 f"which is not JSON ({e})") from None
         if not isinstance(value, dict):
             raise invalid("speculative_config", value, "a dict such as {'method': 'ngram', "
                           "'num_speculative_tokens': 4}")
@@ -188,10 +190,11 @@ class EngineConfig:
             worker in this process), "mp" (one process per rank, torch.distributed
             gloo on the CPU or NCCL on CUDA) or "external_launcher" (the ranks are
             processes started by torchrun, each running the whole engine).
-        speculative_config: None (off), a SpeculativeConfig, a dict of its fields
-            (vLLM's form), or that dict as JSON ('{"method": "ngram",
-            "num_speculative_tokens": 4}' on the command line). Speculative steps are
-            synchronous: async_scheduling is then turned off, with a warning.
+        speculative_config: speculative decoding, off by default: a dict of
+            SpeculativeConfig's fields (vLLM's form), or that dict as JSON text, as on
+            the command line ('{"method": "ngram", "num_speculative_tokens": 4,
+            "prompt_lookup_min": 2}'). Speculative steps are synchronous:
+            async_scheduling is then turned off, with a warning.
     """
 
     model: str | os.PathLike | None = None

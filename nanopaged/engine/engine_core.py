@@ -98,6 +98,11 @@ class EngineCore:
                                    config.max_model_len, config.enable_chunked_prefill,
                                    config.preemption_mode, costs, config.async_scheduling,
                                    self.structured_output_manager, config.speculative_config)
+        sc = config.speculative_config
+        if sc is not None:
+            how = (f"n-gram lookup of {sc.prompt_lookup_min}..{sc.prompt_lookup_max} tokens" if sc.method == "ngram"
+                   else f"draft model {sc.model}")
+            logger.info("speculative decoding: %d draft tokens a step, %s", sc.num_speculative_tokens, how)
         self.num_steps = 0
         # async scheduling: one worker thread runs the forwards, in the order given
         self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="nanopaged-forward")

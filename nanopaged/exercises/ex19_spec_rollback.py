@@ -17,10 +17,11 @@ no computed token (only slots of rejected drafts) is given back, so that the tab
 again holds ceil(num_computed_tokens / block_size) blocks. Such a block was fresh this
 step and never named in the prefix cache, so it goes to the FRONT of the free queue:
 the next allocation reuses it before any block whose cached contents still have value.
-Publish a BlockFreed for each block, as BlockManager.free does.
+Publish a BlockFreed for each block, as BlockManager.free does. A block another table
+also holds (ref_count > 1) only loses this sequence's hold: it is not free yet.
 """
 HINT = """
-keep = table.num_blocks_for(seq.num_computed_tokens) blocks stay. For each block id of
+With table = seq.block_table, keep = table.num_blocks_for(seq.num_computed_tokens) blocks stay. For each block id of
 table.block_ids[keep:], last first (reversed): ref_count -= 1; when it reaches 0, put it
 in self.free_block_ids (an OrderedDict used as a queue: d[b] = None adds b at the end)
 and move it to the front with self.free_block_ids.move_to_end(b, last=False). If
