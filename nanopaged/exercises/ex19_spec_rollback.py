@@ -118,19 +118,20 @@ def scripted_drafts(full_token_ids: list[int], wrong_positions: set[int]):
     drafts are rejected, e.g. at a block's first slot. Other sequences get no drafts."""
     from nanopaged.worker.spec_decode.ngram_proposer import NgramProposer
 
-    original = NgramProposer.propose
+    original = NgramProposer.propose_text       # the runner hands it the tokens as a str
 
-    def propose(self, token_ids):
+    def propose_text(self, text):
+        token_ids = [ord(c) for c in text]
         n = len(token_ids)
         if token_ids != full_token_ids[:n]:
             return []
         drafts = full_token_ids[n:n + self.num_speculative_tokens]
         return [(t - 1 if t else 1) if n + i in wrong_positions else t for i, t in enumerate(drafts)]
-    NgramProposer.propose = propose
+    NgramProposer.propose_text = propose_text
     try:
         yield
     finally:
-        NgramProposer.propose = original
+        NgramProposer.propose_text = original
 
 
 _PROMPT = list(range(30, 57))           # 27 tokens: the last one in slot 3 of block 6
@@ -170,6 +171,7 @@ def _run():
     assert tokens == full[len(_PROMPT):], (f"with speculation the engine produced {tokens[:12]}..., without it "
                                            f"{full[len(_PROMPT):len(_PROMPT) + 12]}...")
     assert stats["num_free_gpu_blocks"] == stats["num_total_gpu_blocks"], "a block is still held at the end (a leak)"
+    assert stats["spec_decode_num_draft_tokens"] > 0, "no draft was proposed: the scripted drafts did not reach the runner"
     assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], "no draft was rejected"
     return tokens, states
 
