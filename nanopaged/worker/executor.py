@@ -26,6 +26,7 @@ engine process (PR_SET_PDEATHSIG, plus a parent check each second while idle).
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import shutil
@@ -149,7 +150,13 @@ class ExternalLauncherExecutor(UniProcExecutor):
         group = init_process_group(rank, world, "env://", device) if owns_group else dist.group.WORLD
         # Leave the group before the interpreter ends (shutdown, `del llm` or exit): a
         # gloo group still alive at exit can abort the process (SIGABRT) after its work.
+        # atexit runs its handlers last registered first, so registering here, after the
+        # group exists, leaves it before the handlers torch registered earlier tear down
+        # what it uses (a finalizer alone runs from weakref's one atexit hook, which
+        # may have been registered before them).
         self._finalizer = weakref.finalize(self, dist.destroy_process_group) if owns_group else None
+        if owns_group:
+            atexit.register(self._finalizer)
         self.group, self.device = group, device
         super().__init__(config, model_path, model_config, attn_backend, rank, world, group)
 
