@@ -140,9 +140,6 @@ class SchedulerOutput:
             1 + len(drafts), its last token and then the drafts, and the step samples
             one row per position (k + 1 rows). Structured-output sequences have k + 1
             rows in the GrammarOutput too, one per position, in order.
-        num_lookahead_tokens: slots each sampling sequence has past its scheduled
-            tokens, for the draft model's K/V of its proposals (0 unless the
-            speculative method is "draft_model").
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -156,7 +153,6 @@ class SchedulerOutput:
     finished_seq_ids: set[int] = field(default_factory=set)
     structured_output_seq_ids: list[int] = field(default_factory=list)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
-    num_lookahead_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:

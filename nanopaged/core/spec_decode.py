@@ -76,11 +76,6 @@ class SpecDecodingStats:
         """Accepted / proposed draft tokens (0..1; 0 before any)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a verify step gives on average: 1 + accepted drafts (vLLM's figure)."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
     def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """One verify step of one sequence."""
         self.num_drafts += 1
