@@ -1,5 +1,5 @@
-"""A tiny random Llama for the tests, the chapters' snippets and the exercises: 2 layers,
-hidden size 64, a byte-level BPE tokenizer of 320 ids with a chat template, saved the
+"""A tiny random model (Llama, or another family of TINY_FAMILIES) for the tests, the
+chapters' snippets and the exercises: 2 layers, hidden size 64, a byte-level BPE tokenizer of 320 ids with a chat template, saved the
 way Hugging Face saves a model. The engine runs it in milliseconds; its answers are
 gibberish, which is fine for watching the machinery.
 """
@@ -30,21 +30,47 @@ def make_tiny_tokenizer(folder):
     return fast
 
 
-def make_tiny_llama(folder, *, tie=True, seed=0, **overrides):
-    """Save a random transformers LlamaForCausalLM + tokenizer in `folder`; return the model.
+# The families the engine runs (model/registry.py), as transformers names their classes
+TINY_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
+
+def make_tiny_model(folder, architecture="LlamaForCausalLM", *, tie=True, seed=0, chat_template=None,
+                    **overrides):
+    """Save a random transformers model of `architecture` (one of TINY_FAMILIES) + the
+    tiny tokenizer in `folder`; return the transformers model (float32, eval mode).
+
+    2 layers, hidden size 64, 4 query heads over 2 KV heads (GQA), head_dim 16 (Qwen3:
+    32, so head_dim != hidden_size / heads as in real Qwen3), TINY_VOCAB ids.
     initializer_range 0.3 (not 0.02) gives peaked logits, so greedy decoding has clear
-    winners and token-for-token comparisons are meaningful.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    winners and token-for-token comparisons are meaningful. `overrides` go to the
+    transformers config (e.g. sliding_window, rope_parameters); `chat_template`
+    replaces the tokenizer's.
 
+    Raises:
+        ValueError: an architecture that is not one of TINY_FAMILIES.
+    """
+    import transformers
+
+    if architecture not in TINY_FAMILIES:
+        raise ValueError(f"architecture={architecture!r}; choose one of {list(TINY_FAMILIES)}")
     torch.manual_seed(seed)
     kw = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               tie_word_embeddings=tie, initializer_range=0.3, eos_token_id=0,
-              bos_token_id=None, pad_token_id=None)
+              bos_token_id=None, pad_token_id=None, head_dim=32 if architecture == "Qwen3ForCausalLM" else 16)
     kw.update(overrides)
-    model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    family = architecture.removesuffix("ForCausalLM")
+    config = getattr(transformers, f"{family}Config")(**kw)
+    model = getattr(transformers, architecture)(config).eval()
     model.save_pretrained(folder)
-    make_tiny_tokenizer(folder)
+    tokenizer = make_tiny_tokenizer(folder)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+        tokenizer.save_pretrained(folder)
     return model
+
+
+def make_tiny_llama(folder, *, tie=True, seed=0, **overrides):
+    """Save a random transformers LlamaForCausalLM + tokenizer in `folder`; return the
+    model (make_tiny_model with the Llama architecture)."""
+    return make_tiny_model(folder, "LlamaForCausalLM", tie=tie, seed=seed, **overrides)
