@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from ..core.block_manager import BlockManager
 from ..core.scheduler import Scheduler
 from ..core.structured_output import StructuredOutputManager
-from ..model.llama import LlamaConfig
+from ..model.config import ModelConfig
 from ..worker.executor import Executor
 from ..layers.backends import get_attn_backend
 from ..worker.model_runner import ModelRunner
@@ -74,11 +74,11 @@ class EngineCore:
         config: a resolved EngineConfig (arg_utils.create_engine_config: the model
             checked to split over tensor_parallel_size, every None filled in).
         model_path: the local Hugging Face folder of the model.
-        model_config: its LlamaConfig.
+        model_config: its ModelConfig.
         observers: where the scheduler and block manager publish events (events.py).
     """
 
-    def __init__(self, config: EngineConfig, model_path, model_config: LlamaConfig,
+    def __init__(self, config: EngineConfig, model_path, model_config: ModelConfig,
                  observers: Observers | None = None) -> None:
         self.config = config
         self.attn_backend = get_attn_backend(config.attention_backend, config.torch_device)

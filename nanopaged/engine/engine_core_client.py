@@ -147,10 +147,10 @@ class EngineCoreProc:
         parent_pid = os.getppid()
 
         def start():
-            from ..model.llama import LlamaConfig
+            from ..model.config import ModelConfig
             from .engine_core import EngineCore
 
-            core = EngineCore(config, model_path, LlamaConfig.from_pretrained(model_path))
+            core = EngineCore(config, model_path, ModelConfig.from_pretrained(model_path))
             return (core, EngineCoreProc(core, input_address, output_address, parent_pid)), core.get_stats()
 
         core, proc = report_ready(ready_fd, start)

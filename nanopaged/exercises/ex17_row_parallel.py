@@ -186,14 +186,16 @@ def check_tiny_llama_at_tp2():
     """the tiny Llama split over 2 ranks (loaded from its files with your load): both ranks compute tp=1's logits"""
     import torch
 
-    from nanopaged.model.llama import LlamaConfig, LlamaForCausalLM
+    from nanopaged.model.config import ModelConfig
+
+    from nanopaged.model.llama import LlamaForCausalLM
     from nanopaged.layers.attention import AttentionMetadata
     from nanopaged.utils.math_utils import cdiv
 
     from . import tiny_model_folder
 
     folder = tiny_model_folder()
-    config = LlamaConfig.from_pretrained(folder)
+    config = ModelConfig.from_pretrained(folder)
     tokens = torch.tensor([5, 17, 3, 250, 42, 99, 7])
     n, block_size = len(tokens), 4
     num_blocks = cdiv(n, block_size)

@@ -42,7 +42,8 @@ def make_tiny_model(folder, architecture="LlamaForCausalLM", *, tie=True, seed=0
     2 layers, hidden size 64, 4 query heads over 2 KV heads (GQA), head_dim 16 (Qwen3:
     32, so head_dim != hidden_size / heads as in real Qwen3), TINY_VOCAB ids.
     initializer_range 0.3 (not 0.02) gives peaked logits, so greedy decoding has clear
-    winners and token-for-token comparisons are meaningful. `overrides` go to the
+    winners and token-for-token comparisons are meaningful. Other families than Llama get
+    random norm weights and biases too (not transformers' 1 and 0). `overrides` go to the
     transformers config (e.g. sliding_window, rope_parameters); `chat_template`
     replaces the tokenizer's.
 
@@ -62,6 +63,14 @@ def make_tiny_model(folder, architecture="LlamaForCausalLM", *, tie=True, seed=0
     family = architecture.removesuffix("ForCausalLM")
     config = getattr(transformers, f"{family}Config")(**kw)
     model = getattr(transformers, architecture)(config).eval()
+    if architecture != "LlamaForCausalLM":
+        # transformers starts norm weights at 1 and biases at 0, which would hide a
+        # norm or bias that is never loaded (Qwen2's q/k/v bias, Qwen3's q_norm/k_norm).
+        # The Llama keeps its init: the tests and chapters were written against it.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p), alpha=0.3)
     model.save_pretrained(folder)
     tokenizer = make_tiny_tokenizer(folder)
     if chat_template is not None:

@@ -172,30 +172,38 @@ class ColumnParallelLinear(nn.Module):
         parts: name -> (rows of that matrix in the checkpoint, first row this rank holds,
             rows this rank holds), in the order they are stacked.
         tp: the TPGroup (only its rank matters here: no communication).
+        bias: whether y gets a bias (Qwen2's q/k/v); it is split by rows like the weight.
 
     forward(x [n, input_size]) -> [n, sum of held rows], x's dtype.
     """
 
-    def __init__(self, input_size: int, parts: dict[str, tuple[int, int, int]], tp: TPGroup) -> None:
+    def __init__(self, input_size: int, parts: dict[str, tuple[int, int, int]], tp: TPGroup,
+                 bias: bool = False) -> None:
         super().__init__()
         self.input_size, self.parts, self.tp = input_size, parts, tp
         self.offsets, rows = {}, 0
         for name, (_, _, n) in parts.items():
             self.offsets[name], rows = rows, rows + n
         self.weight = nn.Parameter(torch.empty(rows, input_size))
+        self.bias = nn.Parameter(torch.empty(rows)) if bias else None
         self.ops = _REFERENCE          # the model's set_attention_backend gives the kernels
         self._packed = self._packed_for = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(self, x)
+        y = _linear(self, x)
+        return y if self.bias is None else y.add_(self.bias)
 
-    def load(self, part: str, src, name: str) -> None:
+    def load(self, part: str, src, name: str, leaf: str = "weight") -> None:
         """Copy this rank's rows of checkpoint matrix `part` ([rows, input_size]; a
-        tensor or a safetensors slice, of which only those rows are read).
-        Raises ValueError naming `name` if its shape is wrong."""
+        tensor or a safetensors slice, of which only those rows are read), or of its
+        bias ([rows]) when leaf is "bias".
+        Raises ValueError naming `name` if its shape is wrong or the layer has no bias."""
         full, first, n = self.parts[part]
-        _check_shape(name, src, (full, self.input_size))
-        self.weight.data[self.offsets[part]:self.offsets[part] + n].copy_(src[first:first + n])
+        param = self.weight if leaf == "weight" else self.bias if leaf == "bias" else None
+        if param is None:
+            raise ValueError(f"unexpected tensor {name!r} (this layer has no {leaf})")
+        _check_shape(name, src, (full, self.input_size) if leaf == "weight" else (full,))
+        param.data[self.offsets[part]:self.offsets[part] + n].copy_(src[first:first + n])
         self._packed_for = None
 
 

@@ -17,14 +17,13 @@ serving changes, both vLLM's (`vllm/model_executor/models/llama.py`):
   matmuls are faster, and the weights are just stacked at load time.
 
 Weights are read straight from safetensors (one file or an index of shards, listed by
-model_loader.safetensors_files); config.json is parsed here too.
+model_loader.safetensors_files); config.json is parsed by config.py. The other families
+(registry.py) subclass these classes and change only what differs.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,64 +33,11 @@ from ..layers.attention import AttentionMetadata
 from ..layers.backends import TorchBackend
 from ..layers.parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
                               _check_shape, shard_heads, valid_tp_size)
+from .config import ModelConfig
 from .model_loader import safetensors_files
 
 
-@dataclass
-class LlamaConfig:
-    """The fields of a Hugging Face Llama config.json that the model needs."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int          # config.json's (and transformers') name; our code calls it head_size, as vLLM does
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    eos_token_id: list[int]
-
-    @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike) -> "LlamaConfig":
-        """Read `folder/config.json`.
-
-        Raises:
-            FileNotFoundError: no config.json (the message names the path).
-            ValueError: not a Llama-style decoder (names the field), or unsupported options.
-        """
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json in model folder {str(folder)!r}")
-        c = json.loads(path.read_text())
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{path}: hidden_act={c['hidden_act']!r}; only 'silu' (Llama) is supported")
-        if c.get("attention_bias") or c.get("mlp_bias"):
-            raise ValueError(f"{path}: attention_bias/mlp_bias=True is not supported")
-        # transformers >= 5 keeps rope settings in `rope_parameters`; older ones in
-        # `rope_theta` + `rope_scaling`. Accept both.
-        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        heads = c["num_attention_heads"]
-        eos = c.get("eos_token_id")
-        return cls(
-            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads", heads),
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,      # config.json's key for head_size
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else rope,
-            max_position_embeddings=c.get("max_position_embeddings", 2048),
-            tie_word_embeddings=c.get("tie_word_embeddings", False),
-            eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-        )
-
-
-def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """RoPE inverse frequencies, [head_size // 2] float32, with the config's scaling.
 
     Supported rope_scaling types: default (none), "linear" (positions divided by factor,
@@ -143,9 +89,15 @@ class RMSNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads: qkv_proj column-parallel by heads,
-    o_proj row-parallel (its all-reduce joins the heads of all ranks)."""
+    o_proj row-parallel (its all-reduce joins the heads of all ranks).
 
-    def __init__(self, config: LlamaConfig, tp: TPGroup) -> None:
+    Two hooks for the families built on it: `qkv_bias` (Qwen2: q, k and v have a bias,
+    split by heads like the weight rows) and `rotate` (Qwen3 normalizes each head
+    before RoPE)."""
+
+    qkv_bias = False
+
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         d = config.head_dim
         shard = shard_heads(config.num_attention_heads, config.num_key_value_heads, tp.size, tp.rank)
@@ -155,7 +107,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, {
             "q_proj": (config.num_attention_heads * d, shard.first_head * d, self.q_size),
             "k_proj": (kv_rows, shard.first_kv_head * d, self.kv_size),
-            "v_proj": (kv_rows, shard.first_kv_head * d, self.kv_size)}, tp)
+            "v_proj": (kv_rows, shard.first_kv_head * d, self.kv_size)}, tp, bias=self.qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp)
         self.scale = d ** -0.5
         self.attn_backend = TorchBackend()     # the reference; see set_attention_backend
@@ -164,9 +116,7 @@ class LlamaAttention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # RoPE (rope: the cos and sin tables, [max_positions, head_size]); in place on the
-        # views of qkv_proj's output with the kernels
-        q, k = self.attn_backend.rotary_embedding(positions, q, k, *rope, self.head_size)
+        q, k = self.rotate(q, k, positions, rope)
         q = q.view(n, self.num_heads, self.head_size)          # [num_tokens, heads, head_size]
         k = k.view(n, self.num_kv_heads, self.head_size)       # [num_tokens, kv_heads, head_size]
         v = v.view(n, self.num_kv_heads, self.head_size)
@@ -175,12 +125,19 @@ class LlamaAttention(nn.Module):
         o = self.attn_backend.forward(q, key_cache, value_cache, meta, self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
 
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q [num_tokens, heads * head_size] and k [num_tokens, kv_heads *
+        head_size] (rope: the cos and sin tables, [max_positions, head_size]); in place
+        on the views of qkv_proj's output with the kernels."""
+        return self.attn_backend.rotary_embedding(positions, q, k, *rope, self.head_size)
+
 
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: gate_up_proj column-parallel by intermediate rows, down_proj
     row-parallel (one all-reduce)."""
 
-    def __init__(self, config: LlamaConfig, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         inter, n = config.intermediate_size, config.intermediate_size // tp.size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {
@@ -193,10 +150,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup, attention_cls: type = LlamaAttention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, tp)
+        self.self_attn = attention_cls(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp)
 
@@ -212,7 +169,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-def check_tensor_parallel(config: LlamaConfig, tp_size: int) -> None:
+def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
     """Raise ValueError (naming the sizes, tp, and the sizes that would split this
     model) unless the model splits over tp_size ranks: the heads by vLLM's GQA rules
     (layers/parallel.py, shard_heads), and the intermediate size evenly."""
@@ -230,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama over a flat token batch with a paged KV cache, this rank's shard of it.
 
     Args:
-        config: the LlamaConfig.
+        config: the ModelConfig.
         tp: this rank's TPGroup (default: one rank, the whole model, no communication).
 
     forward(input_ids [num_tokens] int64, positions [num_tokens] int64,
@@ -243,13 +200,16 @@ class LlamaForCausalLM(nn.Module):
         ValueError: the model does not split over tp.size ranks (check_tensor_parallel).
     """
 
-    def __init__(self, config: LlamaConfig, tp: TPGroup | None = None) -> None:
+    attention_cls: type = LlamaAttention      # what a family changes (qwen2.py, qwen3.py)
+
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp = tp or TPGroup()
         check_tensor_parallel(config, tp.size)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp, self.attention_cls)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -349,9 +309,9 @@ class LlamaForCausalLM(nn.Module):
             try:
                 module = self.get_submodule(".".join(path)) if path else self
             except AttributeError:
-                raise ValueError(f"unexpected tensor {stored!r} for a Llama model") from None
-            if fused and leaf == "weight" and hasattr(module, fused):
-                getattr(module, fused).load(matrix, src, stored)          # a slice of a stacked weight
+                raise ValueError(f"unexpected tensor {stored!r} for {type(self).__name__}") from None
+            if fused and hasattr(module, fused):
+                getattr(module, fused).load(matrix, src, stored, leaf)    # a slice of a stacked weight or bias
                 return f"{'.'.join(path + [fused, leaf])}#{matrix}"
             target = getattr(module, matrix, None)
             if leaf == "weight" and hasattr(target, "load"):
@@ -361,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
                 _check_shape(stored, src, tuple(param.shape))
                 param.data.copy_(src[:])                                   # replicated: norms
             else:
-                raise ValueError(f"unexpected tensor {stored!r} for a Llama model")
+                raise ValueError(f"unexpected tensor {stored!r} for {type(self).__name__}")
         except ValueError as e:
             raise ValueError(f"{str(file)!r}: {e}") from None
         return f"{'.'.join(path + [matrix])}.{leaf}"
@@ -370,21 +330,3 @@ class LlamaForCausalLM(nn.Module):
 # HF's separate projections -> our stacked parameter holding them
 _STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
             "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-
-
-def load_model(folder: str | os.PathLike, dtype: torch.dtype, device: torch.device,
-               max_positions: int, tp: TPGroup | None = None) -> LlamaForCausalLM:
-    """Build a LlamaForCausalLM (this rank's shard under `tp`) from a Hugging Face
-    folder, weights in `dtype` on `device`.
-
-    The module is created on the meta device (no random init of 100M+ numbers), then
-    materialized and filled from safetensors. RoPE tables cover `max_positions` tokens.
-    """
-    config = LlamaConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
-    model = model.to_empty(device=device).to(dtype)
-    with torch.no_grad():
-        model.load_weights(folder)
-    model.init_rope(max_positions)
-    return model.eval().requires_grad_(False)

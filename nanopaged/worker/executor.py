@@ -385,11 +385,11 @@ class WorkerProc:
         parent_pid, exit_code = os.getppid(), 0
 
         def start():
-            from ..model.llama import LlamaConfig
+            from ..model.config import ModelConfig
 
             config = s["config"]
             group = init_process_group(s["rank"], s["world_size"], s["init_method"], config.torch_device)
-            worker = Worker(config, s["model_path"], LlamaConfig.from_pretrained(s["model_path"]),
+            worker = Worker(config, s["model_path"], ModelConfig.from_pretrained(s["model_path"]),
                             s["rank"], s["world_size"], group)
             return WorkerProc(worker, s["rank"], s["input_address"], s["output_address"], parent_pid), None
 

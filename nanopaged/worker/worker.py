@@ -27,7 +27,8 @@ from datetime import timedelta
 import torch
 
 from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
-from ..model.llama import LlamaConfig, load_model
+from ..model.config import ModelConfig
+from ..model.model_loader import load_model
 from ..layers.parallel import TPGroup
 from ..layers.backends import TorchBackend, get_attn_backend
 from .model_runner import ModelRunner
@@ -61,7 +62,7 @@ class Worker:
 
     Args:
         config: the resolved EngineConfig.
-        model_path, model_config: the model folder and its LlamaConfig.
+        model_path, model_config: the model folder and its ModelConfig.
         rank, world_size: this rank of tensor_parallel_size ranks.
         process_group: the group's torch.distributed ProcessGroup (None at world_size 1).
 
@@ -69,7 +70,7 @@ class Worker:
         ValueError: the model does not split over world_size ranks.
     """
 
-    def __init__(self, config, model_path, model_config: LlamaConfig, rank: int = 0,
+    def __init__(self, config, model_path, model_config: ModelConfig, rank: int = 0,
                  world_size: int = 1, process_group=None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         device = config.torch_device

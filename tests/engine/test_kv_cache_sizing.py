@@ -10,7 +10,7 @@ import torch
 
 from nanopaged import EngineConfig, LLMEngine
 from nanopaged.engine.engine_core import EngineCore
-from nanopaged.model.llama import LlamaConfig
+from nanopaged.model.config import ModelConfig
 from nanopaged.worker import worker as worker_module
 from nanopaged.worker.model_runner import ModelRunner
 
@@ -23,7 +23,7 @@ def engine(tiny_model_dir, **kw) -> LLMEngine:
 
 
 def bytes_per_block(tiny_model_dir, block_size=4) -> int:
-    return ModelRunner.kv_cache_bytes_per_block(LlamaConfig.from_pretrained(tiny_model_dir), block_size,
+    return ModelRunner.kv_cache_bytes_per_block(ModelConfig.from_pretrained(tiny_model_dir), block_size,
                                                 torch.float32)
 
 

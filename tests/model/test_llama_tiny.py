@@ -6,7 +6,11 @@ block tables), so these tests also pin the attention op for prefill and decode.
 import pytest
 import torch
 
-from nanopaged.model.llama import LlamaConfig, load_model, rope_inv_freq
+from nanopaged.model.config import ModelConfig
+
+from nanopaged.model.llama import rope_inv_freq
+
+from nanopaged.model.model_loader import load_model
 
 from conftest import make_tiny_llama, paged_logits
 
@@ -39,7 +43,7 @@ def test_rope_scaling_matches_transformers(tmp_path, scaling):
 
 def test_unknown_rope_type_is_rejected_by_name(tmp_path):
     make_tiny_llama(tmp_path)
-    config = LlamaConfig.from_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
     config.rope_scaling = {"rope_type": "yarn", "factor": 2.0}
     with pytest.raises(ValueError, match="yarn"):
         rope_inv_freq(config)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nanopaged import LLM, SamplingParams, StructuredOutputsParams
 from nanopaged.utils.proc import EngineDeadError
-from nanopaged.model.llama import load_model
+from nanopaged.model.model_loader import load_model
 from nanopaged.layers.parallel import TPGroup, shard_heads
 
 from conftest import make_tiny_llama, paged_logits
@@ -127,8 +127,9 @@ def test_shard_shapes_and_replicated_kv_heads(gqa2_model_dir):
         s = shard_heads(8, 2, 4, rank)
         assert (s.num_heads, s.num_kv_heads, s.first_head, s.first_kv_head, s.kv_replicas) == (2, 1, 2 * rank, kv_head, 2)
         with torch.device("meta"):
-            from nanopaged.model.llama import LlamaConfig, LlamaForCausalLM
-            model = LlamaForCausalLM(LlamaConfig.from_pretrained(gqa2_model_dir), _FakeTP(rank, 4))
+            from nanopaged.model.config import ModelConfig
+            from nanopaged.model.llama import LlamaForCausalLM
+            model = LlamaForCausalLM(ModelConfig.from_pretrained(gqa2_model_dir), _FakeTP(rank, 4))
         model = model.to_empty(device="cpu")
         model.load_weights(gqa2_model_dir)
         qkv = model.layers[0].self_attn.qkv_proj.weight                 # [(2 + 1 + 1) * 8, 64]

@@ -1,0 +1,143 @@
+"""The model families (model/registry.py) against transformers' own classes, float32:
+random tiny checkpoints of Llama, Mistral, Qwen2 and Qwen3, tied and untied, built with
+transformers and saved as HF folders (no weights can be downloaded here).
+
+- logits through the real paged path (prefill, then decodes) at block sizes 16, 4, 1;
+- the registry: an unknown architecture is named, with the supported ones;
+- Mistral's sliding window: kept out of reach (max_model_len capped to it), exact inside;
+- sharded safetensors; a checkpoint loaded as the wrong family fails naming the tensor.
+Engine-level checks per family are in tests/engine/test_families_engine.py.
+"""
+import json
+
+import pytest
+import torch
+
+from nanopaged import LLM
+from nanopaged.exercises.tiny_model import TINY_FAMILIES, make_tiny_model
+from nanopaged.model.config import ModelConfig
+from nanopaged.model.model_loader import load_model
+from nanopaged.model.registry import MODELS, get_model_class
+
+from conftest import paged_logits
+
+TOKENS = torch.randint(1, 320, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """(architecture, tie) -> (folder, transformers model), built once per module."""
+    made = {}
+
+    def get(arch, tie=True):
+        if (arch, tie) not in made:
+            folder = tmp_path_factory.mktemp(f"{arch}-{tie}")
+            made[arch, tie] = folder, make_tiny_model(folder, arch, tie=tie)
+        return made[arch, tie]
+    return get
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("arch", TINY_FAMILIES)
+def test_logits_match_transformers(family, arch, tie):
+    folder, hf = family(arch, tie)
+    ours = load_model(folder, torch.float32, torch.device("cpu"), max_positions=256)
+    assert type(ours).__name__ == arch and ModelConfig.from_pretrained(folder).architecture == arch
+    with torch.no_grad():
+        ref = hf(torch.tensor([TOKENS])).logits[0]
+    for block_size in (16, 4, 1):
+        torch.testing.assert_close(paged_logits(ours, TOKENS, block_size, prefill=21), ref, atol=1e-4, rtol=0)
+
+
+def test_registry_names_every_family_and_refuses_others(tmp_path):
+    assert sorted(MODELS) == sorted(TINY_FAMILIES)
+    assert {get_model_class(a).__name__ for a in MODELS} == set(MODELS)
+    make_tiny_model(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, architectures=["GPT2LMHeadModel"])))
+    with pytest.raises(ValueError, match=r"'GPT2LMHeadModel' is not supported; supported: \['LlamaForCausalLM', "
+                                         r"'MistralForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"):
+        LLM(str(tmp_path))
+    # no `architectures`: the model_type says it
+    del config["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type="qwen2")))
+    assert ModelConfig.from_pretrained(tmp_path).architecture == "Qwen2ForCausalLM"
+
+
+@pytest.mark.parametrize("arch, words", [
+    ("Qwen2ForCausalLM", r"unexpected tensor 'model.layers.0.self_attn.[qkv]_proj.bias' \(this layer has no bias\)"),
+    ("Qwen3ForCausalLM", r"unexpected tensor 'model.layers.0.self_attn.[kq]_norm.weight' for LlamaForCausalLM"),
+])
+def test_a_checkpoint_read_as_llama_fails_naming_the_tensor(family, tmp_path, arch, words):
+    """The family's extra tensors are really read: dressed up as a Llama, the checkpoint
+    is refused by the first tensor Llama has no place for."""
+    folder, _ = family(arch)
+    for f in folder.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, architectures=["LlamaForCausalLM"])))
+    with pytest.raises(ValueError, match=words):
+        load_model(tmp_path, torch.float32, torch.device("cpu"), 64)
+
+
+def test_qwen3_head_dim_is_its_own(family):
+    """Qwen3 sets head_dim apart from hidden_size / heads (the tiny one: 32 vs 64 / 4)."""
+    folder, _ = family("Qwen3ForCausalLM")
+    config = ModelConfig.from_pretrained(folder)
+    assert config.head_dim == 32 != config.hidden_size // config.num_attention_heads
+
+
+def test_sharded_safetensors_load_like_one_file(family, tmp_path):
+    folder, hf = family("Qwen2ForCausalLM", False)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    for f in folder.glob("tokenizer*"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    a = load_model(folder, torch.float32, torch.device("cpu"), 64)
+    b = load_model(tmp_path, torch.float32, torch.device("cpu"), 64)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+# -- Mistral's sliding window ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mistral_window(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mistral-window")
+    return folder, make_tiny_model(folder, "MistralForCausalLM", sliding_window=40)
+
+
+def test_sliding_window_caps_max_model_len_and_is_exact_inside(mistral_window, caplog):
+    """A window of 40 tokens on a model of 256 positions: max_model_len defaults to 40
+    (with a log line), and 40 tokens of prompt + output equal transformers', whose
+    window masks nothing there."""
+    from nanopaged import SamplingParams
+    folder, hf = mistral_window
+    with caplog.at_level("INFO"):
+        llm = LLM(str(folder), dtype="float32", block_size=4, num_gpu_blocks=64)
+    assert llm.engine.config.max_model_len == 40 and "sliding_window=40" in caplog.text
+    prompt = TOKENS[:28]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, 28:].tolist()
+    assert out[0].outputs[0].token_ids == ref
+
+
+def test_sliding_window_refuses_a_longer_max_model_len(mistral_window):
+    folder, _ = mistral_window
+    with pytest.raises(ValueError, match="max_model_len=64 exceeds the model's sliding_window=40: "
+                                         "sliding-window attention is not implemented"):
+        LLM(str(folder), max_model_len=64)
+    with pytest.raises(ValueError, match="sliding_window=40"):
+        load_model(folder, torch.float32, torch.device("cpu"), max_positions=64)
+
+
+def test_qwen_sliding_window_is_off_unless_used(tmp_path):
+    """Qwen2/Qwen3 configs carry sliding_window, used only with use_sliding_window."""
+    make_tiny_model(tmp_path, "Qwen2ForCausalLM")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window=32, use_sliding_window=False)))
+    assert ModelConfig.from_pretrained(tmp_path).sliding_window is None
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window=32, use_sliding_window=True)))
+    assert ModelConfig.from_pretrained(tmp_path).sliding_window == 32
