@@ -98,7 +98,6 @@ class Processor:
             # maximum" from transformers; _check_prompt says it, against our max_model_len
             return prompt, self.tokenizer(prompt, verbose=False).input_ids
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            check_text("messages", list(prompt))
             return None, apply_chat_template(self.tokenizer, list(prompt))
         if is_list_of(prompt, is_int):
             return None, list(prompt)
@@ -127,11 +126,52 @@ class Processor:
                                  f"top logprobs this engine returns per token")
 
 
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+# apply_chat_template's own arguments: the engine sets them, or they change what the call
+# returns, so a request's chat_template_kwargs may not. vLLM refuses `chat_template` and
+# `tokenize` (vllm/renderers/hf.py, resolve_chat_template_kwargs) and lets the others
+# override request fields of its own (add_generation_prompt, continue_final_message);
+# nanopaged has no such fields, so it refuses them all.
+RESERVED_CHAT_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "add_generation_prompt", "continue_final_message", "tokenize",
+    "chat_template", "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding",
+    "truncation", "max_length", "tokenizer_kwargs"})
+
+
+def check_chat_template_kwargs(chat_template_kwargs: dict | None) -> dict:
+    """The extra variables a request gives the chat template (vLLM's
+    `chat_template_kwargs`, e.g. {"enable_thinking": False} for Qwen3), checked; None is {}.
+
+    Raises:
+        TypeError: not a dict (a JSON object), or a key that is not a str.
+        ValueError: a key of RESERVED_CHAT_TEMPLATE_KWARGS (named in the message); a
+            string that is not valid Unicode.
+    """
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, dict):
+        raise TypeError("chat_template_kwargs must be a dict (a JSON object) of chat template "
+                        f"variables, got {type(chat_template_kwargs).__name__}")
+    for key in chat_template_kwargs:
+        if not isinstance(key, str):
+            raise TypeError(f"chat_template_kwargs keys must be str, got {key!r}")
+        if key in RESERVED_CHAT_TEMPLATE_KWARGS:
+            raise ValueError(f"chat_template_kwargs may not set {key!r}: it is an argument of the "
+                             f"engine's own apply_chat_template call, not a template variable "
+                             f"(reserved: {', '.join(sorted(RESERVED_CHAT_TEMPLATE_KWARGS))})")
+    check_text("chat_template_kwargs", chat_template_kwargs)
+    return dict(chat_template_kwargs)
+
+
+def apply_chat_template(tokenizer, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a chat with the generation prompt, exactly as the tokenizer's
-    `apply_chat_template(tokenize=True, add_generation_prompt=True)` gives them: the
-    template writes the BOS itself, so nothing adds a second one (field case C19)."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    `apply_chat_template(tokenize=True, add_generation_prompt=True, **chat_template_kwargs)`
+    gives them: the template writes the BOS itself, so nothing adds a second one (field
+    case C19). `chat_template_kwargs` are extra template variables (see
+    check_chat_template_kwargs, which raises for a bad one); every front end (the
+    Processor, LLM.chat, the server, the REPL) renders a chat here."""
+    kwargs = check_chat_template_kwargs(chat_template_kwargs)
+    check_text("messages", messages)
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)
     if not isinstance(ids, list):                 # newer transformers: a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -2,6 +2,7 @@
 
     python -m nanopaged.chat [--model PATH] [--max-tokens N] [--temperature T]
                              [--top-p P] [--seed S] [--system TEXT]
+                             [--chat-template-kwargs JSON]
 
 Each turn renders the whole conversation with the tokenizer's chat template, sends it
 to the engine as one request, and prints the answer as the engine produces it, one
@@ -17,22 +18,25 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import json
 import signal
 import sys
 
-from ..engine.processor import apply_chat_template
+from ..engine.processor import apply_chat_template, check_chat_template_kwargs
 from ..sampling_params import RequestOutputKind, SamplingParams
 
 
-def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
-    """Token ids of the conversation (chat template + generation prompt).
+def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int,
+                 chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of the conversation (chat template + generation prompt, with the extra
+    template variables `chat_template_kwargs`, as LLM.chat's).
 
     Drops the oldest user/assistant turns (never the system message) until the prompt
     fits in max_prompt_tokens. Raises ValueError if even the last message alone does not.
     """
     msgs = list(messages)
     while True:
-        ids = apply_chat_template(tokenizer, msgs)       # exactly the template's ids (C19)
+        ids = apply_chat_template(tokenizer, msgs, chat_template_kwargs)   # the template's ids (C19)
         if len(ids) <= max_prompt_tokens:
             return ids
         first = 1 if msgs and msgs[0]["role"] == "system" else 0
@@ -75,6 +79,14 @@ def stream_answer(engine, request_id: str, prompt_ids: list[int], params: Sampli
     return text
 
 
+def _json_flag(flag: str, text: str | None):
+    """The value of a JSON flag (None if not given); ValueError naming the flag if not JSON."""
+    try:
+        return None if text is None else json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not JSON: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nanopaged.chat", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="local HF Llama folder or hub id (default: SmolLM2-135M-Instruct)")
@@ -89,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculative-config", default=None, metavar="JSON",
                     help="speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                          "or '{\"method\": \"draft_model\", \"model\": PATH, ...}' (chapter 19; default off)")
+    ap.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                    help="extra chat template variables, as vLLM's chat_template_kwargs: "
+                         "'{\"enable_thinking\": false}' (Qwen3: answer without thinking)")
     args = ap.parse_args(argv)
 
     from rich.console import Console
@@ -97,11 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         # fail on bad sampling flags before loading anything
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                        seed=args.seed)
+        template_kwargs = _json_flag("--chat-template-kwargs", args.chat_template_kwargs)
+        check_chat_template_kwargs(template_kwargs)
         with err.status("loading the model ..."):
             from .llm import LLM
             engine = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
                          speculative_config=args.speculative_config).engine
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         err.print(f"[red]error:[/red] {e}")
         return 1
     except KeyboardInterrupt:            # Ctrl-C while loading: just leave
@@ -142,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed + turn)
         try:
-            prompt_ids = build_prompt(tokenizer, messages, max_prompt_tokens)
+            prompt_ids = build_prompt(tokenizer, messages, max_prompt_tokens, template_kwargs)
             answer = stream_answer(engine, f"chat-{turn}", prompt_ids, params)
         except ValueError as e:            # too long for the model or for the KV pool
             err.print(f"[red]error:[/red] {e}")

@@ -18,6 +18,7 @@ from typing import Sequence as Seq
 from ..core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
+from ..engine.processor import apply_chat_template
 from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 from ..utils.checks import is_int
@@ -102,16 +103,34 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to chats (vLLM's `LLM.chat`): one conversation as a list of
         {"role": ..., "content": ...} dicts, or a list of such conversations. The
         tokenizer's chat template makes the prompt, generation prompt included, exactly
-        as `apply_chat_template(tokenize=True, add_generation_prompt=True)` (one BOS).
-        Returns one RequestOutput per conversation; raises as `generate`."""
+        as `apply_chat_template(tokenize=True, add_generation_prompt=True,
+        **chat_template_kwargs)` (one BOS); the ids go to `generate`.
+
+        Args:
+            chat_template_kwargs: extra variables for the chat template, the same for
+                every conversation, as vLLM's `LLM.chat(chat_template_kwargs=...)`: e.g.
+                {"enable_thinking": False} makes Qwen3's template write an empty
+                <think></think> block, so the model answers without reasoning. A
+                variable the template does not use changes nothing.
+
+        Returns one RequestOutput per conversation; raises as `generate`, and
+        TypeError / ValueError for bad chat_template_kwargs (a key the engine sets
+        itself, such as add_generation_prompt or tokenize, is refused by name).
+        """
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts or of such lists")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        return self.generate(convs, sampling_params, use_tqdm)
+        for conv in convs:
+            if not isinstance(conv, (list, tuple)) or not conv or not all(isinstance(m, dict) for m in conv):
+                raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts or of such "
+                                f"lists, got a {type(conv).__name__} {conv!r:.40}")
+        tokenizer = self.get_tokenizer()
+        prompts = [apply_chat_template(tokenizer, list(conv), chat_template_kwargs) for conv in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _add_and_run(self, prompt_list: list, params: list, use_tqdm: bool) -> list[RequestOutput]:
         ids = []

@@ -9,6 +9,32 @@ import torch
 
 TINY_VOCAB = 320
 
+# The tiny tokenizer's chat template. Like Qwen3's it takes `enable_thinking`: only
+# enable_thinking=False changes it (an empty think block after the generation prompt), so
+# the server tests can send chat_template_kwargs to the tiny model.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<assistant>"
+                      "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}"
+                      "{% endif %}")
+
+# A short chat template written the way Qwen3's is (ChatML turns; Qwen/Qwen3-*'s
+# tokenizer_config.json), for a tiny model that chats like Qwen3:
+# make_tiny_model(folder, "Qwen3ForCausalLM", chat_template=QWEN3_CHAT_TEMPLATE). It honours
+# `enable_thinking` as Qwen3's does: unset or true, the assistant turn starts empty and the
+# model may think; false, the template writes an empty think block after
+# "<|im_start|>assistant\n", so the model answers at once. (Qwen3's tools, reasoning_content
+# and the stripping of past turns' <think> blocks are left out.)
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}")
+
 
 def make_tiny_tokenizer(folder):
     """A byte-level BPE tokenizer with TINY_VOCAB ids (id 0 = <eos>), saved in `folder`."""
@@ -24,8 +50,7 @@ def make_tiny_tokenizer(folder):
             "Paged attention splits the KV cache into blocks."] * 20
     tok.train_from_iterator(text, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    fast.chat_template = TINY_CHAT_TEMPLATE
     fast.save_pretrained(folder)
     return fast
 

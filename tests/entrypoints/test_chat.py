@@ -29,6 +29,14 @@ def test_bad_flag_value_is_named(tiny_model_dir):
     assert r.returncode == 1 and "top_p" in r.stderr
 
 
+@pytest.mark.parametrize("value, words", [("{enable_thinking: false}", ["--chat-template-kwargs is not JSON"]),
+                                          ("[1]", ["chat_template_kwargs must be a dict"]),
+                                          ('{"tokenize": true}', ["chat_template_kwargs", "'tokenize'"])])
+def test_bad_chat_template_kwargs_flag_is_named(tiny_model_dir, value, words):
+    r = run_chat("", "--model", str(tiny_model_dir), "--chat-template-kwargs", value)
+    assert r.returncode == 1 and all(w in r.stderr for w in words), r.stderr
+
+
 def test_history_is_trimmed_to_fit(tiny_model_dir):
     tok = LLM(str(tiny_model_dir), num_gpu_blocks=8).get_tokenizer()
     msgs = [{"role": "user", "content": "Hello " * 30}, {"role": "assistant", "content": "Paris " * 30},

@@ -272,6 +272,37 @@ def _post(http, path, body, **kw):
     return http.post(path, content=body, headers={"content-type": "application/json"}, **kw)
 
 
+def test_chat_template_kwargs_through_extra_body(client, http, tiny_llm, tiny_model_dir):
+    """vLLM's chat_template_kwargs: the openai client sends them in extra_body, and the
+    prompt is the template's with them (the tiny template honours Qwen3's enable_thinking:
+    False adds an empty think block). Bad ones are a 400 naming the field and the key;
+    the server keeps serving."""
+    from nanopaged import SamplingParams
+    messages = [{"role": "user", "content": "Hello, my name is"}]
+    no_think = {"enable_thinking": False}
+    want = tiny_llm.chat(messages, SamplingParams(temperature=0, max_tokens=6), chat_template_kwargs=no_think)[0]
+    ids = tiny_llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
+    default_ids = tiny_llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+    assert want.prompt_token_ids == ids["input_ids"] != default_ids["input_ids"]
+    got = client.chat.completions.create(model=str(tiny_model_dir), messages=messages, max_tokens=6, temperature=0,
+                                         extra_body={"chat_template_kwargs": no_think})
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.choices[0].message.content == want.outputs[0].text
+    plain = client.chat.completions.create(model=str(tiny_model_dir), messages=messages, max_tokens=1)
+    assert plain.usage.prompt_tokens == len(default_ids["input_ids"])
+    for bad, words in (([1, 2], ["chat_template_kwargs", "dict"]),
+                       ("enable_thinking", ["chat_template_kwargs", "dict"]),
+                       ({"tokenize": False}, ["chat_template_kwargs may not set 'tokenize'"]),
+                       ({"add_generation_prompt": False}, ["'add_generation_prompt'"])):
+        r = http.post("/v1/chat/completions", json={"messages": messages, "chat_template_kwargs": bad})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "chat_template_kwargs" and all(w in err["message"] for w in words), err
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
+                                                "chat_template_kwargs": no_think})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+
+
 @pytest.mark.parametrize("path, body, status, words", [
     ("/v1/completions", b"\x00\xff\x13garbage\xfe", 400, ["body"]),
     ("/v1/completions", b'{"prompt": "hi", ', 400, ["JSON"]),

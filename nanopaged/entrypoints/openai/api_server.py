@@ -199,7 +199,8 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
                 return serving.stream_chat(engine.tokenizer, first, rest, rid, served_model_name,
                                            body.n, top, usage)
             return serving.full_chat(engine.tokenizer, first, rest, rid, served_model_name, top)
-        return await run(request, body, body.chat, body.to_sampling_params, "chatcmpl", respond)
+        return await run(request, body, lambda: body.prompt_token_ids(engine.tokenizer), body.to_sampling_params,
+                         "chatcmpl", respond)
 
     @app.get("/v1/models")
     async def list_models():

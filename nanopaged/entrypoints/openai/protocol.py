@@ -17,8 +17,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from ...engine.processor import apply_chat_template, check_chat_template_kwargs
 from ...sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("nanopaged.entrypoints.openai.api_server")
@@ -202,10 +203,25 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's extension: extra variables for the chat template, e.g. {"enable_thinking":
+    # false} for Qwen3 (the openai client sends it as extra_body={"chat_template_kwargs": ...})
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, v):
+        check_chat_template_kwargs(v)       # a key the engine sets: ValueError, so a 400 naming it
+        return v
 
     def chat(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them ({"role", "content"} dicts)."""
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def prompt_token_ids(self, tokenizer) -> list[int]:
+        """The prompt: the chat template over the messages, with chat_template_kwargs
+        (vLLM renders it in the front end too: serving_chat.py). Raises ValueError for a
+        message that is not text."""
+        return apply_chat_template(tokenizer, self.chat(), self.chat_template_kwargs)
 
     def to_sampling_params(self) -> SamplingParams:
         """SamplingParams in DELTA mode (logprobs = top_logprobs, 0 if only logprobs=true).
