@@ -1,10 +1,11 @@
-"""Convert a Llama GGUF file (llama.cpp's format) into a Hugging Face folder.
+"""Convert a GGUF file (llama.cpp's format) into a Hugging Face folder.
 
 The engine reads only Hugging Face folders (``config.json``, safetensors,
 tokenizer files), but the default model reaches us as a Q4_1 GGUF (see
 ``model_loader.py``). This module dequantizes every tensor to float32, renames
-it to its HF Llama name, undoes llama.cpp's Q/K row permutation and writes
-config, tokenizer and weights. Q4_1 is lossy, so the result is not
+it to its HF name, undoes llama.cpp's Q/K row permutation where the family has
+one (``llama``; ``qwen2`` and ``qwen3`` have none, see ``gguf_families.py``) and
+writes config, tokenizer and weights. Q4_1 is lossy, so the result is not
 bit-identical to the original bf16 checkpoint; it is identical to what
 ``transformers`` itself loads from the same GGUF, which is what the tests check.
 
@@ -14,6 +15,7 @@ References:
     https://github.com/ggml-org/llama.cpp/blob/master/convert_hf_to_gguf.py
   * transformers' own GGUF loader, ``modeling_gguf_pytorch_utils.py``
     (``LlamaTensorProcessor._reverse_permute_weights``).
+  * ``gguf_families.py``: the families (``llama``, ``qwen2``, ``qwen3``) and their sources.
 
 Heavy libraries (torch, transformers, gguf, rich) are imported inside the
 functions that need them so ``import nanopaged`` stays fast.
@@ -31,6 +33,8 @@ import secrets
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from nanopaged.model.gguf_families import GGUFFamily, gguf_family
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import gguf
@@ -55,35 +59,31 @@ MARKER_NAME = "nanopaged-converted.json"
 _IGNORED_GGUF_TENSORS = {"rope_freqs.weight"}
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}  # fmt: skip
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_tensor_name(name: str) -> str | None:
-    """Map a llama.cpp tensor name to its HF Llama name.
+def gguf_to_hf_tensor_name(name: str, arch: str = "llama") -> str | None:
+    """Map a llama.cpp tensor name to its HF name in family ``arch`` (``general.architecture``).
 
     Returns ``None`` for tensors with no HF counterpart (``rope_freqs.weight``).
 
     Raises:
-        ValueError: the name is not a known Llama tensor (e.g. a MoE or a
-            different architecture's tensor), rather than silently dropping it.
+        ValueError: the name is not a known tensor of that family (e.g. a MoE
+            tensor, or ``attn_q_norm`` in a llama GGUF), rather than silently
+            dropping it; or an unsupported ``arch``.
     """
+    family = gguf_family(arch)
     if name in _IGNORED_GGUF_TENSORS:
         return None
     m = _BLOCK_RE.match(name)
-    if m and m.group(2) in _BLOCK_NAMES:
+    if m and m.group(2) in family.block_names:
         layer, part, kind = m.groups()
-        return f"model.layers.{int(layer)}.{_BLOCK_NAMES[part]}.{kind}"
+        return f"model.layers.{int(layer)}.{family.block_names[part]}.{kind}"
     m = _GLOBAL_RE.match(name)
     if m and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
-    raise ValueError(f"GGUF tensor {name!r} has no known Hugging Face Llama counterpart")
+    raise ValueError(f"GGUF tensor {name!r} has no known Hugging Face counterpart in family {arch!r}")
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -117,33 +117,32 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 def gguf_tensors_to_hf_state_dict(
     reader: gguf.GGUFReader, *, progress: bool = False, description: str = "Converting GGUF tensors"
 ) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor of a Llama GGUF into an HF-named float32 state dict.
+    """Dequantize every tensor of a llama/qwen2/qwen3 GGUF into an HF-named float32 state dict.
 
-    Head counts come from the GGUF metadata (``llama.attention.head_count`` and
-    ``head_count_kv``, the latter defaulting to the former as in llama.cpp); Q
-    and K rows are un-permuted (:func:`unpermute_qk`). There is no
+    Head counts come from the GGUF metadata (``{arch}.attention.head_count`` and
+    ``head_count_kv``, the latter defaulting to the former as in llama.cpp); in a
+    ``llama`` GGUF, Q and K rows are un-permuted (:func:`unpermute_qk`). There is no
     ``lm_head.weight`` when the GGUF has no ``output.weight`` (tied embeddings).
 
     Raises:
-        ValueError: not a ``llama`` GGUF, missing head count, an unknown tensor,
-            or a tensor whose data does not fit its declared shape.
+        ValueError: an unsupported ``general.architecture``, missing head count, an
+            unknown tensor, or a tensor whose data does not fit its declared shape.
     """
     import numpy as np
     import torch
     from gguf.quants import dequantize
 
-    arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{reader.data.filename}: general.architecture is {arch!r}; only 'llama' GGUFs are supported")
-    n_head = _field(reader, "llama.attention.head_count")
+    family = gguf_family(_field(reader, "general.architecture"), reader.data.filename)
+    arch = family.gguf_arch
+    n_head = _field(reader, f"{arch}.attention.head_count")
     if n_head is None:
-        raise ValueError(f"{reader.data.filename}: metadata 'llama.attention.head_count' is missing")
-    n_kv = _field(reader, "llama.attention.head_count_kv", n_head)
+        raise ValueError(f"{reader.data.filename}: metadata '{arch}.attention.head_count' is missing")
+    n_kv = _field(reader, f"{arch}.attention.head_count_kv", n_head)
 
     state: dict[str, torch.Tensor] = {}
     with _progress_bar(progress) as bar:
         for t in bar.track(reader.tensors, description=description):
-            hf_name = gguf_to_hf_tensor_name(t.name)
+            hf_name = gguf_to_hf_tensor_name(t.name, arch)
             if hf_name is None:
                 continue
             # GGUF lists dims fastest-first (ne[0] = columns); numpy wants slowest-first.
@@ -152,12 +151,38 @@ def gguf_tensors_to_hf_state_dict(
                 arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
             except ValueError as e:
                 raise ValueError(f"GGUF tensor {t.name!r}: data does not fit shape {shape}: {e}") from e
-            if ".attn_q." in t.name or ".attn_k." in t.name:
+            if family.permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
                 arr = unpermute_qk(arr, n_head if ".attn_q." in t.name else n_kv)
             # Copy: the reader's arrays are read-only views of a memmap, and
             # safetensors needs contiguous, independently owned storage.
             state[hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
     return state
+
+
+def _read_family(reader: gguf.GGUFReader, src: Path) -> tuple[GGUFFamily, int | None]:
+    """The GGUF's family and its ``attention.key_length`` (None if absent).
+
+    Refuses a GGUF that lacks a tensor its family needs (e.g. Qwen2's ``attn_q.bias``),
+    which transformers would silently initialise at random.
+
+    Raises:
+        ValueError: an unsupported architecture; a missing tensor or block count;
+            ``key_length`` differing from ``value_length`` (HF has one ``head_dim``).
+    """
+    family = gguf_family(_field(reader, "general.architecture"), src)
+    arch = family.gguf_arch
+    n_layers = _field(reader, f"{arch}.block_count")
+    if n_layers is None:
+        raise ValueError(f"{src}: metadata '{arch}.block_count' is missing")
+    present = {t.name for t in reader.tensors}
+    for name in family.required_tensor_names(n_layers):
+        if name not in present:
+            raise ValueError(f"{src}: a {arch!r} GGUF needs tensor {name!r}, which is missing")
+    key = _field(reader, f"{arch}.attention.key_length")
+    value = _field(reader, f"{arch}.attention.value_length", key)
+    if key != value:
+        raise ValueError(f"{src}: {arch}.attention.key_length={key} differs from value_length={value}")
+    return family, key
 
 
 def _shortest_float32(x: float) -> float:
@@ -178,7 +203,7 @@ def convert_gguf_to_hf(
     *,
     overwrite: bool = False,
 ) -> Path:
-    """Convert a Llama GGUF file into a Hugging Face folder with float32 weights.
+    """Convert a llama, qwen2 or qwen3 GGUF file into a Hugging Face folder with float32 weights.
 
     Writes ``model.safetensors`` (every tensor dequantized), ``config.json``,
     ``generation_config.json``, the tokenizer files (with the chat template)
@@ -191,7 +216,9 @@ def convert_gguf_to_hf(
     Raises:
         FileNotFoundError: ``gguf_path`` does not exist.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is false.
-        ValueError: the file is not a readable Llama GGUF.
+        ValueError: the file is not a readable GGUF of a supported family (the
+            message names the architecture and the supported ones), or lacks a
+            tensor its family needs.
     """
     src = Path(gguf_path).expanduser()
     dst = Path(out_dir).expanduser()
@@ -216,6 +243,7 @@ def convert_gguf_to_hf(
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
     os.mkdir(tmp)
     try:
+        family, head_size = _read_family(reader, src)
         state = gguf_tensors_to_hf_state_dict(reader, progress=progress)
         pre_tokenizer = _field(reader, "tokenizer.ggml.pre")
         del reader  # drop the memmap before the big write
@@ -223,7 +251,7 @@ def convert_gguf_to_hf(
             mb = sum(t.numel() for t in state.values()) * 4 / 1e6
             logger.info("writing model.safetensors (%.0f MB)", mb)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = _write_config(src, state, tmp)
+        config = _write_config(src, family, head_size, state, tmp)
         del state
         _write_tokenizer(src, pre_tokenizer, config, tmp)
         marker = {
@@ -248,16 +276,19 @@ def convert_gguf_to_hf(
     return dst
 
 
-def _write_config(src: Path, state: dict[str, torch.Tensor], out: Path) -> Any:
-    """Write ``config.json`` and ``generation_config.json`` into ``out``; return the LlamaConfig."""
+def _write_config(src: Path, family: GGUFFamily, head_size: int | None, state: dict[str, torch.Tensor], out: Path) -> Any:
+    """Write ``config.json`` and ``generation_config.json`` into ``out``; return the config.
+
+    ``head_size`` is the GGUF's ``attention.key_length`` or None (:func:`_set_head_dim`).
+    """
     import transformers
 
-    # transformers' GGUF metadata reader does the llama.* -> LlamaConfig mapping
+    # transformers' GGUF metadata reader does the {arch}.* -> config mapping
     # (context_length -> max_position_embeddings, freq_base -> rope_theta, ...).
     config = transformers.AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
-    if config.model_type != "llama":
-        raise ValueError(f"{src}: transformers reads model_type {config.model_type!r}, expected 'llama'")
-    config.architectures = ["LlamaForCausalLM"]
+    if config.model_type != family.model_type:
+        raise ValueError(f"{src}: transformers reads model_type {config.model_type!r}, expected {family.model_type!r}")
+    config.architectures = [family.hf_architecture]
     # Decide tying from what we actually wrote, not from metadata guesses.
     config.tie_word_embeddings = "lm_head.weight" not in state
     config.dtype = "float32"
@@ -269,12 +300,13 @@ def _write_config(src: Path, state: dict[str, torch.Tensor], out: Path) -> Any:
         config.rope_theta = _shortest_float32(config.rope_theta)
     embed = state.get("model.embed_tokens.weight")
     if embed is None:
-        raise ValueError(f"{src}: no 'token_embd.weight' tensor; not a complete Llama GGUF")
+        raise ValueError(f"{src}: no 'token_embd.weight' tensor; not a complete GGUF")
     if config.vocab_size != embed.shape[0] or config.hidden_size != embed.shape[1]:
         raise ValueError(
             f"{src}: config says vocab_size={config.vocab_size}, hidden_size={config.hidden_size} but "
             f"token_embd has shape {tuple(embed.shape)}"
         )
+    _set_head_dim(config, family, head_size, state.get("model.layers.0.self_attn.q_proj.weight"), src)
     # transformers stores the GGUF's title ("Smollm2 135M 8k ...") as a
     # pseudo model path; it is not one, so keep it out of config.json.
     config.__dict__.pop("_model_name_or_path", None)
@@ -285,6 +317,29 @@ def _write_config(src: Path, state: dict[str, torch.Tensor], out: Path) -> Any:
         pad_token_id=getattr(config, "pad_token_id", None),
     ).save_pretrained(out)
     return config
+
+
+def _set_head_dim(config: Any, family: GGUFFamily, head_size: int | None, q: Any, src: Path) -> None:
+    """Set ``config.head_dim`` as llama.cpp reads it; check it against ``q`` (attn_q, or None).
+
+    llama.cpp takes ``attention.key_length`` (``head_size``) if present, else
+    ``hidden_size / heads``. transformers' reader maps ``key_length`` for none of our
+    families and so leaves Qwen3 at its class default (128) whatever the file says;
+    a llama GGUF without ``key_length`` keeps the ``rope.dimension_count`` it read.
+
+    Raises:
+        ValueError: attn_q's rows are not ``num_attention_heads * head_dim``.
+    """
+    if head_size is None and family.gguf_arch != "llama":
+        head_size = config.hidden_size // config.num_attention_heads
+    if head_size is not None:
+        config.head_dim = head_size
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if q is not None and q.shape[0] != config.num_attention_heads * head_dim:
+        raise ValueError(
+            f"{src}: attn_q has {q.shape[0]} rows but num_attention_heads={config.num_attention_heads} x "
+            f"head_dim={head_dim} = {config.num_attention_heads * head_dim}"
+        )
 
 
 def _write_tokenizer(src: Path, pre_tokenizer: str | None, config: Any, out: Path) -> None:

@@ -1,7 +1,9 @@
-"""A tiny synthetic Llama GGUF, written the way llama.cpp's converter writes one.
+"""Tiny GGUF files, written the way llama.cpp's converter writes them.
 
-Shared by test_gguf_convert.py (conversion must give back the original tensors bit
-for bit) and test_model_loader.py (rebuilding a stale default-model folder).
+``write_tiny_gguf``: a synthetic Llama GGUF, shared by test_gguf_convert.py (conversion
+must give back the original tensors bit for bit) and test_model_loader.py (rebuilding
+a stale default-model folder). ``write_gguf_from_hf``: the GGUF of a tiny HF checkpoint
+of the llama, qwen2 or qwen3 family, for test_gguf_families.py.
 """
 from __future__ import annotations
 
@@ -99,3 +101,88 @@ def write_tiny_gguf(
     w.write_tensors_to_file()
     w.close()
     return hf
+
+
+# --------------------------------------------------------------------------- HF folder -> GGUF
+
+# What llama.cpp's converter calls each HF tensor (gguf-py's TensorNameMap for these families).
+_HF_TO_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+_HF_TO_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def hf_to_gguf_tensor_name(name: str) -> str:
+    """``model.layers.3.self_attn.q_proj.bias`` -> ``blk.3.attn_q.bias`` (llama.cpp's names)."""
+    stem, kind = name.rsplit(".", 1)
+    if stem in _HF_TO_GGUF_GLOBAL:
+        return f"{_HF_TO_GGUF_GLOBAL[stem]}.{kind}"
+    _, _, layer, part = stem.split(".", 3)
+    return f"blk.{layer}.{_HF_TO_GGUF_BLOCK[part]}.{kind}"
+
+
+def write_gguf_from_hf(hf_folder: Path, path: Path, arch: str, *, drop: tuple[str, ...] = ()) -> None:
+    """Write the GGUF llama.cpp's ``convert_hf_to_gguf.py`` would make of a float32 HF folder.
+
+    ``arch`` is the GGUF ``general.architecture`` (``llama``, ``qwen2``, ``qwen3``). As in
+    llama.cpp, only ``llama`` has its Q/K rows (weights and biases) permuted
+    (``LlamaModel.undo_permute = True`` in ``conversion/llama.py``); ``Qwen2Model`` and
+    ``Qwen3Model`` (``conversion/qwen.py``) only rename. F32 tensors; the tokenizer is
+    the folder's byte-level BPE written as a ``gpt2`` vocabulary with its merges; no
+    ``output.weight`` when the checkpoint ties its embeddings. ``drop`` leaves out the
+    named GGUF tensors (to make a broken file).
+    """
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    tokenizer = json.loads((hf_folder / "tokenizer.json").read_text())
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    rope = config.get("rope_parameters") or {"rope_theta": config.get("rope_theta", 10000.0)}
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {arch}")
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_key_length(head_dim)  # TextModel.set_gguf_parameters: written when config.json has head_dim
+    w.add_value_length(head_dim)
+    if arch == "llama":
+        w.add_rope_dimension_count(head_dim)
+        w.add_vocab_size(config["vocab_size"])
+
+    vocab = tokenizer["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))  # test fixture invariant
+    specials = {t["id"] for t in tokenizer["added_tokens"] if t["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(config["eos_token_id"])
+    w.add_add_bos_token(False)
+
+    for name, arr in sorted(load_file(str(hf_folder / "model.safetensors")).items()):
+        if arch == "llama" and ".q_proj." in name:
+            arr = llama_cpp_permute(arr, n_head)
+        elif arch == "llama" and ".k_proj." in name:
+            arr = llama_cpp_permute(arr, n_kv)
+        if hf_to_gguf_tensor_name(name) not in drop:
+            w.add_tensor(hf_to_gguf_tensor_name(name), np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
