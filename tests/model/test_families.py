@@ -24,23 +24,10 @@ from conftest import paged_logits
 TOKENS = torch.randint(1, 320, (37,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-@pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    """(architecture, tie) -> (folder, transformers model), built once per module."""
-    made = {}
-
-    def get(arch, tie=True):
-        if (arch, tie) not in made:
-            folder = tmp_path_factory.mktemp(f"{arch}-{tie}")
-            made[arch, tie] = folder, make_tiny_model(folder, arch, tie=tie)
-        return made[arch, tie]
-    return get
-
-
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("arch", TINY_FAMILIES)
-def test_logits_match_transformers(family, arch, tie):
-    folder, hf = family(arch, tie)
+def test_logits_match_transformers(tiny_family, arch, tie):
+    folder, hf = tiny_family(arch, tie)
     ours = load_model(folder, torch.float32, torch.device("cpu"), max_positions=256)
     assert type(ours).__name__ == arch and ModelConfig.from_pretrained(folder).architecture == arch
     with torch.no_grad():
@@ -68,10 +55,10 @@ def test_registry_names_every_family_and_refuses_others(tmp_path):
     ("Qwen2ForCausalLM", r"unexpected tensor 'model.layers.0.self_attn.[qkv]_proj.bias' \(this layer has no bias\)"),
     ("Qwen3ForCausalLM", r"unexpected tensor 'model.layers.0.self_attn.[kq]_norm.weight' for LlamaForCausalLM"),
 ])
-def test_a_checkpoint_read_as_llama_fails_naming_the_tensor(family, tmp_path, arch, words):
+def test_a_checkpoint_read_as_llama_fails_naming_the_tensor(tiny_family, tmp_path, arch, words):
     """The family's extra tensors are really read: dressed up as a Llama, the checkpoint
     is refused by the first tensor Llama has no place for."""
-    folder, _ = family(arch)
+    folder, _ = tiny_family(arch)
     for f in folder.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((folder / "config.json").read_text())
@@ -80,15 +67,15 @@ def test_a_checkpoint_read_as_llama_fails_naming_the_tensor(family, tmp_path, ar
         load_model(tmp_path, torch.float32, torch.device("cpu"), 64)
 
 
-def test_qwen3_head_dim_is_its_own(family):
+def test_qwen3_head_dim_is_its_own(tiny_family):
     """Qwen3 sets head_dim apart from hidden_size / heads (the tiny one: 32 vs 64 / 4)."""
-    folder, _ = family("Qwen3ForCausalLM")
+    folder, _ = tiny_family("Qwen3ForCausalLM")
     config = ModelConfig.from_pretrained(folder)
     assert config.head_dim == 32 != config.hidden_size // config.num_attention_heads
 
 
-def test_sharded_safetensors_load_like_one_file(family, tmp_path):
-    folder, hf = family("Qwen2ForCausalLM", False)
+def test_sharded_safetensors_load_like_one_file(tiny_family, tmp_path):
+    folder, hf = tiny_family("Qwen2ForCausalLM", False)
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file() and len(list(tmp_path.glob("*.safetensors"))) > 2
     for f in folder.glob("tokenizer*"):
