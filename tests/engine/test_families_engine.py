@@ -100,3 +100,40 @@ def test_chat_and_the_tracer_run_on_each_family(tiny_family, arch, capsys):
     assert len(out.outputs[0].token_ids) == 4
     assert main(["--model", str(folder), "--prompt", "Hello", "Paris", "--max-tokens", "3"]) == 0
     assert "3 steps, all requests finished" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("arch", TINY_FAMILIES)
+def test_bf16_rows_do_not_depend_on_their_batch(tiny_family, arch):
+    """bfloat16 with the C++ kernels (AMX where the CPU has it, else emulated): a prompt's
+    ids and logprobs are the same floats alone, in a batch, and chunked. Qwen2's bias add
+    and Qwen3's per-head norms are row-wise, so batch invariance holds for them too."""
+    folder, _ = tiny_family(arch, _tied(arch))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+    def target(llm, prompts):
+        out = llm.generate(prompts, params, use_tqdm=False)[prompts.index(PROMPTS[2])].outputs[0]
+        return out.token_ids, out.logprobs
+    llm = LLM(str(folder), dtype="bfloat16", block_size=4, num_gpu_blocks=128, attention_backend="cpu",
+              enable_prefix_caching=False)
+    alone = target(llm, [PROMPTS[2]])
+    assert target(llm, PROMPTS) == alone
+    chunked = LLM(str(folder), dtype="bfloat16", block_size=4, num_gpu_blocks=128, attention_backend="cpu",
+                  enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=4)
+    assert target(chunked, PROMPTS) == alone
+
+
+def test_qwen3_enable_thinking_reaches_its_template(tmp_path):
+    """A tiny Qwen3 with a Qwen3-style chat template (tiny_model.QWEN3_CHAT_TEMPLATE):
+    chat_template_kwargs={"enable_thinking": False} puts the empty think block in the
+    prompt the engine runs, as vLLM passes it."""
+    from nanopaged.exercises.tiny_model import QWEN3_CHAT_TEMPLATE, make_tiny_model
+    make_tiny_model(tmp_path, "Qwen3ForCausalLM", chat_template=QWEN3_CHAT_TEMPLATE)
+    llm = LLM(str(tmp_path), block_size=4, num_gpu_blocks=64)
+    tok, messages = llm.get_tokenizer(), [{"role": "user", "content": "Hello"}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (thinking,) = llm.chat(messages, params, use_tqdm=False)
+    (direct,) = llm.chat(messages, params, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    assert tok.decode(direct.prompt_token_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert tok.decode(thinking.prompt_token_ids).endswith("<|im_start|>assistant\n")
+    assert direct.prompt_token_ids == tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                              enable_thinking=False, return_dict=False)

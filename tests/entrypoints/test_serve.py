@@ -196,6 +196,36 @@ def test_speculative_decoding_through_the_server(tiny_model_dir):
     assert server.proc.returncode == 0 and not alive
 
 
+@pytest.mark.parametrize("arch", ["MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_each_model_family_serves(tiny_family, arch):
+    """A server on each family's tiny checkpoint (the Llama one is tiny_server): greedy
+    completions and a chat completion equal LLM's, streamed text equals the whole, and
+    the server leaves nothing behind."""
+    from nanopaged import LLM, SamplingParams
+    folder, _ = tiny_family(arch, False)
+    llm = LLM(str(folder), dtype="float32", **TINY_ENGINE)
+    want = [_greedy(llm, p, 12, ignore_eos=True).text for p in PROMPTS]
+    messages = [{"role": "user", "content": "Hello"}]
+    (chat,) = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    server = Server(folder, "--dtype", "float32", *TINY_ARGS)
+
+    async def stream():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            return await _stream_text(c, dict(body, prompt=PROMPTS[0]))
+    body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            got = [http.post("/v1/completions", json=dict(body, prompt=p)).json()["choices"][0]["text"] for p in PROMPTS]
+            answer = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0,
+                                                             "ignore_eos": True}).json()
+            streamed = asyncio.run(stream())
+    finally:
+        alive = server.stop()
+    assert got == want and streamed == want[0]
+    assert answer["choices"][0]["message"]["content"] == chat.outputs[0].text
+    assert server.proc.returncode == 0 and not alive
+
+
 # ---- the openai client ------------------------------------------------------------
 
 def test_models_lists_the_served_name(client, tiny_model_dir):

@@ -1,5 +1,5 @@
 """Tensor parallelism (chapter 17): Megatron shards equal the whole model, the engine at
-tp=2 and tp=4 equals tp=1 in float32 (and in bfloat16 is deterministic and batch-invariant
+tp=2 and tp=4 equals tp=1 in float32 (every model family) (and in bfloat16 is deterministic and batch-invariant
 itself), bad head counts fail before any process starts, dead or raising workers end the
 engine cleanly, and no worker outlives its engine.
 
@@ -115,6 +115,34 @@ def test_sharded_logits_equal_tp1(request, folder_name, tp_size):
         assert logits.shape == whole.shape
         assert torch.allclose(logits, whole, atol=1e-5, rtol=0), (logits - whole).abs().max()
     assert all(torch.equal(ranks[0], r) for r in ranks[1:])   # all-gather: bit-equal on all ranks
+
+
+@pytest.mark.parametrize("arch, tp_size", [("MistralForCausalLM", 2), ("Qwen2ForCausalLM", 2), ("Qwen2ForCausalLM", 4),
+                                           ("Qwen3ForCausalLM", 2), ("Qwen3ForCausalLM", 4)])
+def test_each_family_sharded_equals_tp1(tiny_family, arch, tp_size):
+    """The family rules under TP: Qwen2's q/k/v bias rows split with their heads (and
+    replicate with a replicated KV head at tp=4: 2 KV heads), Qwen3's q_norm/k_norm are
+    replicated. 4 heads over 2 KV heads, untied."""
+    folder, _ = tiny_family(arch, False)
+    tokens = [3, 17, 42, 99, 5, 250, 7, 8, 19, 300, 1, 64]
+    (whole,) = sharded_logits(folder, 1, tokens)
+    for logits in sharded_logits(folder, tp_size, tokens):
+        assert torch.allclose(logits, whole, atol=1e-5, rtol=0), (logits - whole).abs().max()
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_engine_at_tp2_equals_tp1_per_family(tiny_family, arch):
+    """Worker processes at tp=2 on the families with their own tensors (Qwen2's bias,
+    Qwen3's QK-norm): greedy ids equal tp=1, float32."""
+    folder, _ = tiny_family(arch, False)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(folder), num_gpu_blocks=64, block_size=4, dtype="float32")
+            .generate(PROMPTS, params, use_tqdm=False)]
+    llm = LLM(str(folder), num_gpu_blocks=64, block_size=4, tensor_parallel_size=2, dtype="float32")
+    pids = worker_pids(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
+    llm.shutdown()
+    assert not wait_gone(pids)
 
 
 def test_shard_shapes_and_replicated_kv_heads(gqa2_model_dir):
