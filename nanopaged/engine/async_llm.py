@@ -54,7 +54,7 @@ class AsyncLLM:
     """A streaming engine: the front end here, the EngineCore in a child process.
 
     Args:
-        model: local Hugging Face Llama folder, hub id, or None for the default model.
+        model: local Hugging Face model folder (model/registry.py), hub id, or None for the default model.
         **engine_args: the fields of EngineConfig (as LLM takes them).
 
     Attributes:

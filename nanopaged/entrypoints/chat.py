@@ -89,7 +89,7 @@ def _json_flag(flag: str, text: str | None):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nanopaged.chat", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="local HF Llama folder or hub id (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, help="local HF model folder (Llama, Mistral, Qwen2, Qwen3) or hub id (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
     ap.add_argument("--temperature", type=float, default=0.2, help="0 = greedy (default 0.2, SmolLM2's advice)")
     ap.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")

@@ -28,7 +28,7 @@ class LLM:
     """An engine plus a batch-generation loop.
 
     Args:
-        model: local Hugging Face Llama folder, hub id, or None for the default
+        model: local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3: model/registry.py), hub id, or None for the default
             model (SmolLM2-135M-Instruct).
         **engine_args: the fields of EngineConfig (dtype, device, block_size,
             num_gpu_blocks, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     while loading or running (printed), 2 for bad arguments (argparse's usage error)."""
     ap = argparse.ArgumentParser(prog="python -m nanopaged.trace", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, metavar="PATH",
-                    help="local HF Llama folder or hub id (default: SmolLM2-135M-Instruct)")
+                    help="local HF model folder (Llama, Mistral, Qwen2, Qwen3) or hub id (default: SmolLM2-135M-Instruct)")
     what = ap.add_mutually_exclusive_group()
     what.add_argument("--scenario", default=None, metavar="NAME",
                       help="; ".join([f"{s.name}: {s.title}" for s in SCENARIOS.values()]) + " (default fig6)")

@@ -86,7 +86,7 @@ class ModelRunner:
     executes SchedulerOutputs.
 
     Args:
-        model: a loaded LlamaForCausalLM.
+        model: a loaded model (LlamaForCausalLM or a family built on it: model/registry.py).
         num_gpu_blocks, block_size: the KV pool's shape (as the BlockManager's).
         seed: seed of the generator for requests without their own seed.
         num_cpu_blocks: blocks in the CPU swap pool.
@@ -96,7 +96,7 @@ class ModelRunner:
         speculative_config: speculative decoding (config.SpeculativeConfig), or None.
             The runner then verifies each step's drafts (_verify) and proposes the next
             ones (_propose), with an n-gram proposer or `draft_model`.
-        draft_model: the loaded draft (a LlamaForCausalLM), for method "draft_model".
+        draft_model: the loaded draft (a model of any registered family), for method "draft_model".
         max_model_len: no draft is proposed at or past it.
     """
 

@@ -137,3 +137,19 @@ def test_qwen3_enable_thinking_reaches_its_template(tmp_path):
     assert tok.decode(thinking.prompt_token_ids).endswith("<|im_start|>assistant\n")
     assert direct.prompt_token_ids == tok.apply_chat_template(messages, add_generation_prompt=True,
                                                               enable_thinking=False, return_dict=False)
+
+
+@pytest.mark.parametrize("arch", TINY_FAMILIES)
+def test_speculative_decoding_keeps_each_familys_ids(tiny_family, arch, tmp_path):
+    """n-gram drafts and a draft made of the family's own first layer
+    (make_layer_draft): greedy ids as without speculation, float32."""
+    from nanopaged.worker.spec_decode.draft_model import make_layer_draft
+    folder, _ = tiny_family(arch, _tied(arch))
+    engine = dict(dtype="float32", block_size=4, num_gpu_blocks=128)
+    want = ids(LLM(str(folder), **engine).generate(PROMPTS, GREEDY, use_tqdm=False))
+    draft = make_layer_draft(folder, tmp_path / "draft", 1)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+                 {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}):
+        llm = LLM(str(folder), speculative_config=spec, **engine)
+        assert ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want, spec["method"]
+        assert llm.engine.get_stats()["spec_decode_num_draft_tokens"] > 0

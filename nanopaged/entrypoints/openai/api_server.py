@@ -262,7 +262,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     namespace. Exits 2 on a bad flag (argparse)."""
     ap = argparse.ArgumentParser(prog="python -m nanopaged.serve", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, metavar="PATH",
-                    help="a local Hugging Face Llama folder (default: SmolLM2-135M-Instruct)")
+                    help="a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/")

@@ -3,7 +3,7 @@
 Speculative decoding with a draft model (Leviathan et al. 2023, §3; Chen et al. 2023):
 a model many times cheaper than the target guesses the next k tokens one at a time, and
 the target checks all of them in its next forward. Here the draft is any local Hugging
-Face Llama folder with the target's vocabulary (checked when the engine is configured:
+Face folder of a supported family (model/registry.py) with the target's vocabulary (checked when the engine is configured:
 engine/arg_utils.py); `make_layer_draft` below makes one from the target's first layers,
 which needs no second download (the tests and chapter 19 use it).
 
@@ -46,7 +46,7 @@ class DraftModelProposer:
     """Greedy k-token proposals from a draft model with its own KV cache (module doc).
 
     Args:
-        model: the draft, a loaded LlamaForCausalLM (this rank's shard under tensor
+        model: the draft, a loaded model of any registered family (this rank's shard under tensor
             parallelism), on the target's device and dtype.
         num_speculative_tokens: k.
         num_gpu_blocks, block_size, num_cpu_blocks: the target's pools' shape: the draft
@@ -110,7 +110,7 @@ class DraftModelProposer:
 
 
 def make_layer_draft(target_dir: str | Path, out_dir: str | Path, num_layers: int) -> Path:
-    """Write a draft model made of a Llama folder's first `num_layers` decoder layers
+    """Write a draft model made of a model folder's first `num_layers` decoder layers
     (plus its embedding, final norm and LM head, and its tokenizer files) to out_dir,
     as a Hugging Face folder any loader reads. Self-speculation from a shallow copy of
     the target (as LayerSkip's early exit, Elhoushi et al. 2024) needs no second
@@ -137,6 +137,8 @@ def make_layer_draft(target_dir: str | Path, out_dir: str | Path, num_layers: in
             weights[name] = w.contiguous()
     save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
     config["num_hidden_layers"] = num_layers
+    if "layer_types" in config:             # transformers 5 lists one per layer (Qwen2, Qwen3)
+        config["layer_types"] = config["layer_types"][:num_layers]
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     for f in target_dir.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
