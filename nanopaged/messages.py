@@ -283,6 +283,97 @@ class EngineCoreOutput:
 
 
 @dataclass
+class DashboardSequence:
+    """One sequence of a request as the dashboard draws it.
+
+    Attributes:
+        seq_id: the sequence's id (a request with n > 1 or beams has several).
+        block_table: physical block ids, logical block i at index i; in the CPU pool
+            when on_cpu (swapped out), else in the device pool.
+        on_cpu: whether the table is in the CPU swap pool.
+        num_computed_tokens: tokens whose K/V are written (fill of the table).
+        num_tokens: prompt + output tokens so far.
+    """
+
+    seq_id: int
+    block_table: list[int]
+    on_cpu: bool
+    num_computed_tokens: int
+    num_tokens: int
+
+
+@dataclass
+class DashboardRequest:
+    """One unfinished request. status: "running", "waiting" or "swapped" (its queue).
+    prompt and output (text) stay None unless the server runs with
+    --dashboard-show-text; the front end fills them, the core has no text."""
+
+    request_id: str
+    status: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    seqs: list[DashboardSequence]
+    prompt: str | None = None
+    output: str | None = None
+
+
+@dataclass
+class DashboardStep:
+    """What one engine step decided, from its events (events.py).
+
+    Attributes:
+        step: the engine's step number.
+        scheduled: one dict per scheduled sequence, {"request_id", "seq_id", "kind"
+            ("prefill", "decode" or "verify"), "num_tokens"}.
+        preempted: {"request_id", "mode" ("swap" or "recompute")} per preemption.
+        copy_on_write: {"seq_id", "src", "dst"} per copy-on-write block copy.
+    """
+
+    step: int
+    scheduled: list[dict] = field(default_factory=list)
+    preempted: list[dict] = field(default_factory=list)
+    copy_on_write: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class DashboardSnapshot:
+    """The engine's state after a step, for the live dashboard (GET /dashboard) and the
+    tracer's replay page: sent at most ~10 times a second, only while a viewer watches,
+    JSON for the browser via dataclasses.asdict.
+
+    Attributes:
+        step: the last step it includes; time: seconds since the engine started.
+        block_size: tokens per block; num_gpu_blocks, num_cpu_blocks: pool sizes.
+        gpu_ref_count: [num_gpu_blocks] each device block's ref_count (0: free).
+        gpu_cached: [num_gpu_blocks] whether the block is named in the prefix cache
+            (free and cached: reusable on a hit).
+        gpu_owners: [num_gpu_blocks] the request ids holding each block ([] when free).
+        cpu_owners: [num_cpu_blocks] the request id holding each CPU block, or None.
+        requests: every unfinished request; running, waiting, swapped: their ids by queue.
+        steps: the decisions of the steps since the last snapshot (coalesced), oldest first.
+        stats: counters and rates: "tokens_per_s" (generated, over the last second),
+            "kv_usage" (fraction of device blocks in use, 0..1), "prefix_cache_hit_rate"
+            (0..1), "num_preemptions", "num_copy_on_write".
+    """
+
+    step: int
+    time: float
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    gpu_ref_count: list[int]
+    gpu_cached: list[bool]
+    gpu_owners: list[list[str]]
+    cpu_owners: list[str | None]
+    requests: list[DashboardRequest]
+    running: list[str]
+    waiting: list[str]
+    swapped: list[str]
+    steps: list[DashboardStep] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class EngineCoreOutputs:
     """One step of the core: an output per sequence that advanced or ended, and the ids
     of requests that are now entirely done (all sequences finished, blocks freed).
