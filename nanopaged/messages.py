@@ -346,12 +346,15 @@ class DashboardSnapshot:
     Attributes:
         step: the last step it includes; time: seconds since the engine started.
         block_size: tokens per block; num_gpu_blocks, num_cpu_blocks: pool sizes.
-        gpu_ref_count: [num_gpu_blocks] each device block's ref_count (0: free).
-        gpu_cached: [num_gpu_blocks] whether the block is named in the prefix cache
+        gpu_ref_count: each device block's ref_count (0: free), for the first
+            min(num_gpu_blocks, engine/dashboard.MAX_BLOCKS) blocks (so are the other
+            per-block lists; a shorter list means the rest of the pool is not drawn).
+        gpu_cached: [same length] whether the block is named in the prefix cache
             (free and cached: reusable on a hit).
-        gpu_owners: [num_gpu_blocks] the request ids holding each block, each once
+        gpu_owners: [same length] the request ids holding each block, each once
             ([] when free; n sequences of one request sharing a block: one id, ref_count n).
-        cpu_owners: [num_cpu_blocks] the request id holding each CPU block, or None.
+        cpu_owners: [min(num_cpu_blocks, MAX_BLOCKS)] the request id holding each CPU
+            block, or None.
         requests: every unfinished request; running, waiting, swapped: their ids by queue.
         steps: the decisions of the steps since the last snapshot (coalesced), oldest first.
         stats: counters and rates: "tokens_per_s" (generated, over the last second),

@@ -31,6 +31,8 @@ from ..messages import DashboardRequest, DashboardSequence, DashboardSnapshot, D
 SNAPSHOT_INTERVAL_S = 0.1    # at most ~10 snapshots a second
 MAX_STEPS = 20               # the decisions of at most this many steps per snapshot
 RATE_WINDOW_S = 1.0          # tokens_per_s: generated tokens over the last second
+MAX_BLOCKS = 16384           # per pool: the first this many blocks are drawn (a tiny model's
+                             # default swap pool has millions; nobody reads a grid that big)
 
 
 def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: float,
@@ -44,13 +46,17 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
         step: the number of the last step the snapshot includes.
         now: the snapshot's `time` (seconds since the engine started).
         tokens_per_s: the generation rate to report in stats (the sampler measures it).
+
+    The per-block lists cover the first MAX_BLOCKS blocks of each pool (num_gpu_blocks
+    and num_cpu_blocks stay the pools' real sizes); block tables name every block.
     """
     s, bm = engine_core.scheduler, engine_core.block_manager
+    num_gpu, num_cpu = min(bm.num_gpu_blocks, MAX_BLOCKS), min(bm.num_cpu_blocks, MAX_BLOCKS)
     # Every free block shares one empty owner list: pickle then writes it once, which
     # makes a snapshot of a 32768-block pool ~10x cheaper to send (readers never mutate).
     nobody: list[str] = []
-    owners: list[list[str]] = [nobody] * bm.num_gpu_blocks
-    cpu_owners: list[str | None] = [None] * bm.num_cpu_blocks
+    owners: list[list[str]] = [nobody] * num_gpu
+    cpu_owners: list[str | None] = [None] * num_cpu
     requests = []
     for status, queue in (("running", s.running), ("swapped", s.swapped), ("waiting", s.waiting)):
         for group in queue:
@@ -60,6 +66,8 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
                     continue
                 table = list(seq.block_table.block_ids)
                 for block_id in table:
+                    if block_id >= (num_cpu if seq.is_swapped else num_gpu):
+                        continue                    # past the drawn part of the pool
                     if seq.is_swapped:
                         cpu_owners[block_id] = rid
                     elif owners[block_id] is nobody:
@@ -80,7 +88,7 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
              "num_generated_tokens": s.num_generated_tokens}
     return DashboardSnapshot(
         step=step, time=now, block_size=bm.block_size, num_gpu_blocks=total, num_cpu_blocks=bm.num_cpu_blocks,
-        gpu_ref_count=list(bm.ref_count), gpu_cached=[h is not None for h in bm.block_hash],
+        gpu_ref_count=list(bm.ref_count[:num_gpu]), gpu_cached=[h is not None for h in bm.block_hash[:num_gpu]],
         gpu_owners=owners, cpu_owners=cpu_owners, requests=requests,
         running=[g.request_id for g in s.running], waiting=[g.request_id for g in s.waiting],
         swapped=[g.request_id for g in s.swapped], steps=list(steps), stats=stats)

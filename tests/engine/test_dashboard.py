@@ -175,3 +175,18 @@ def test_a_viewer_gets_the_idle_state_at_once_and_the_final_state_after_a_burst(
 
     start = time.monotonic()
     asyncio.run(main())
+
+
+def test_a_huge_pool_is_drawn_up_to_max_blocks(tiny_model_dir, monkeypatch):
+    """The per-block lists stop at MAX_BLOCKS (the tiny model's default swap pool has
+    millions of blocks); the pool sizes stay the real ones, block tables stay whole."""
+    import nanopaged.engine.dashboard as dashboard
+    monkeypatch.setattr(dashboard, "MAX_BLOCKS", 8)
+    eng = engine(tiny_model_dir, num_gpu_blocks=32, num_cpu_blocks=40)
+    eng.add_request("a", list(range(1, 40)), GREEDY)              # 39 tokens: 10 blocks
+    eng.step()
+    snap = snapshot(eng)
+    assert (snap.num_gpu_blocks, snap.num_cpu_blocks) == (32, 40)
+    assert len(snap.gpu_ref_count) == len(snap.gpu_cached) == len(snap.gpu_owners) == len(snap.cpu_owners) == 8
+    assert snap.requests[0].seqs[0].block_table == eng.requests["a"].seqs[0].block_table.block_ids
+    assert len(snap.requests[0].seqs[0].block_table) == 10
