@@ -1,7 +1,8 @@
 """A tiny random model (Llama, or another family of TINY_FAMILIES) for the tests, the
 chapters' snippets and the exercises: 2 layers, hidden size 64, a byte-level BPE
-tokenizer of 320 ids with a chat template, saved the way Hugging Face saves a model. The engine runs it in milliseconds; its answers are
-gibberish, which is fine for watching the machinery.
+tokenizer of 320 ids with a chat template, saved the way Hugging Face saves a model.
+The engine runs it in milliseconds; its answers are gibberish, which is fine for watching
+the machinery.
 """
 from __future__ import annotations
 
