@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             console.save_svg(args.export, title=f"nanopaged trace: {scenario.name}")
         elif recorder is not None:
             with open(args.export, "w", encoding="utf-8") as f:
-                f.write(replay_page(recorder.snapshots, f"nanopaged trace: {scenario.name}"))
+                f.write(replay_page(recorder.snapshots, f"nanopaged trace: {scenario.name}",
+                                    f"{scenario.title}. {scenario.watch}"))
         if args.export is not None:
             err.print(f"trace written to {args.export}")
     except (ValueError, OSError, RuntimeError) as e:       # FileNotFoundError is an OSError

@@ -11,8 +11,8 @@ dashboard.css and dashboard.js inlined and the snapshots embedded as
 so the page steps through them (buttons, ← and →) instead of connecting to a server.
 No URL is fetched: the file opens from a disk on a machine with no network.
 
-The snapshot is taken here, from the engine in this process (engine.requests, the
-scheduler's queues, the block manager), and from the step's events (events.py).
+The snapshot of a step is built from the engine in this process (the scheduler's queues
+and the block manager, build_snapshot) and from the step's events (dashboard_step).
 """
 from __future__ import annotations
 
@@ -35,63 +35,69 @@ DASHBOARD_DIR = Path(__file__).resolve().parents[1] / "entrypoints" / "openai" /
 
 
 def dashboard_step(step: int, events: list[ev.Event]) -> DashboardStep:
-    """What step `step` decided, from its events: who ran (a SequenceScheduled with
-    drafts is a "verify"), who was preempted and how, which blocks were copied on write."""
+    """What step `step` decided, from its events: who ran (prefill, decode or verify),
+    who was preempted and how, which blocks were copied on write."""
     return DashboardStep(
         step=step,
-        scheduled=[{"request_id": e.request_id, "seq_id": e.seq_id,
-                    "kind": "verify" if e.spec_token_ids else e.kind, "num_tokens": e.num_tokens}
+        scheduled=[{"request_id": e.request_id, "seq_id": e.seq_id, "kind": e.kind, "num_tokens": e.num_tokens}
                    for e in events if isinstance(e, ev.SequenceScheduled)],
         preempted=[{"request_id": e.request_id, "mode": e.mode} for e in events if isinstance(e, ev.Preempted)],
         copy_on_write=[{"seq_id": e.seq_id, "src": e.src, "dst": e.dst}
                        for e in events if isinstance(e, ev.CopyOnWrite)])
 
 
-def engine_snapshot(engine: LLMEngine, steps: list[DashboardStep], seconds: float,
-                    tokens_per_s: float, show_text: bool = True) -> DashboardSnapshot:
-    """The engine's state now, as the dashboard draws it (DashboardSnapshot's fields).
+def build_snapshot(engine: LLMEngine, steps: list[DashboardStep], step: int, now: float,
+                   tokens_per_s: float = 0.0) -> DashboardSnapshot:
+    """The engine's state now, as a DashboardSnapshot (read, never changed).
 
-    Args:
-        engine: an in-process LLMEngine (read, never changed).
-        steps: the decisions since the last snapshot; its step is the last one's.
-        seconds: the snapshot's time; tokens_per_s: the rate the caller measured.
-        show_text: fill each request's prompt and output (seq 0's) as text.
-    """
-    bm, s = engine.block_manager, engine.scheduler
-    owners: list[dict[str, None]] = [{} for _ in range(bm.num_gpu_blocks)]
+    A stand-in, with the same arguments, for the server's build_snapshot
+    (nanopaged/engine/dashboard.py, issue 27), which is written at the same time as this
+    page; the tracer switches to it once it is in. Requests are listed queue by queue
+    (running, swapped, waiting); a finished sequence of an unfinished request (its
+    blocks already freed) is left out."""
+    s, bm = engine.scheduler, engine.block_manager
+    owners: list[list[str]] = [[] for _ in range(bm.num_gpu_blocks)]
     cpu_owners: list[str | None] = [None] * bm.num_cpu_blocks
-    queue = {g.request_id: name for name, q in (("running", s.running), ("waiting", s.waiting),
-                                                 ("swapped", s.swapped)) for g in q}
     requests = []
-    for rid, group in engine.requests.items():
-        for seq in group.seqs:
-            for b in seq.block_table.block_ids:
-                if seq.is_swapped:
-                    cpu_owners[b] = rid
-                else:
-                    owners[b][rid] = None           # each request named once, in table order
-        first = group.seqs[0]
-        requests.append(DashboardRequest(
-            request_id=rid, status=queue.get(rid, "running"), num_prompt_tokens=len(group.prompt_token_ids),
-            num_output_tokens=max(len(q.output_token_ids) for q in group.seqs),
-            seqs=[DashboardSequence(q.seq_id, list(q.block_table.block_ids), q.is_swapped, q.num_computed_tokens,
-                                    q.num_tokens) for q in group.seqs],
-            prompt=engine.tokenizer.decode(group.prompt_token_ids) if show_text else None,
-            output=engine.tokenizer.decode(first.output_token_ids) if show_text else None))
-    cached = set(bm.cached_blocks.values())
-    stats = engine.get_stats()
-    queries = stats["prefix_cache_queries"]
+    for status, queue in (("running", s.running), ("swapped", s.swapped), ("waiting", s.waiting)):
+        for group in queue:
+            rid, seqs = group.request_id, []
+            for seq in group.seqs:
+                if seq.status.is_finished:
+                    continue
+                table = list(seq.block_table.block_ids)
+                for b in table:
+                    if seq.is_swapped:
+                        cpu_owners[b] = rid
+                    elif rid not in owners[b]:
+                        owners[b].append(rid)            # each request named once, in table order
+                seqs.append(DashboardSequence(seq.seq_id, table, seq.is_swapped, seq.num_computed_tokens,
+                                              seq.num_tokens))
+            requests.append(DashboardRequest(rid, status, len(group.prompt_token_ids),
+                                             sum(len(q.output_token_ids) for q in group.seqs), seqs))
+    total, queries = bm.num_gpu_blocks, bm.prefix_cache_queries
+    stats = {"tokens_per_s": tokens_per_s,
+             "kv_usage": (total - bm.get_num_free_gpu_blocks()) / total if total else 0.0,
+             "prefix_cache_hit_rate": bm.prefix_cache_hits / queries if queries else 0.0,
+             "num_preemptions": s.num_preemptions, "num_copy_on_write": bm.num_copy_on_write,
+             "num_generated_tokens": s.num_generated_tokens}
     return DashboardSnapshot(
-        step=steps[-1].step if steps else engine.num_steps, time=seconds, block_size=bm.block_size,
-        num_gpu_blocks=bm.num_gpu_blocks, num_cpu_blocks=bm.num_cpu_blocks,
-        gpu_ref_count=list(bm.ref_count), gpu_cached=[b in cached for b in range(bm.num_gpu_blocks)],
-        gpu_owners=[list(o) for o in owners], cpu_owners=cpu_owners, requests=requests,
+        step=step, time=now, block_size=bm.block_size, num_gpu_blocks=total, num_cpu_blocks=bm.num_cpu_blocks,
+        gpu_ref_count=list(bm.ref_count), gpu_cached=[h is not None for h in bm.block_hash],
+        gpu_owners=owners, cpu_owners=cpu_owners, requests=requests,
         running=[g.request_id for g in s.running], waiting=[g.request_id for g in s.waiting],
-        swapped=[g.request_id for g in s.swapped], steps=steps,
-        stats={"tokens_per_s": tokens_per_s,
-               "kv_usage": 1 - stats["num_free_gpu_blocks"] / max(1, stats["num_total_gpu_blocks"]),
-               "prefix_cache_hit_rate": stats["prefix_cache_hits"] / queries if queries else 0.0,
-               "num_preemptions": stats["num_preemptions"], "num_copy_on_write": stats["num_copy_on_write"]})
+        swapped=[g.request_id for g in s.swapped], steps=list(steps), stats=stats)
+
+
+def with_text(snapshot: DashboardSnapshot, engine: LLMEngine) -> DashboardSnapshot:
+    """snapshot with each request's prompt and output (its first sequence's) as text,
+    as the server's --dashboard-show-text fills them; the tracer's prompts are the
+    user's own, so its replay page shows them."""
+    for r in snapshot.requests:
+        group = engine.requests[r.request_id]
+        r.prompt = engine.tokenizer.decode(group.prompt_token_ids)
+        r.output = engine.tokenizer.decode(group.seqs[0].output_token_ids)
+    return snapshot
 
 
 class ReplayRecorder:
@@ -112,12 +118,14 @@ class ReplayRecorder:
         then, before = self._generated[0]
         self._generated.append((now, generated))
         rate = (generated - before) / (now - then) if now > then else 0.0
-        self.snapshots.append(engine_snapshot(self.engine, [dashboard_step(step, events)], now - self._start, rate))
+        snapshot = build_snapshot(self.engine, [dashboard_step(step, events)], step, now - self._start, rate)
+        self.snapshots.append(with_text(snapshot, self.engine))
 
 
-def replay_page(snapshots: list[DashboardSnapshot], title: str = "nanopaged trace") -> str:
+def replay_page(snapshots: list[DashboardSnapshot], title: str = "nanopaged trace", about: str = "") -> str:
     """The dashboard page with its CSS and JS inlined and `snapshots` embedded: one
-    self-contained HTML file that fetches nothing.
+    self-contained HTML file that fetches nothing. title: the page's; about: a text
+    shown above the pools (the scenario: what it is, what to watch).
 
     The JSON is written with every "<" as \\u003c (the same string to JSON.parse), so
     no prompt text can close the <script> it sits in."""
@@ -130,6 +138,8 @@ def replay_page(snapshots: list[DashboardSnapshot], title: str = "nanopaged trac
     data = json.dumps([asdict(s) for s in snapshots], separators=(",", ":")).replace("<", "\\u003c")
     page = _replace_between(page, "css", f"<style>\n{css}</style>")
     page = _replace_between(page, "js", f"<script>window.NANOPAGED_REPLAY = {data};</script>\n<script>\n{js}</script>")
+    if about:
+        page = page.replace('<p id="about" hidden></p>', f'<p id="about">{html.escape(about)}</p>')
     return page.replace("<title>nanopaged · KV pool and scheduler</title>", f"<title>{html.escape(title)}</title>")
 
 

@@ -160,6 +160,7 @@ def test_export_html_writes_one_replay_page_with_a_snapshot_per_step(capsys, tin
     assert [s["step"] for s in snaps] == steps == [1, 2, 3]
     assert snaps[0]["running"] == ["A", "B"] and snaps[0]["requests"][0]["prompt"] == "Hello"
     assert "<title>nanopaged trace: prompt</title>" in path.read_text()
+    assert '<p id="about">your prompts. Each step: who runs' in path.read_text()
 
 
 # -- chapter 13's replay figures ----------------------------------------------------------------
@@ -172,7 +173,9 @@ def test_each_scenario_has_a_replay_figure_linked_from_chapter_13(name):
     snaps = embedded(page)
     assert [s["step"] for s in snaps] == list(range(1, len(snaps) + 1)) and snaps[-1]["requests"] == []
     # the page around the snapshots is what the current code writes (else: regenerate it)
-    assert replay_page([from_dict(s) for s in snaps], f"nanopaged trace: {name}") == page, (
+    scenario = SCENARIOS[name]
+    assert replay_page([from_dict(s) for s in snaps], f"nanopaged trace: {name}",
+                       f"{scenario.title}. {scenario.watch}") == page, (
         f"stale: python -m nanopaged.trace --scenario {name} --no-pause --export chapters/figures/trace-{name}.html")
 
 
