@@ -147,7 +147,10 @@
         var line = document.createElement("span");
         line.className = "mono";
         if (r) {
-          var blocks = r.seqs.reduce(function (n, q) { return n + q.block_table.length; }, 0);
+          var held = {}, blocks = 0;                             // distinct blocks: seqs share some
+          r.seqs.forEach(function (q) {
+            q.block_table.forEach(function (b) { if (!held[b]) { held[b] = true; blocks++; } });
+          });
           li.setAttribute("data-num-tokens", r.num_prompt_tokens + r.num_output_tokens);
           line.textContent = id + " · " + r.num_prompt_tokens + " prompt + " + r.num_output_tokens +
             " output tokens · " + r.seqs.length + " seq" + (r.seqs.length > 1 ? "s" : "") + " · " + blocks + " blocks";
