@@ -4,7 +4,8 @@
                     [--attention-backend auto|torch|cpu|cuda]
                     [--sections throughput,chat,sampling,structured,overlap,prefix,sharing,pressure,
                                 memory,kernels]
-                    [--kernels] [--sections serve --request-rates 0.5,2,inf --serve-requests 32]
+                    [--kernels] [--sections serve --request-rates 0.5,2,inf --serve-requests 32
+                                      --dashboard-viewer]
                     [--sections tp] [--sections vllm --vllm-python PATH] [--max-output 128]
                     [--sections soak --soak-rounds 8]
                     [--sections spec --spec-requests 8 --spec-max-tokens 48 --spec-batches 1,8
@@ -28,7 +29,8 @@ sampling:   the cost of full sampling: the throughput workload greedy vs with
 serve:      (not in the default list: minutes) nanopaged's OpenAI server vs `transformers
             serve --continuous-batching`, streaming clients with Poisson arrivals at
             --request-rates: throughput, TTFT and inter-token latency p50/p99, and
-            async scheduling off vs on (benchmarks/serve.py).
+            async scheduling off vs on (benchmarks/serve.py); --dashboard-viewer: each
+            rate again with a live dashboard viewer open, and the throughput ratio.
 soak:       (not in the default list: minutes) --soak-rounds rounds of mixed load against
             one server (streams, disconnects, n=2, structured outputs, bad requests):
             the RSS of the server and of its EngineCore process after each round, and
@@ -113,6 +115,8 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="only the kernels section")
     ap.add_argument("--request-rates", default="0.5,2,inf", help="serve: requests per second")
     ap.add_argument("--serve-requests", type=int, default=32, help="serve: requests per rate")
+    ap.add_argument("--dashboard-viewer", action="store_true",
+                    help="serve: each rate also with one GET /dashboard/events viewer open (its cost)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="serve, soak: threads per server")
     ap.add_argument("--soak-rounds", type=int, default=8, help="soak: rounds of mixed load")
     ap.add_argument("--spec-requests", type=int, default=8, help="spec: requests per workload (default 8)")
@@ -137,7 +141,7 @@ def main() -> None:
     if "serve" in sections:
         bench_serve(args.model, args.dtype, args.serve_requests,
                     [float(r) for r in args.request_rates.split(",")], args.threads,
-                    skip_transformers=args.skip_transformers)
+                    skip_transformers=args.skip_transformers, dashboard_viewer=args.dashboard_viewer)
     if "soak" in sections:
         bench_soak(args.model, args.dtype, args.soak_rounds, args.threads)
     if "tp" in sections:

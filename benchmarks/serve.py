@@ -13,7 +13,11 @@ nanopaged (`python -m nanopaged.serve`) and transformers' own OpenAI server
 (`transformers serve --continuous-batching`). Greedy, so both produce the same tokens
 and the same amount of work (neither server honours ignore_eos the same way, so a
 request may end early at an eos; we count the tokens each server says it produced).
-With --overlap, nanopaged runs twice more, async scheduling off and on.
+With --overlap, nanopaged runs twice more, async scheduling off and on. With
+--dashboard-viewer, each nanopaged server runs every rate twice, side by side on the
+same server: without a dashboard viewer, then with one reading GET /dashboard/events
+the whole time (as an open browser tab does; it parses every snapshot), and the
+throughput ratio is printed (issue 27's target: >= 0.97).
 """
 from __future__ import annotations
 
@@ -110,11 +114,25 @@ async def one_request(client, server: Server, prompt: str, max_tokens: int) -> d
     return {"sent": sent, "times": times, "tokens": tokens if tokens is not None else len(times)}
 
 
-async def run_rate(server: Server, work, rate: float, seed: int = 0) -> dict:
-    """Send every request, spaced by exponential gaps of mean 1/rate s (inf: all at once)."""
+async def watch_dashboard(client, server: Server, seen: list) -> None:
+    """A dashboard viewer: read the snapshot stream and parse each, until cancelled."""
+    async with client.stream("GET", server.url + "/dashboard/events") as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                seen.append(len(json.loads(line[6:])["steps"]))
+
+
+async def run_rate(server: Server, work, rate: float, seed: int = 0, viewer: bool = False) -> dict:
+    """Send every request, spaced by exponential gaps of mean 1/rate s (inf: all at once);
+    viewer: with a dashboard viewer open the whole time (its snapshot count in "snapshots")."""
     import httpx
     rng = random.Random(seed)
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=len(work))) as client:
+    seen: list[int] = []
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=len(work) + 1)) as client:
+        watching = asyncio.create_task(watch_dashboard(client, server, seen)) if viewer else None
+        while watching is not None and not seen and not watching.done():
+            await asyncio.sleep(0.01)          # the idle state arrived: the viewer is in
         tasks = []
         start = time.perf_counter()
         for prompt, max_tokens in work:
@@ -122,12 +140,15 @@ async def run_rate(server: Server, work, rate: float, seed: int = 0) -> dict:
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
+        if watching is not None:
+            await asyncio.sleep(0.2)           # the snapshot flushed when the engine idles
+            watching.cancel()
     end = max(r["times"][-1] for r in results if r["times"])
     ttft = [r["times"][0] - r["sent"] for r in results if r["times"]]
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
     tokens = sum(r["tokens"] for r in results)
     return {"tok_s": tokens / (end - start), "tokens": tokens, "secs": end - start,
-            "ttft": ttft, "itl": itl}
+            "ttft": ttft, "itl": itl, "snapshots": len(seen)}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -144,9 +165,10 @@ def report(name: str, rate: float, m: dict) -> None:
 
 
 def bench_serve(model, dtype: str, num_requests: int, rates: list[float], threads: int,
-                overlap: bool = True, skip_transformers: bool = False) -> None:
+                overlap: bool = True, skip_transformers: bool = False, dashboard_viewer: bool = False) -> None:
     """Run the serving benchmark and print one line per server and rate, then the
-    ratios at each rate (throughput, p50 TTFT)."""
+    ratios at each rate (throughput, p50 TTFT); dashboard_viewer: nanopaged's rates
+    also with a dashboard viewer open, and the throughput ratio with / without."""
     from transformers import AutoTokenizer
     from nanopaged.model.model_loader import resolve_model
 
@@ -172,6 +194,11 @@ def bench_serve(model, dtype: str, num_requests: int, rates: list[float], thread
             for rate in rates:
                 results[name][rate] = m = asyncio.run(run_rate(server, work, rate))
                 report(name, rate, m)
+                if dashboard_viewer and name.startswith("nanopaged"):
+                    watched = asyncio.run(run_rate(server, work, rate, viewer=True))
+                    report(f"{name} + viewer", rate, watched)
+                    print(f"  {name}: 1 dashboard viewer / none at {rate}/s: throughput "
+                          f"{watched['tok_s'] / m['tok_s']:.3f}x ({watched['snapshots']} snapshots read)")
     if "transformers serve --cb" in results:
         theirs = results["transformers serve --cb"]
         for name in (n for n in results if n.startswith("nanopaged")):

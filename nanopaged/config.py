@@ -164,7 +164,8 @@ class EngineConfig:
             None = 8192 with chunked prefill, else max(8192, max_model_len). Without
             chunked prefill it must be >= max_model_len (a prompt is prefilled whole).
         max_model_len: longest sequence (prompt + output) in tokens; None = the model's
-            max_position_embeddings.
+            max_position_embeddings, or its sliding_window when shorter (Mistral-7B-v0.1:
+            4096; engine/arg_utils.max_model_len_limit).
         seed: seed of the engine's random generator (requests without their own seed).
         enable_prefix_caching: reuse the KV blocks of prompt prefixes seen before
             (automatic prefix caching, on by default as in vLLM v1).

@@ -305,8 +305,10 @@ class DashboardSequence:
 @dataclass
 class DashboardRequest:
     """One unfinished request. status: "running", "waiting" or "swapped" (its queue).
+    num_output_tokens: the tokens its sequences have generated, all of them together.
     prompt and output (text) stay None unless the server runs with
-    --dashboard-show-text; the front end fills them, the core has no text."""
+    --dashboard-show-text; the front end fills them, the core has no text (output: the
+    text of its first sequence so far)."""
 
     request_id: str
     status: str
@@ -347,13 +349,14 @@ class DashboardSnapshot:
         gpu_ref_count: [num_gpu_blocks] each device block's ref_count (0: free).
         gpu_cached: [num_gpu_blocks] whether the block is named in the prefix cache
             (free and cached: reusable on a hit).
-        gpu_owners: [num_gpu_blocks] the request ids holding each block ([] when free).
+        gpu_owners: [num_gpu_blocks] the request ids holding each block, each once
+            ([] when free; n sequences of one request sharing a block: one id, ref_count n).
         cpu_owners: [num_cpu_blocks] the request id holding each CPU block, or None.
         requests: every unfinished request; running, waiting, swapped: their ids by queue.
         steps: the decisions of the steps since the last snapshot (coalesced), oldest first.
         stats: counters and rates: "tokens_per_s" (generated, over the last second),
             "kv_usage" (fraction of device blocks in use, 0..1), "prefix_cache_hit_rate"
-            (0..1), "num_preemptions", "num_copy_on_write".
+            (0..1), "num_preemptions", "num_copy_on_write", "num_generated_tokens".
     """
 
     step: int
@@ -385,6 +388,9 @@ class EngineCoreOutputs:
             add_request (a prompt needing more KV blocks than the whole pool).
         pongs: the numbers of the PINGs the core took in before this step: proof that
             its loop still turns (AsyncLLM.check_health, the server's /health).
+        dashboard: while a viewer watches (a DASHBOARD True message), the engine's
+            state for the live dashboard, at most ~10 times a second
+            (engine/dashboard.py); None otherwise.
     """
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
@@ -392,18 +398,21 @@ class EngineCoreOutputs:
     scheduler_stats: dict[str, int | float] | None = None
     rejected_requests: dict[str, str] = field(default_factory=dict)
     pongs: list[int] = field(default_factory=list)
+    dashboard: DashboardSnapshot | None = None
 
 
 class EngineCoreRequestType(enum.Enum):
     """What a message from the front end to a core process asks (vLLM's
     EngineCoreRequestType). The payload of each: ADD an EngineCoreRequest; ABORT a
     list of request ids; STOP_SEQUENCES a list of (request_id, index); PING a number,
-    answered in the next EngineCoreOutputs' pongs; SHUTDOWN None."""
+    answered in the next EngineCoreOutputs' pongs; DASHBOARD a bool, whether a
+    dashboard viewer watches (True also asks for a snapshot at once); SHUTDOWN None."""
 
     ADD = "add"
     ABORT = "abort"
     STOP_SEQUENCES = "stop_sequences"
     PING = "ping"
+    DASHBOARD = "dashboard"
     SHUTDOWN = "shutdown"
 
 

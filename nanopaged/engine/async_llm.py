@@ -17,6 +17,10 @@ Many `generate` calls share one engine: each has its own queue, and one task (th
 output handler) reads every step's outputs and sorts them into the queues. The core
 never waits for the front end, nor the front end for the core.
 
+The live dashboard (engine/dashboard.py): `add_dashboard_viewer(callback)` has the core
+send snapshots of its state (at most ~10 a second, only while someone watches); the
+output handler keeps the latest and calls every viewer's callback with it.
+
 Leaving a `generate` loop early (break, the task cancelled, an HTTP client gone) aborts
 the request: the core frees its blocks before its next step (field case C23). If the
 core process dies, every waiting `generate` raises `EngineDeadError` at once.
@@ -25,12 +29,14 @@ vLLM: `vllm/v1/engine/async_llm.py`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import weakref
 from typing import AsyncIterator
 
 from ..config import EngineConfig
+from ..messages import DashboardSnapshot
 from ..utils.proc import EngineDeadError
 from .arg_utils import create_engine_config
 from .engine_core_client import AsyncMPClient
@@ -78,6 +84,9 @@ class AsyncLLM:
         self._request_counter = itertools.count()
         self._pings: dict[int, asyncio.Future] = {}         # ping number -> its answer
         self._ping_counter = itertools.count()
+        self._dashboard_viewers: dict = {}                  # callback -> with_text
+        self.dashboard: DashboardSnapshot | None = None     # the latest snapshot (no text)
+        self._prompt_texts: dict[str, str] = {}              # decoded token-id prompts, for with_text
         self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
 
     @property
@@ -126,6 +135,48 @@ class AsyncLLM:
         generated tokens, prefix-cache queries and hits, ...) plus
         num_unfinished_requests, the requests this front end still follows."""
         return {**self._stats, "num_unfinished_requests": len(self._queues)}
+
+    # -- the live dashboard -------------------------------------------------------------------
+
+    def add_dashboard_viewer(self, callback, with_text: bool = False) -> None:
+        """Call callback(snapshot) with every DashboardSnapshot from now on, in the output
+        handler's task: it must not block (a dashboard server hands it to a queue). The
+        core sends one at once, so an idle engine's state arrives too. with_text fills
+        each request's prompt and output text from this front end's state (the core has
+        no text). Call it from the event loop (it starts the output handler)."""
+        self._check_alive()
+        self._start_output_handler()
+        self._dashboard_viewers[callback] = with_text
+        self.engine_core.watch_dashboard(True)
+
+    def remove_dashboard_viewer(self, callback) -> None:
+        """Stop calling callback; the last viewer gone, the core stops its snapshots."""
+        if self._dashboard_viewers.pop(callback, None) is not None and not self._dashboard_viewers:
+            if not self.errored and not self.engine_core._closed:
+                self.engine_core.watch_dashboard(False)
+
+    def _show_dashboard(self, snapshot: DashboardSnapshot) -> None:
+        self.dashboard = snapshot
+        with_text = self._with_text(snapshot) if any(self._dashboard_viewers.values()) else None
+        for callback, text in list(self._dashboard_viewers.items()):
+            callback(with_text if text else snapshot)
+
+    def _with_text(self, snapshot: DashboardSnapshot) -> DashboardSnapshot:
+        """A copy of snapshot with each request's prompt and (first sequence's) output text."""
+        states, texts = self.output_processor.request_states, {}
+        requests = []
+        for r in snapshot.requests:
+            state = states.get(r.request_id)
+            if state is not None:
+                first = state.completions.get(0)
+                prompt = state.prompt          # None for a prompt of token ids (chat): decoded once
+                if prompt is None:
+                    prompt = self._prompt_texts.get(r.request_id) or self.tokenizer.decode(state.prompt_token_ids)
+                    texts[r.request_id] = prompt
+                r = dataclasses.replace(r, prompt=prompt, output=first.text if first is not None else "")
+            requests.append(r)
+        self._prompt_texts = texts
+        return dataclasses.replace(snapshot, requests=requests)
 
     async def generate(self, prompt, sampling_params=None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -217,6 +268,8 @@ class AsyncLLM:
                 outputs = await self.engine_core.get_output_async()
                 if outputs.scheduler_stats is not None:
                     self._stats = outputs.scheduler_stats
+                if outputs.dashboard is not None:
+                    self._show_dashboard(outputs.dashboard)
                 for number in outputs.pongs:
                     answer = self._pings.get(number)
                     if answer is not None and not answer.done():

@@ -36,6 +36,7 @@ vLLM: `vllm/v1/engine/core.py`.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -104,6 +105,7 @@ class EngineCore:
                    else f"draft model {sc.model}")
             logger.info("speculative decoding: %d draft tokens a step, %s", sc.num_speculative_tokens, how)
         self.num_steps = 0
+        self.start_time = time.monotonic()        # the dashboard's clock starts here
         # async scheduling: one worker thread runs the forwards, in the order given
         self._forward_thread = (ThreadPoolExecutor(1, thread_name_prefix="nanopaged-forward")
                           if config.async_scheduling else None)

@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from ..messages import EngineCoreDead, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from .dashboard import DashboardSampler
 from ..utils.proc import (EngineDeadError, exit_child, exit_reason, read_settings, report_ready, spawn_child,
                           stop_processes, wait_ready)
 
@@ -77,6 +78,12 @@ class EngineCoreProc:
     Requests arrive between steps, so a new one joins the very next batch; an abort
     frees the request's blocks before the next step (field case C23). When idle it
     blocks on the input socket, waking each second to check that its parent lives.
+
+    The live dashboard: while the front end says a viewer watches (DASHBOARD True), a
+    DashboardSampler listens to the core's events and a snapshot rides along with the
+    outputs at most every 0.1 s; the last one is sent before the loop blocks, so a
+    viewer always sees the state the engine rests in. Without a viewer there is no
+    observer, and no snapshot is ever built.
     """
 
     def __init__(self, engine_core, input_address: str, output_address: str, parent_pid: int) -> None:
@@ -88,15 +95,23 @@ class EngineCoreProc:
         self.output = self.ctx.socket(zmq.PUSH)
         self.output.connect(output_address)
         self.pongs: list[int] = []                 # PINGs taken in, answered with the next outputs
+        self.dashboard: DashboardSampler | None = None   # while a dashboard viewer watches
+        self._dashboard_now = False                # a viewer joined: a snapshot at once
 
     def run(self) -> None:
         """Serve until SHUTDOWN or the parent's death. Exceptions propagate."""
         core = self.engine_core
         while True:
-            rejected, changed = self._process_input(block=not core.has_unfinished_requests())
+            idle = not core.has_unfinished_requests()
+            if idle and self.dashboard is not None and self.dashboard.changed:
+                # about to block: the last snapshot must not wait for the next step
+                self._send(EngineCoreOutputs(scheduler_stats=core.get_stats(),
+                                             dashboard=self.dashboard.poll(core, force=True)))
+            rejected, changed = self._process_input(block=idle)
             if rejected is None:
                 return                                     # shut down
-            if core.has_unfinished_requests():
+            stepped = core.has_unfinished_requests()
+            if stepped:
                 outputs = core.step()
             elif changed or rejected:
                 outputs = EngineCoreOutputs()              # only news: stats, rejections
@@ -105,7 +120,24 @@ class EngineCoreProc:
             outputs.rejected_requests = rejected
             outputs.scheduler_stats = core.get_stats()
             outputs.pongs, self.pongs = self.pongs, []
+            if self.dashboard is not None:
+                if stepped:
+                    self.dashboard.end_step(core.num_steps)
+                outputs.dashboard = self.dashboard.poll(core, force=self._dashboard_now)
+                self._dashboard_now = False
             self._send(outputs)
+
+    def _watch_dashboard(self, watching: bool) -> None:
+        """DASHBOARD: start (and snapshot at once) or stop listening to the core's events."""
+        observers = self.engine_core.observers
+        if watching:
+            if self.dashboard is None:
+                self.dashboard = DashboardSampler(self.engine_core.start_time)
+                observers.append(self.dashboard)
+            self._dashboard_now = True
+        elif self.dashboard is not None:
+            observers.remove(self.dashboard)
+            self.dashboard = None
 
     def _process_input(self, block: bool) -> tuple[dict[str, str] | None, bool]:
         """Handle every waiting message (waiting for one first if block). Returns the
@@ -131,6 +163,8 @@ class EngineCoreProc:
                 self.engine_core.stop_sequences(payload)
             elif kind is EngineCoreRequestType.PING:
                 self.pongs.append(payload)
+            elif kind is EngineCoreRequestType.DASHBOARD:
+                self._watch_dashboard(payload)
             elif kind is EngineCoreRequestType.SHUTDOWN:
                 return None, changed
         return rejected, changed
@@ -258,6 +292,11 @@ class AsyncMPClient:
 
     def stop_sequences(self, seqs: list[tuple[str, int]]) -> None:
         self._send(EngineCoreRequestType.STOP_SEQUENCES, list(seqs))
+
+    def watch_dashboard(self, watching: bool) -> None:
+        """Tell the core whether a dashboard viewer watches: True starts its snapshots
+        (the first at once, even when idle), False stops them (no cost left)."""
+        self._send(EngineCoreRequestType.DASHBOARD, bool(watching))
 
     def ping(self, number: int) -> None:
         """Ask the core to answer `number` in the pongs of its next outputs."""

@@ -2,17 +2,22 @@
 
     python -m nanopaged.serve [--model PATH] [--host 127.0.0.1] [--port 8000]
         [--api-key KEY] [--served-model-name NAME] [--max-body-bytes N]
+        [--dashboard-show-text] [--no-dashboard]
         [every EngineConfig field as a flag: --block-size 16 --max-model-len N ...]
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as
 server-sent events with "stream": true), GET /health (200 when the engine core answers
-a ping within --health-timeout seconds; 503 when it is dead or does not), GET /metrics (Prometheus text, metrics.py). The server only turns HTTP into
+a ping within --health-timeout seconds; 503 when it is dead or does not), GET /metrics
+(Prometheus text, metrics.py), GET /dashboard: a live page of the KV pool and the
+scheduler, fed by GET /dashboard/events (serving_dashboard.py; ids and counts only, text
+with --dashboard-show-text; off with --no-dashboard). The server only turns HTTP into
 `AsyncLLM.generate` calls and back (serving.py); the engine core runs in its own
 process, so the event loop never waits for a forward pass. Errors are OpenAI's JSON
 body {"error": {"message", "type", "param", "code"}}: 400 for a bad request (pydantic's
 validation, SamplingParams' and the Processor's checks, invalid JSON), 401 for a
 missing or wrong key when --api-key is set (/health and /metrics stay open, as in
-vLLM), 404 for an unknown model, 413 for a body over --max-body-bytes, 500 when the
+vLLM; /dashboard and /dashboard/events take the key as `?key=` too, since a browser's
+EventSource cannot send headers), 404 for an unknown model, 413 for a body over --max-body-bytes, 500 when the
 engine died. A client that disconnects aborts its request in the core.
 vLLM: `vllm/entrypoints/openai/api_server.py`.
 """
@@ -29,10 +34,11 @@ import re
 import signal
 import sys
 import typing
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -42,6 +48,7 @@ from . import serving
 from ...engine.async_llm import HEALTH_TIMEOUT_S, AsyncLLM, EngineUnresponsiveError
 from ...utils.proc import EngineDeadError
 from .metrics import ServerMetrics
+from .serving_dashboard import DashboardHub, page_file
 from .protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIError,
                        error_body, random_id)
 
@@ -58,8 +65,24 @@ async def _send_error(send, status: int, message: str, code: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+_KEYED_DASHBOARD_PATHS = ("/dashboard", "/dashboard/", "/dashboard/events")
+
+
+def _key_given(scope, headers: dict, api_key: str) -> bool:
+    """The Authorization header says `Bearer <api_key>`; on the dashboard's page and
+    stream, `?key=<api_key>` in the URL also does (EventSource sends no headers)."""
+    expected = api_key.encode()
+    if hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + expected):
+        return True
+    if scope["path"] not in _KEYED_DASHBOARD_PATHS:
+        return False
+    keys = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", [])
+    return any(hmac.compare_digest(k.encode(), expected) for k in keys)
+
+
 class _Guard:
-    """ASGI middleware: the API key (on /v1/ paths) and the body size limit (413).
+    """ASGI middleware: the API key (on /v1/ paths, the dashboard's page and stream) and
+    the body size limit (413).
 
     The body is read here, up to max_body_bytes, and replayed to the app, so a client
     that declares no Content-Length (chunked) cannot get past the limit either.
@@ -72,11 +95,12 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.api_key.encode()):
+        path = scope["path"]
+        if self.api_key is not None and (path.startswith("/v1/") or path in _KEYED_DASHBOARD_PATHS):
+            if not _key_given(scope, headers, self.api_key):
                 return await _send_error(send, 401, "Incorrect or missing API key "
-                                                    "(send 'Authorization: Bearer KEY')", "invalid_api_key")
+                                                    "(send 'Authorization: Bearer KEY'; "
+                                                    "the dashboard also takes ?key=KEY)", "invalid_api_key")
         declared = headers.get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return await _send_error(send, 413, f"request body is {int(declared)} bytes, more than "
@@ -108,16 +132,21 @@ class _Guard:
 
 def build_app(engine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              health_timeout: float = HEALTH_TIMEOUT_S) -> FastAPI:
+              health_timeout: float = HEALTH_TIMEOUT_S, dashboard: bool = True,
+              dashboard_show_text: bool = False) -> FastAPI:
     """The FastAPI app serving `engine` (an AsyncLLM) under the name `served_model_name`.
 
     Args:
-        api_key: if set, every /v1/ request must send `Authorization: Bearer <api_key>`.
+        api_key: if set, every /v1/ request must send `Authorization: Bearer <api_key>`
+            (and /dashboard, /dashboard/events that or `?key=<api_key>`).
         max_body_bytes: larger request bodies get a 413.
         health_timeout: seconds GET /health waits for the core's answer to a ping.
+        dashboard: serve GET /dashboard and its stream (False: they are 404s).
+        dashboard_show_text: the dashboard shows the requests' prompt and output text.
     """
     app = FastAPI(title="nanopaged", docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(engine, served_model_name)
+    hub = DashboardHub(engine, dashboard_show_text) if dashboard else None
+    metrics = ServerMetrics(engine, served_model_name, hub)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_, e: OpenAIError):
@@ -220,6 +249,26 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
     async def get_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if hub is not None:
+        @app.get("/dashboard")
+        async def dashboard_page():
+            return HTMLResponse(page_file("index.html")[0])
+
+        @app.get("/dashboard/static/{name}")
+        async def dashboard_static(name: str):
+            found = page_file(name)
+            if found is None:
+                raise OpenAIError(404, f"no dashboard file {name!r}")
+            return Response(found[0], media_type=found[1])
+
+        @app.get("/dashboard/events")
+        async def dashboard_events():
+            if engine.errored:
+                raise OpenAIError(500, "the engine core has died")
+            events = hub.events()
+            return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
     return app
 
@@ -275,6 +324,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--health-timeout", type=float, default=HEALTH_TIMEOUT_S,
                     help="seconds /health waits for the engine core's answer before a 503; "
                          "more than the longest step")
+    ap.add_argument("--dashboard-show-text", action="store_true",
+                    help="the dashboard (GET /dashboard) shows prompt and output text; without it, "
+                         "request ids and token counts only")
+    ap.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                    help="turn GET /dashboard and /dashboard/events off (404)")
     _add_engine_flags(ap)
     return ap.parse_args(argv)
 
@@ -284,7 +338,7 @@ async def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     own = {"model", "host", "port", "api_key", "served_model_name", "max_body_bytes", "log_level",
-           "health_timeout"}
+           "health_timeout", "dashboard", "dashboard_show_text"}
     engine_args = {k: v for k, v in vars(args).items() if k not in own}
     logger.info("starting the engine for %s (the HTTP server starts once it is ready)",
                 args.model or f"the default model {DEFAULT_MODEL_NAME}")
@@ -292,7 +346,8 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
         app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                        health_timeout=args.health_timeout)
+                        health_timeout=args.health_timeout, dashboard=args.dashboard,
+                        dashboard_show_text=args.dashboard_show_text)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)

@@ -1,0 +1,177 @@
+"""The live dashboard's data (engine/dashboard.py, issue 27): build_snapshot reads the
+pool, the queues and the block tables as the engine has them; DashboardSampler gathers
+each step's decisions and hands out a snapshot at most every 0.1 s, the steps between
+coalesced; the core process listens only while a viewer watches, and a viewer sees the
+state the engine rests in, also right after a step inside the 0.1 s window."""
+import asyncio
+import dataclasses
+import json
+import time
+
+import pytest
+
+from nanopaged import EngineConfig, LLMEngine, SamplingParams
+from nanopaged.engine.dashboard import MAX_STEPS, DashboardSampler, build_snapshot
+from nanopaged.engine.engine_core_client import EngineCoreProc
+
+pytestmark = pytest.mark.timeout(180)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def engine(folder, **kw) -> LLMEngine:
+    kw = {"num_gpu_blocks": 32, "block_size": 4, "attention_backend": "torch", "num_cpu_blocks": 0, **kw}
+    return LLMEngine(EngineConfig(model=str(folder), **kw))
+
+
+def snapshot(eng):
+    return build_snapshot(eng, [], eng.num_steps, 0.0)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_running_request_shows_its_blocks_with_owner_and_ref_count(tiny_model_dir):
+    eng = engine(tiny_model_dir)
+    eng.add_request("a", list(range(1, 8)), GREEDY)              # 7 tokens: 2 blocks of 4
+    eng.step()
+    snap = snapshot(eng)
+    seq = eng.requests["a"].seqs[0]
+    table = seq.block_table.block_ids
+    assert snap.running == ["a"] and snap.waiting == snap.swapped == []
+    (req,) = snap.requests
+    assert (req.request_id, req.status, req.num_prompt_tokens, req.num_output_tokens) == ("a", "running", 7, 1)
+    assert req.prompt is None and req.output is None                # the core has no text
+    (dseq,) = req.seqs
+    assert (dseq.seq_id, dseq.block_table, dseq.on_cpu, dseq.num_computed_tokens, dseq.num_tokens) == (
+        seq.seq_id, table, False, 7, 8)
+    for b in range(snap.num_gpu_blocks):
+        assert (snap.gpu_owners[b], snap.gpu_ref_count[b]) == ((["a"], 1) if b in table else ([], 0))
+    assert snap.stats["kv_usage"] == pytest.approx(len(table) / 32)
+    assert json.loads(json.dumps(dataclasses.asdict(snap)))["requests"][0]["seqs"][0]["block_table"] == table
+
+
+def test_n2_shares_its_prompt_blocks_with_ref_count_2_then_all_free_or_cached(tiny_model_dir):
+    eng = engine(tiny_model_dir)
+    sampler = DashboardSampler()
+    eng.add_observer(sampler)
+    eng.add_request("a", list(range(1, 10)), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6,
+                                                            ignore_eos=True))
+    eng.step()                                       # the prefill, then the fork
+    sampler.end_step(eng.num_steps)
+    snap = snapshot(eng)
+    (req,) = snap.requests
+    t0, t1 = (s.block_table for s in req.seqs)
+    assert len(req.seqs) == 2 and t0 == t1           # forked: one table, held twice
+    assert all(snap.gpu_ref_count[b] == 2 and snap.gpu_owners[b] == ["a"] for b in t0)
+    eng.step()                                       # both write into the shared last block
+    sampler.end_step(eng.num_steps)
+    cow = [c for s in sampler.steps for c in s.copy_on_write]
+    assert len(cow) == 1 and cow[0]["src"] == t0[-1]
+    while eng.has_unfinished_requests():
+        eng.step()
+    snap = snapshot(eng)
+    assert snap.requests == [] and snap.running == []
+    assert all(r == 0 and o == [] for r, o in zip(snap.gpu_ref_count, snap.gpu_owners))
+    assert snap.gpu_cached[t0[0]] and snap.gpu_cached[t0[1]]    # the full prompt blocks: free, cached
+    assert snap.stats["num_copy_on_write"] == 1
+
+
+def test_the_sampler_coalesces_steps_into_at_most_one_snapshot_per_interval(tiny_model_dir):
+    eng = engine(tiny_model_dir)
+    clock = FakeClock()
+    sampler = DashboardSampler(start=clock(), clock=clock)
+    eng.add_observer(sampler)
+    eng.add_request("a", list(range(1, 8)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    snaps = []
+    for _ in range(5):                               # within one interval: one snapshot, the first
+        eng.step()
+        sampler.end_step(eng.num_steps)
+        snaps.append(sampler.poll(eng))
+    assert snaps[0] is not None and snaps[1:] == [None] * 4
+    assert [s.step for s in snaps[0].steps] == [1]
+    assert snaps[0].steps[0].scheduled == [{"request_id": "a", "seq_id": 0, "kind": "prefill", "num_tokens": 7}]
+    clock.now += 0.15
+    snap = sampler.poll(eng)
+    assert [s.step for s in snap.steps] == [2, 3, 4, 5] and snap.step == 5 and snap.time == pytest.approx(0.15)
+    assert all(s.scheduled[0]["kind"] == "decode" for s in snap.steps)
+    assert snap.stats["tokens_per_s"] == pytest.approx(4 / 0.15)     # 4 tokens since the first snapshot
+    assert sampler.poll(eng) is None and sampler.poll(eng, force=True) is not None
+    for _ in range(MAX_STEPS + 5):                   # more steps than a snapshot carries: the latest
+        eng.step()
+        sampler.end_step(eng.num_steps)
+    clock.now += 1.0
+    snap = sampler.poll(eng)
+    assert len(snap.steps) == MAX_STEPS and snap.steps[-1].step == eng.num_steps
+
+
+def test_preemption_is_a_decision_of_its_step(tiny_model_dir):
+    eng = engine(tiny_model_dir, num_gpu_blocks=6, preemption_mode="recompute")
+    sampler = DashboardSampler()
+    eng.add_observer(sampler)
+    for rid in "ab":
+        eng.add_request(rid, list(range(1, 9)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    seen = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        sampler.end_step(eng.num_steps)
+        seen += [p for s in sampler.steps for p in s.preempted]
+        sampler.steps.clear()
+    assert {"request_id": "b", "mode": "recompute"} in seen
+
+
+def test_the_core_process_listens_only_while_a_viewer_watches(tiny_model_dir, tmp_path):
+    eng = engine(tiny_model_dir)
+    core = eng.engine_core
+    proc = EngineCoreProc(core, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", parent_pid=0)
+    try:
+        assert list(core.observers) == [] and proc.dashboard is None
+        proc._watch_dashboard(True)
+        assert list(core.observers) == [proc.dashboard] and proc._dashboard_now
+        proc._watch_dashboard(True)                  # a second viewer: still one observer
+        assert len(core.observers) == 1
+        proc._watch_dashboard(False)
+        assert list(core.observers) == [] and proc.dashboard is None
+    finally:
+        proc.input.close(linger=0)
+        proc.output.close(linger=0)
+        proc.ctx.term()
+
+
+def test_a_viewer_gets_the_idle_state_at_once_and_the_final_state_after_a_burst(tiny_model_dir):
+    from nanopaged.engine.async_llm import AsyncLLM
+    from nanopaged.sampling_params import RequestOutputKind
+
+    async def main():
+        llm = AsyncLLM(str(tiny_model_dir), num_gpu_blocks=32, block_size=4, attention_backend="torch",
+                       preemption_mode="recompute", num_cpu_blocks=0)
+        try:
+            got = []
+            llm.add_dashboard_viewer(got.append)
+            deadline = time.monotonic() + 10
+            while not got and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert got and got[0].requests == [] and sum(got[0].gpu_ref_count) == 0   # idle: at once
+            await asyncio.sleep(0.15)                # so the first step's snapshot is sent at once
+            params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+            [out async for out in llm.generate(list(range(1, 10)), params, "r")]
+            # the last steps fell inside the 0.1 s window: flushed before the core blocks
+            deadline = time.monotonic() + 10
+            while (got[-1].requests or got[-1].step == 0) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            last = got[-1]
+            assert last.requests == [] and sum(last.gpu_ref_count) == 0 and last.step >= 4
+            assert any(s.requests and s.requests[0].status == "running" for s in got)
+            assert len(got) <= 2 + (time.monotonic() - start) / 0.1 + 1
+            llm.remove_dashboard_viewer(got.append)
+        finally:
+            llm.shutdown()
+
+    start = time.monotonic()
+    asyncio.run(main())
