@@ -1,8 +1,10 @@
 """`pip install .` (not editable) ships every package and the kernel sources: the wheel
 carries each package that setup.py finds (a hand-kept list once left out
 nanopaged.exercises, so `python -m nanopaged.exercise` failed after a wheel install) and
-kernels/ as nanopaged/_kernels/ (pyproject.toml), and an installed nanopaged finds them
-there, runs the course's exercise runner and the tracer from outside the checkout.
+kernels/ as nanopaged/_kernels/ (pyproject.toml), and the dashboard page's files
+(nanopaged/entrypoints/openai/dashboard/, package data); an installed nanopaged finds
+them there, runs the course's exercise runner and the tracer (and its replay export)
+from outside the checkout.
 
 The wheel is built from a copy of the repository in tmp_path, so no build/ or
 *.egg-info lands in the checkout; without build isolation (offline, a few seconds)."""
@@ -53,6 +55,8 @@ def test_the_wheel_carries_every_package_of_the_checkout(installed):
     assert packages and all(f"{p}/__init__.py" in names for p in packages), sorted(packages - {
         n.rsplit("/", 1)[0] for n in names})
     assert all(f"nanopaged/_kernels/{s}" in names for s in SOURCES), sorted(names)
+    page = {f"nanopaged/entrypoints/openai/dashboard/{f}" for f in ("index.html", "dashboard.js", "dashboard.css")}
+    assert page <= set(names), sorted(page - set(names))
 
 
 @pytest.mark.timeout(180)
@@ -79,3 +83,8 @@ def test_an_installed_wheel_runs_the_exercises_and_the_tracer(installed, tmp_pat
                                     "--no-pause"], cwd=tmp_path)
     assert traced.returncode == 0, traced.stderr
     assert "copy-on-write" in traced.stdout.lower() or "cow" in traced.stdout.lower(), traced.stdout[-2000:]
+    page = tmp_path / "cow.html"                 # the replay page inlines the wheel's dashboard files
+    exported = run_installed(target, ["-m", "nanopaged.trace", "--model", str(tiny_model_dir), "--scenario", "cow",
+                                      "--no-pause", "--export", str(page)], cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr
+    assert "window.NANOPAGED_REPLAY = [" in page.read_text()

@@ -25,20 +25,23 @@ blocks, block table, physical blocks), drawn from a live engine rather than by h
 itself has no tracer, only the KV-cache events of `vllm/distributed/kv_events.py`.
 The scenarios (scenarios.py) replay the paper's figures as real runs. In a terminal,
 Enter shows the next step and q quits; with --no-pause, or when stdout is not a
-terminal, every step is printed. --export writes the whole trace as SVG or HTML (rich
-records the console). Chapter 13 explains it; its figures are exports of this tool.
+terminal, every step is printed. --export FILE.svg writes the whole trace as SVG (rich
+records the console); --export FILE.html writes a replay page instead: the server's
+dashboard with a snapshot of every step embedded, stepped with ← and → (replay.py).
+Chapter 13 explains it; its figures are exports of this tool.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from rich.console import Console
 from rich.text import Text
 
 from .. import events as ev
+from .replay import ReplayRecorder, replay_page
 from .scenarios import SCENARIOS, History, Scenario, prompt_scenario
 from .view import TraceView
 
@@ -47,12 +50,13 @@ if TYPE_CHECKING:
 
 
 def run_trace(engine: LLMEngine, scenario: Scenario, console: Console, *, steps: int | None = None,
-              pause: bool = False) -> History:
+              pause: bool = False, on_step: Callable[[int, list[ev.Event]], None] | None = None) -> History:
     """Run a scenario on `engine`, drawing every step on `console` (view.py).
 
     Each request is added before step `arrival + 1` (at once if the engine is idle);
     then the engine steps until it has nothing left to do, or for `steps` steps. With
-    pause=True it waits for a key after each step, and q stops it.
+    pause=True it waits for a key after each step, and q stops it. on_step(number,
+    events) is called after each step is drawn (the replay export's snapshots).
 
     Returns the events of each step (index 0 is step 1; a request added before a step
     counts in that step). Raises what add_request raises for a request that cannot run
@@ -76,6 +80,8 @@ def run_trace(engine: LLMEngine, scenario: Scenario, console: Console, *, steps:
             history.append(log[:])
             log.clear()
             view.step(len(history), history[-1])
+            if on_step is not None:
+                on_step(len(history), history[-1])
             if pause and not _next_step_wanted():
                 break
     finally:
@@ -136,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=_positive("--steps"), default=None, metavar="N", help="stop after N steps")
     ap.add_argument("--no-pause", action="store_true", help="print every step without waiting for a key")
     ap.add_argument("--export", default=None, metavar="FILE.svg|FILE.html",
-                    help="also write the whole trace to an SVG or HTML file")
+                    help="also write the whole trace: .svg the console's pictures, .html a replay page "
+                         "(the dashboard, stepped with the arrow keys)")
     ap.add_argument("--width", type=_positive("--width"), default=None, metavar="N",
                     help="characters per line (default: the terminal's; 120 when not a terminal)")
     spec = ap.add_argument_group("speculative decoding (chapter 19; default: the scenario's, usually off)")
@@ -174,18 +181,22 @@ def main(argv: list[str] | None = None) -> int:
     scenario = prompt_scenario(args.prompt, args.max_tokens) if args.prompt else SCENARIOS[args.scenario or "fig6"]
 
     tty = sys.stdout.isatty()
-    console = Console(record=args.export is not None, highlight=False, width=args.width or (None if tty else 120))
+    svg = args.export is not None and args.export.lower().endswith(".svg")
+    console = Console(record=svg, highlight=False, width=args.width or (None if tty else 120))
     err = Console(stderr=True, highlight=False, soft_wrap=True)     # messages are never cut into lines
     try:
         with err.status("loading the model ..."):
             engine = scenario.build_engine(args.model, args.block_size, args.num_gpu_blocks, speculative)
-        run_trace(engine, scenario, console, steps=args.steps,
-                  pause=tty and sys.stdin.isatty() and not args.no_pause)
+        recorder = ReplayRecorder(engine) if args.export is not None and not svg else None
+        run_trace(engine, scenario, console, steps=args.steps, pause=tty and sys.stdin.isatty() and not args.no_pause,
+                  on_step=recorder.record if recorder else None)
+        if svg:
+            console.save_svg(args.export, title=f"nanopaged trace: {scenario.name}")
+        elif recorder is not None:
+            with open(args.export, "w", encoding="utf-8") as f:
+                f.write(replay_page(recorder.snapshots, f"nanopaged trace: {scenario.name}",
+                                    f"{scenario.title}. {scenario.watch}"))
         if args.export is not None:
-            if args.export.lower().endswith(".svg"):
-                console.save_svg(args.export, title=f"nanopaged trace: {scenario.name}")
-            else:
-                console.save_html(args.export)
             err.print(f"trace written to {args.export}")
     except (ValueError, OSError, RuntimeError) as e:       # FileNotFoundError is an OSError
         err.print(Text.assemble(("error: ", "red"), str(e)))

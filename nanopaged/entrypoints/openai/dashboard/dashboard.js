@@ -147,7 +147,10 @@
         var line = document.createElement("span");
         line.className = "mono";
         if (r) {
-          var blocks = r.seqs.reduce(function (n, q) { return n + q.block_table.length; }, 0);
+          var held = {}, blocks = 0;                             // distinct blocks: seqs share some
+          r.seqs.forEach(function (q) {
+            q.block_table.forEach(function (b) { if (!held[b]) { held[b] = true; blocks++; } });
+          });
           li.setAttribute("data-num-tokens", r.num_prompt_tokens + r.num_output_tokens);
           line.textContent = id + " · " + r.num_prompt_tokens + " prompt + " + r.num_output_tokens +
             " output tokens · " + r.seqs.length + " seq" + (r.seqs.length > 1 ? "s" : "") + " · " + blocks + " blocks";
@@ -243,7 +246,7 @@
   // -- the step log --------------------------------------------------------------------------
   function describe(step) {
     var parts = step.scheduled.map(function (x) {
-      return x.request_id + "/" + x.seq_id + " " + x.kind + " " + x.num_tokens;
+      return x.request_id + "/seq " + x.seq_id + " " + x.kind + " " + x.num_tokens;
     });
     step.preempted.forEach(function (p) { parts.push("preempt " + p.request_id + " (" + p.mode + ")"); });
     step.copy_on_write.forEach(function (c) { parts.push("copy-on-write seq " + c.seq_id + ": " + c.src + "→" + c.dst); });
@@ -268,7 +271,7 @@
     var el = $(id), max = Math.max.apply(null, values.concat([1e-9]));
     if (id !== "spark-tokens") max = 1;                        // fractions: 0..1
     var n = values.length, points = values.map(function (v, i) {
-      var x = n > 1 ? (i * 120) / (HISTORY - 1) : 0;
+      var x = n > 1 ? (i * 120) / (n - 1) : 0;
       return x.toFixed(1) + "," + (23 - (22 * v) / max).toFixed(1);
     });
     el.querySelector("polyline").setAttribute("points", points.join(" "));
