@@ -56,13 +56,16 @@
   var gpuGrid = makeGrid("gpu-grid", "gpu-note", "data-block");
   var cpuGrid = makeGrid("cpu-grid", "cpu-note", "data-cpu-block");
 
-  function build(grid, size, prefix) {
-    if (grid.size === size) return;
+  // size: the pool's blocks; sent: how many of them the snapshot describes (the server
+  // sends at most engine/dashboard.MAX_BLOCKS per pool)
+  function build(grid, size, sent, prefix) {
+    if (grid.size === size && grid.sent === sent) return;
     grid.size = size;
+    grid.sent = sent;
     grid.el.textContent = "";
     grid.cells = [];
     grid.shown = [];
-    var n = Math.min(size, MAX_CELLS), dense = size > DENSE_AT;
+    var n = Math.min(size, sent, MAX_CELLS), dense = n > DENSE_AT;
     grid.el.classList.toggle("dense", dense);
     grid.el.classList.toggle("large", size <= LARGE_UP_TO);
     var frag = document.createDocumentFragment();
@@ -91,9 +94,10 @@
   }
 
   function drawGpu(s) {
-    build(gpuGrid, s.num_gpu_blocks, "block ");
+    var sent = s.gpu_ref_count.length;
+    build(gpuGrid, s.num_gpu_blocks, sent, "block ");
     var counts = { free: 0, cached: 0, used: 0, shared: 0 };
-    for (var b = 0; b < s.num_gpu_blocks; b++) {
+    for (var b = 0; b < sent; b++) {
       var ref = s.gpu_ref_count[b], owners = s.gpu_owners[b] || [];
       var state = ref > 1 ? "shared" : ref === 1 ? "used" : s.gpu_cached[b] ? "cached" : "free";
       counts[state]++;
@@ -107,7 +111,8 @@
     }
     gpuGrid.el.classList.toggle("has-selection", selected !== null);
     var summary = $("gpu-summary");
-    summary.textContent = s.num_gpu_blocks + " blocks · " + counts.used + " used · " + counts.shared +
+    summary.textContent = s.num_gpu_blocks + " blocks" + (sent < s.num_gpu_blocks ? " (counts of the first " +
+      sent + ")" : "") + " · " + counts.used + " used · " + counts.shared +
       " shared · " + counts.cached + " free cached · " + counts.free + " free · block size " + s.block_size;
     for (var k in counts) summary.setAttribute("data-" + k, counts[k]);
   }
@@ -115,9 +120,10 @@
   function drawCpu(s) {
     $("cpu-pool").hidden = !s.num_cpu_blocks;
     if (!s.num_cpu_blocks) return;
-    build(cpuGrid, s.num_cpu_blocks, "CPU block ");
+    var sent = s.cpu_owners.length;
+    build(cpuGrid, s.num_cpu_blocks, sent, "CPU block ");
     var used = 0;
-    for (var b = 0; b < s.num_cpu_blocks; b++) {
+    for (var b = 0; b < sent; b++) {
       var owner = s.cpu_owners[b];
       if (owner !== null && owner !== undefined) used++;
       if (b >= cpuGrid.cells.length) continue;
@@ -127,7 +133,8 @@
       set(cpuGrid, b, "selected", owner != null && owner === selected);
     }
     cpuGrid.el.classList.toggle("has-selection", selected !== null);
-    $("cpu-summary").textContent = s.num_cpu_blocks + " blocks · " + used + " used";
+    $("cpu-summary").textContent = s.num_cpu_blocks + " blocks · " + used + " used" +
+      (sent < s.num_cpu_blocks ? " of the first " + sent : "");
   }
 
   // -- the queues --------------------------------------------------------------------------
