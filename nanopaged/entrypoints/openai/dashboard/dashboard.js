@@ -159,12 +159,17 @@
             q.block_table.forEach(function (b) { if (!held[b]) { held[b] = true; blocks++; } });
           });
           li.setAttribute("data-num-tokens", r.num_prompt_tokens + r.num_output_tokens);
-          line.textContent = id + " · " + r.num_prompt_tokens + " prompt + " + r.num_output_tokens +
-            " output tokens · " + r.seqs.length + " seq" + (r.seqs.length > 1 ? "s" : "") + " · " + blocks + " blocks";
+          line.textContent = id;
+          var counts = document.createElement("span");            // on its own line: ids are long
+          counts.className = "counts";
+          counts.textContent = r.num_prompt_tokens + " prompt + " + r.num_output_tokens + " output tokens · " +
+            r.seqs.length + " seq" + (r.seqs.length > 1 ? "s" : "") + " · " + blocks + " blocks";
+          li.appendChild(line);
+          li.appendChild(counts);
         } else {
           line.textContent = id;
+          li.appendChild(line);
         }
-        li.appendChild(line);
         if (r && (r.prompt != null || r.output != null)) {     // only with --dashboard-show-text
           var text = document.createElement("span");
           text.className = "text";
