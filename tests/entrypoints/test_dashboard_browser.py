@@ -31,6 +31,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -339,3 +341,39 @@ def test_the_dashboard_in_chromium_under_load(browser, tiny_model_dir, tmp_path)
         alive = server.stop()
     assert server.proc.returncode == 0 and not alive, f"exit {server.proc.returncode}, left behind: {alive}"
     assert server.left_in_tmp == [], server.left_in_tmp
+
+
+def test_the_tracers_replay_page_steps_back_and_forth_in_chromium(browser, tmp_path):
+    """`python -m nanopaged.trace --export FILE.html` on the tiny model, opened as a file:
+    the first snapshot is shown, the buttons and the arrow keys move through the steps,
+    and each step's grid is that snapshot's (the shared blocks of the cow scenario show
+    ref_count 2 at some step)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from nanopaged.exercises import tiny_model_folder
+    page = tmp_path / "cow.html"
+    done = subprocess.run([sys.executable, "-m", "nanopaged.trace", "--model", tiny_model_folder(), "--scenario",
+                           "cow", "--no-pause", "--export", str(page)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stderr
+    browser.get(page.as_uri())
+    position = lambda: browser.execute_script(
+        "var p = document.getElementById('replay-position');"
+        "return [+p.getAttribute('data-index'), +p.getAttribute('data-count'),"
+        " document.getElementById('status').getAttribute('data-state'),"
+        " Array.from(document.querySelectorAll('#gpu-grid [data-block]')).map(c => +c.getAttribute('data-ref-count'))];")
+    index, count, state, _ = _poll(position, lambda p: p[1] > 2, 10, "the replay page to load")
+    assert (index, state) == (1, "replay")
+    shared_seen = False
+    for i in range(2, count + 1):
+        browser.find_element(By.ID, "replay-next").click()
+        index, _, _, refs = position()
+        assert index == i
+        shared_seen |= max(refs) >= 2
+    assert shared_seen, "no step of the cow scenario showed a shared block"
+    browser.find_element(By.ID, "replay-prev").click()
+    assert position()[0] == count - 1
+    browser.find_element(By.TAG_NAME, "body").send_keys(Keys.ARROW_LEFT)
+    assert position()[0] == count - 2
+    browser.find_element(By.TAG_NAME, "body").send_keys(Keys.ARROW_RIGHT)
+    assert position()[0] == count - 1
