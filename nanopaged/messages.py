@@ -340,7 +340,7 @@ class DashboardStep:
 @dataclass
 class DashboardSnapshot:
     """The engine's state after a step, for the live dashboard (GET /dashboard) and the
-    tracer's replay page: sent at most ~10 times a second, only while a viewer watches,
+    tracer's replay page: sent at most 5 times a second, only while a viewer watches,
     JSON for the browser via dataclasses.asdict.
 
     Attributes:
@@ -353,8 +353,8 @@ class DashboardSnapshot:
             (free and cached: reusable on a hit).
         gpu_owners: [same length] the request ids holding each block, each once
             ([] when free; n sequences of one request sharing a block: one id, ref_count n).
-        cpu_owners: [min(num_cpu_blocks, MAX_BLOCKS)] the request id holding each CPU
-            block, or None.
+        cpu_owners: CPU block id -> the request id holding it, for the held blocks among
+            the first MAX_BLOCKS (a swap pool is mostly free; JSON makes the keys strings).
         requests: every unfinished request; running, waiting, swapped: their ids by queue.
         steps: the decisions of the steps since the last snapshot (coalesced), oldest first.
         stats: counters and rates: "tokens_per_s" (generated, over the last second),
@@ -370,7 +370,7 @@ class DashboardSnapshot:
     gpu_ref_count: list[int]
     gpu_cached: list[bool]
     gpu_owners: list[list[str]]
-    cpu_owners: list[str | None]
+    cpu_owners: dict[int, str]
     requests: list[DashboardRequest]
     running: list[str]
     waiting: list[str]
@@ -392,7 +392,7 @@ class EngineCoreOutputs:
         pongs: the numbers of the PINGs the core took in before this step: proof that
             its loop still turns (AsyncLLM.check_health, the server's /health).
         dashboard: while a viewer watches (a DASHBOARD True message), the engine's
-            state for the live dashboard, at most ~10 times a second
+            state for the live dashboard, at most 5 times a second
             (engine/dashboard.py); None otherwise.
     """
 

@@ -18,7 +18,7 @@ output handler) reads every step's outputs and sorts them into the queues. The c
 never waits for the front end, nor the front end for the core.
 
 The live dashboard (engine/dashboard.py): `add_dashboard_viewer(callback)` has the core
-send snapshots of its state (at most ~10 a second, only while someone watches); the
+send snapshots of its state (at most 5 a second, only while someone watches); the
 output handler keeps the latest and calls every viewer's callback with it.
 
 Leaving a `generate` loop early (break, the task cancelled, an HTTP client gone) aborts

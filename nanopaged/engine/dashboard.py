@@ -1,5 +1,5 @@
 """The dashboard's data: a DashboardSnapshot of the engine's state, and a sampler that
-collects each step's decisions and hands out a snapshot at most ~10 times a second.
+collects each step's decisions and hands out a snapshot at most 5 times a second.
 
 The live dashboard (GET /dashboard, entrypoints/openai/serving_dashboard.py) and the
 tracer's replay page draw the same picture the tracer's terminal view draws
@@ -13,7 +13,7 @@ step's events (events.py), so `DashboardSampler` listens for them.
     core.observers.append(sampler)         # only while a viewer watches: else no cost at all
     core.step()
     sampler.end_step(core.num_steps)       # this step's decisions become one DashboardStep
-    snapshot = sampler.poll(core)          # a snapshot, or None within 0.1 s of the last one
+    snapshot = sampler.poll(core)          # a snapshot, or None within 0.2 s of the last one
 
 The steps between two snapshots are coalesced into the next one's `steps` (the last
 MAX_STEPS of them), so a viewer at 10 updates a second still sees every decision of a
@@ -28,7 +28,8 @@ from collections import deque
 from ..events import CopyOnWrite, Event, Preempted, SequenceScheduled
 from ..messages import DashboardRequest, DashboardSequence, DashboardSnapshot, DashboardStep
 
-SNAPSHOT_INTERVAL_S = 0.1    # at most ~10 snapshots a second
+SNAPSHOT_INTERVAL_S = 0.2    # at most 5 snapshots a second: on 2 cores, 10 a second of SmolLM2's
+                             # pool cost a viewer's server ~4% of its throughput (README)
 MAX_STEPS = 20               # the decisions of at most this many steps per snapshot
 RATE_WINDOW_S = 1.0          # tokens_per_s: generated tokens over the last second
 MAX_BLOCKS = 16384           # per pool: the first this many blocks are drawn (a tiny model's
@@ -56,7 +57,7 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
     # makes a snapshot of a 32768-block pool ~10x cheaper to send (readers never mutate).
     nobody: list[str] = []
     owners: list[list[str]] = [nobody] * num_gpu
-    cpu_owners: list[str | None] = [None] * num_cpu
+    cpu_owners: dict[int, str] = {}       # only the held CPU blocks: most of the pool is free
     requests = []
     for status, queue in (("running", s.running), ("swapped", s.swapped), ("waiting", s.waiting)):
         for group in queue:

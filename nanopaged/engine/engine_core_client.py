@@ -81,7 +81,7 @@ class EngineCoreProc:
 
     The live dashboard: while the front end says a viewer watches (DASHBOARD True), a
     DashboardSampler listens to the core's events and a snapshot rides along with the
-    outputs at most every 0.1 s; the last one is sent before the loop blocks, so a
+    outputs at most every 0.2 s; the last one is sent before the loop blocks, so a
     viewer always sees the state the engine rests in. Without a viewer there is no
     observer, and no snapshot is ever built.
     """

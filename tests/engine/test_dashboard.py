@@ -1,8 +1,8 @@
 """The live dashboard's data (engine/dashboard.py, issue 27): build_snapshot reads the
 pool, the queues and the block tables as the engine has them; DashboardSampler gathers
-each step's decisions and hands out a snapshot at most every 0.1 s, the steps between
+each step's decisions and hands out a snapshot at most every 0.2 s, the steps between
 coalesced; the core process listens only while a viewer watches, and a viewer sees the
-state the engine rests in, also right after a step inside the 0.1 s window."""
+state the engine rests in, also right after a step inside the 0.2 s window."""
 import asyncio
 import dataclasses
 import json
@@ -96,11 +96,11 @@ def test_the_sampler_coalesces_steps_into_at_most_one_snapshot_per_interval(tiny
     assert snaps[0] is not None and snaps[1:] == [None] * 4
     assert [s.step for s in snaps[0].steps] == [1]
     assert snaps[0].steps[0].scheduled == [{"request_id": "a", "seq_id": 0, "kind": "prefill", "num_tokens": 7}]
-    clock.now += 0.15
+    clock.now += 0.25                                # past the 0.2 s interval
     snap = sampler.poll(eng)
-    assert [s.step for s in snap.steps] == [2, 3, 4, 5] and snap.step == 5 and snap.time == pytest.approx(0.15)
+    assert [s.step for s in snap.steps] == [2, 3, 4, 5] and snap.step == 5 and snap.time == pytest.approx(0.25)
     assert all(s.scheduled[0]["kind"] == "decode" for s in snap.steps)
-    assert snap.stats["tokens_per_s"] == pytest.approx(4 / 0.15)     # 4 tokens since the first snapshot
+    assert snap.stats["tokens_per_s"] == pytest.approx(4 / 0.25)     # 4 tokens since the first snapshot
     assert sampler.poll(eng) is None and sampler.poll(eng, force=True) is not None
     for _ in range(MAX_STEPS + 5):                   # more steps than a snapshot carries: the latest
         eng.step()
@@ -157,18 +157,18 @@ def test_a_viewer_gets_the_idle_state_at_once_and_the_final_state_after_a_burst(
             while not got and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             assert got and got[0].requests == [] and sum(got[0].gpu_ref_count) == 0   # idle: at once
-            await asyncio.sleep(0.15)                # so the first step's snapshot is sent at once
+            await asyncio.sleep(0.25)                # past the 0.2 s interval: the first step's snapshot goes at once
             params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
                                     output_kind=RequestOutputKind.FINAL_ONLY)
             [out async for out in llm.generate(list(range(1, 10)), params, "r")]
-            # the last steps fell inside the 0.1 s window: flushed before the core blocks
+            # the last steps fell inside the 0.2 s window: flushed before the core blocks
             deadline = time.monotonic() + 10
             while (got[-1].requests or got[-1].step == 0) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             last = got[-1]
             assert last.requests == [] and sum(last.gpu_ref_count) == 0 and last.step >= 4
             assert any(s.requests and s.requests[0].status == "running" for s in got)
-            assert len(got) <= 2 + (time.monotonic() - start) / 0.1 + 1
+            assert len(got) <= 2 + (time.monotonic() - start) / 0.2 + 1
             llm.remove_dashboard_viewer(got.append)
         finally:
             llm.shutdown()
@@ -187,6 +187,7 @@ def test_a_huge_pool_is_drawn_up_to_max_blocks(tiny_model_dir, monkeypatch):
     eng.step()
     snap = snapshot(eng)
     assert (snap.num_gpu_blocks, snap.num_cpu_blocks) == (32, 40)
-    assert len(snap.gpu_ref_count) == len(snap.gpu_cached) == len(snap.gpu_owners) == len(snap.cpu_owners) == 8
+    assert len(snap.gpu_ref_count) == len(snap.gpu_cached) == len(snap.gpu_owners) == 8
+    assert snap.cpu_owners == {}                                   # nothing swapped out
     assert snap.requests[0].seqs[0].block_table == eng.requests["a"].seqs[0].block_table.block_ids
     assert len(snap.requests[0].seqs[0].block_table) == 10

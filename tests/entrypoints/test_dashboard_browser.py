@@ -250,7 +250,7 @@ def _click_a_request_and_read_its_table(driver, read):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         # found in the page, not entry by entry over the wire: a snapshot redraws the
-        # entries every ~0.1 s, and each round trip to the driver takes some of that
+        # entries every ~0.2 s, and each round trip to the driver takes some of that
         entry = driver.execute_script(YOUNGEST_RUNNING)
         if entry is not None:
             try:

@@ -67,7 +67,7 @@ def test_the_hub_subscribes_once_fans_out_and_keeps_alive(monkeypatch):
     seq = DashboardSequence(seq_id=0, block_table=[0], on_cpu=False, num_computed_tokens=3, num_tokens=4)
     snap = DashboardSnapshot(step=3, time=1.0, block_size=4, num_gpu_blocks=2, num_cpu_blocks=0,
                              gpu_ref_count=[1, 0], gpu_cached=[False, True], gpu_owners=[["a"], []],
-                             cpu_owners=[], requests=[DashboardRequest("a", "running", 3, 1, [seq])],
+                             cpu_owners={}, requests=[DashboardRequest("a", "running", 3, 1, [seq])],
                              running=["a"], waiting=[], swapped=[],
                              steps=[DashboardStep(3, [{"request_id": "a", "seq_id": 0, "kind": "decode",
                                                        "num_tokens": 1}])], stats={"kv_usage": 0.5})

@@ -89,7 +89,7 @@ def test_a_swapped_request_sits_in_the_cpu_pool_and_the_swapped_queue(tiny_model
     [request] = [r for r in s["requests"] if r["request_id"] == victim]
     assert request["status"] == "swapped" and all(q["on_cpu"] for q in request["seqs"])
     held = [b for q in request["seqs"] for b in q["block_table"]]
-    assert held and all(s["cpu_owners"][b] == victim for b in held)
+    assert held and all(s["cpu_owners"][str(b)] == victim for b in held)      # JSON: string keys
     assert all(victim not in owners for owners in s["gpu_owners"])
 
 
@@ -109,7 +109,7 @@ def test_a_finished_requests_blocks_are_free_but_cached(tiny_model_dir):
 def one_snapshot(prompt: str) -> DashboardSnapshot:
     return DashboardSnapshot(
         step=1, time=0.5, block_size=4, num_gpu_blocks=2, num_cpu_blocks=0, gpu_ref_count=[1, 0],
-        gpu_cached=[False, False], gpu_owners=[["A"], []], cpu_owners=[],
+        gpu_cached=[False, False], gpu_owners=[["A"], []], cpu_owners={},
         requests=[DashboardRequest("A", "running", 3, 0, [DashboardSequence(0, [0], False, 3, 3)], prompt=prompt)],
         running=["A"], waiting=[], swapped=[],
         steps=[DashboardStep(1, scheduled=[{"request_id": "A", "seq_id": 0, "kind": "prefill", "num_tokens": 3}])])

@@ -6,7 +6,7 @@
                                    (dataclasses.asdict of a DashboardSnapshot), and a
                                    `: keep-alive` comment line after 15 s without one
 
-The engine core builds a snapshot at most every 0.1 s, and only while a viewer watches
+The engine core builds a snapshot at most every 0.2 s, and only while a viewer watches
 (engine/dashboard.py); AsyncLLM hands each to the DashboardHub here, which encodes it
 once and puts it in every viewer's mailbox. A mailbox holds one snapshot, the newest: a
 viewer that reads slowly, or not at all (its socket's buffers full), skips the

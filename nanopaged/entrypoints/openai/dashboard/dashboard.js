@@ -29,6 +29,7 @@
   var LOG_LINES = 200;         // step-log entries kept
   var LARGE_UP_TO = 128;      // a pool this small (the tracer's) gets big cells
   var DENSE_AT = 2048;         // past this many blocks, cells get small and lose their labels
+  var MAX_BLOCKS = 16384;      // engine/dashboard.MAX_BLOCKS: a snapshot describes this many per pool
   var MAX_CELLS = 32768;       // cells drawn per pool; the rest are counted in a note
 
   var $ = function (id) { return document.getElementById(id); };
@@ -120,7 +121,7 @@
   function drawCpu(s) {
     $("cpu-pool").hidden = !s.num_cpu_blocks;
     if (!s.num_cpu_blocks) return;
-    var sent = s.cpu_owners.length;
+    var sent = Math.min(s.num_cpu_blocks, MAX_BLOCKS);    // cpu_owners: the held ones only
     build(cpuGrid, s.num_cpu_blocks, sent, "CPU block ");
     var used = 0;
     for (var b = 0; b < sent; b++) {
