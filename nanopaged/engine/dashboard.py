@@ -117,6 +117,7 @@ class DashboardSampler:
         self.steps: deque[DashboardStep] = deque(maxlen=max_steps)   # since the last snapshot
         self.changed = False              # something happened since the last snapshot
         self.last_snapshot = float("-inf")
+        self.last_rate = 0.0              # tokens_per_s of the last snapshot
         self.num_snapshots = 0
         self._generated: deque[tuple[float, int]] = deque()   # (time, num_generated_tokens)
 
@@ -144,12 +145,19 @@ class DashboardSampler:
         now = self.clock()
         if not force and (not self.changed or now - self.last_snapshot < self.interval):
             return None
+        rate = self._rate(now, engine_core.scheduler.num_generated_tokens)
         snapshot = build_snapshot(engine_core, self.steps, getattr(engine_core, "num_steps", 0),
-                                  now - self.start, self._rate(now, engine_core.scheduler.num_generated_tokens))
+                                  now - self.start, rate)
+        self.last_rate = rate
         self.steps.clear()
         self.changed, self.last_snapshot = False, now
         self.num_snapshots += 1
         return snapshot
+
+    def rate_is_stale(self) -> bool:
+        """The last snapshot reported tokens flowing, and a whole RATE_WINDOW_S has passed
+        since: an idle engine owes its viewer one more snapshot, saying 0 tokens/s."""
+        return self.last_rate > 0 and self.clock() - self.last_snapshot >= RATE_WINDOW_S
 
     def _rate(self, now: float, generated: int) -> float:
         """Generated tokens per second over about the last RATE_WINDOW_S."""

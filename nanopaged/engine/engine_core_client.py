@@ -103,8 +103,9 @@ class EngineCoreProc:
         core = self.engine_core
         while True:
             idle = not core.has_unfinished_requests()
-            if idle and self.dashboard is not None and self.dashboard.changed:
-                # about to block: the last snapshot must not wait for the next step
+            if idle and self.dashboard is not None and (self.dashboard.changed or self.dashboard.rate_is_stale()):
+                # about to block: the last snapshot must not wait for the next step (and
+                # a second later one more, whose tokens/s is 0, not the last busy second's)
                 self._send(EngineCoreOutputs(scheduler_stats=core.get_stats(),
                                              dashboard=self.dashboard.poll(core, force=True)))
             rejected, changed = self._process_input(block=idle)
@@ -149,6 +150,8 @@ class EngineCoreProc:
             while not self.input.poll(1000):
                 if os.getppid() != self.parent_pid:
                     return None, False
+                if self.dashboard is not None and self.dashboard.rate_is_stale():
+                    return rejected, False                 # back to the loop: a snapshot is owed
         while self.input.poll(0):
             kind, payload = pickle.loads(self.input.recv())
             changed = True

@@ -191,3 +191,36 @@ def test_a_huge_pool_is_drawn_up_to_max_blocks(tiny_model_dir, monkeypatch):
     assert snap.cpu_owners == {}                                   # nothing swapped out
     assert snap.requests[0].seqs[0].block_table == eng.requests["a"].seqs[0].block_table.block_ids
     assert len(snap.requests[0].seqs[0].block_table) == 10
+
+
+def test_an_idle_engine_reports_zero_tokens_per_s_a_second_later(tiny_model_dir):
+    """The flush when the engine goes idle still counts the last busy second; about a
+    second later the core sends one more snapshot, with tokens_per_s 0 (not a stale rate
+    for as long as the engine rests)."""
+    from nanopaged.engine.async_llm import AsyncLLM
+    from nanopaged.sampling_params import RequestOutputKind
+
+    async def main():
+        llm = AsyncLLM(str(tiny_model_dir), num_gpu_blocks=32, block_size=4, attention_backend="torch",
+                       preemption_mode="recompute", num_cpu_blocks=0)
+        try:
+            got = []
+            llm.add_dashboard_viewer(got.append)
+            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+            [out async for out in llm.generate(list(range(1, 10)), params, "r")]
+            deadline = time.monotonic() + 10
+            while not any(s.stats["tokens_per_s"] > 0 for s in got) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert any(s.stats["tokens_per_s"] > 0 for s in got)
+            while (got[-1].requests or got[-1].stats["tokens_per_s"] > 0) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert got[-1].requests == [] and got[-1].stats["tokens_per_s"] == 0
+            count = len(got)
+            await asyncio.sleep(1.5)                     # and then it rests: nothing more is sent
+            assert len(got) == count
+            llm.remove_dashboard_viewer(got.append)
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
