@@ -329,12 +329,16 @@ class DashboardStep:
             ("prefill", "decode" or "verify"), "num_tokens"}.
         preempted: {"request_id", "mode" ("swap" or "recompute")} per preemption.
         copy_on_write: {"seq_id", "src", "dst"} per copy-on-write block copy.
+        verified: speculative decoding, one per verified sequence: {"request_id",
+            "seq_id", "num_drafts", "num_accepted", "taken_back"} (the blocks given back
+            because they held only rejected drafts' slots).
     """
 
     step: int
     scheduled: list[dict] = field(default_factory=list)
     preempted: list[dict] = field(default_factory=list)
     copy_on_write: list[dict] = field(default_factory=list)
+    verified: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -356,7 +360,9 @@ class DashboardSnapshot:
         cpu_owners: CPU block id -> the request id holding it, for the held blocks among
             the first MAX_BLOCKS (a swap pool is mostly free; JSON makes the keys strings).
         requests: every unfinished request; running, waiting, swapped: their ids by queue.
-        steps: the decisions of the steps since the last snapshot (coalesced), oldest first.
+        steps: the decisions of the steps since the last snapshot, oldest first: the
+            last engine/dashboard.MAX_STEPS of them (a fast engine's older ones are
+            dropped; their step numbers show the gap).
         stats: counters and rates: "tokens_per_s" (generated, over the last second),
             "kv_usage" (fraction of device blocks in use, 0..1), "prefix_cache_hit_rate"
             (0..1), "num_preemptions", "num_copy_on_write", "num_generated_tokens".

@@ -16,8 +16,9 @@ step's events (events.py), so `DashboardSampler` listens for them.
     snapshot = sampler.poll(core)          # a snapshot, or None within 0.2 s of the last one
 
 The steps between two snapshots are coalesced into the next one's `steps` (the last
-MAX_STEPS of them), so a viewer at 10 updates a second still sees every decision of a
-slow engine and the latest ones of a fast one. EngineCoreProc (engine_core_client.py)
+MAX_STEPS of them), so a viewer at 5 updates a second sees every decision of an engine
+that takes 10 ms or more a step, and the latest ones of a faster one (the page marks the
+steps it missed). EngineCoreProc (engine_core_client.py)
 runs this in the core's process; the tracer calls build_snapshot after every step.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from ..events import CopyOnWrite, Event, Preempted, SequenceScheduled
+from ..events import BlockCached, BlockFreed, CopyOnWrite, DraftsVerified, Event, Preempted, SequenceScheduled
 from ..messages import DashboardRequest, DashboardSequence, DashboardSnapshot, DashboardStep
 
 SNAPSHOT_INTERVAL_S = 0.2    # at most 5 snapshots a second: on 2 cores, 10 a second of SmolLM2's
@@ -114,6 +115,7 @@ class DashboardSampler:
         self.clock, self.interval = clock, interval
         self.start = clock() if start is None else start
         self.current = DashboardStep(step=-1)              # the step being gathered
+        self._verifying: dict | None = None                # a DraftsVerified whose BlockFreed may follow
         self.steps: deque[DashboardStep] = deque(maxlen=max_steps)   # since the last snapshot
         self.changed = False              # something happened since the last snapshot
         self.last_snapshot = float("-inf")
@@ -131,6 +133,17 @@ class DashboardSampler:
             self.current.preempted.append({"request_id": event.request_id, "mode": event.mode})
         elif isinstance(event, CopyOnWrite):
             self.current.copy_on_write.append({"seq_id": event.seq_id, "src": event.src, "dst": event.dst})
+        elif isinstance(event, DraftsVerified):
+            self._verifying = {"request_id": event.request_id, "seq_id": event.seq_id,
+                               "num_drafts": len(event.spec_token_ids), "num_accepted": event.num_accepted,
+                               "taken_back": []}
+            self.current.verified.append(self._verifying)
+            return
+        verifying = self._verifying
+        if verifying is not None and isinstance(event, BlockFreed) and event.seq_id == verifying["seq_id"]:
+            verifying["taken_back"].append(event.block_id)  # right after its DraftsVerified: a rollback
+        elif not (verifying is not None and isinstance(event, BlockCached) and event.seq_id == verifying["seq_id"]):
+            self._verifying = None        # (trace/scenarios.taken_back reads the events the same way)
 
     def end_step(self, step: int) -> None:
         """A step has ended: its decisions become DashboardStep number `step`."""

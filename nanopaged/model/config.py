@@ -68,21 +68,29 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model folder {str(folder)!r}")
         c = json.loads(path.read_text())
-        archs = c.get("architectures") or [_MODEL_TYPES.get(c.get("model_type"), f"model_type={c.get('model_type')!r}")]
+        archs = c.get("architectures") or [_MODEL_TYPES.get(c.get("model_type"))]
+        if archs[0] is None:
+            raise ValueError(f"{path}: no 'architectures', and model_type={c.get('model_type')!r} is not one of "
+                             f"{sorted(_MODEL_TYPES)}")
         try:
             check_architecture(archs[0])
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{path}: hidden_act={c['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
-        if c.get("attention_bias") or c.get("mlp_bias"):
-            raise ValueError(f"{path}: attention_bias/mlp_bias=True is not supported "
-                             "(Qwen2's q/k/v bias is, by its architecture)")
+        for key in ("attention_bias", "mlp_bias"):
+            if c.get(key):
+                raise ValueError(f"{path}: {key}={c[key]!r} is not supported "
+                                 "(Qwen2's q/k/v bias is, by its architecture)")
         # transformers >= 5 keeps rope settings in `rope_parameters`; older ones in
         # `rope_theta` + `rope_scaling`. Accept both.
         rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            field = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
+            raise ValueError(f"{path}: {field}.rope_type={rope_type!r} is not supported "
+                             "(supported: default, linear, llama3)")
         heads = c["num_attention_heads"]
         eos = c.get("eos_token_id")
         return cls(
@@ -101,10 +109,13 @@ class ModelConfig:
 
 def _sliding_window(c: dict) -> int | None:
     """The window a config really uses: Mistral's `sliding_window` when set; Qwen2/Qwen3
-    carry one too but use it only with `use_sliding_window` (or a "sliding_attention"
-    entry in transformers 5's `layer_types`)."""
+    carry one too but use it only with `use_sliding_window`, and transformers 5's
+    `layer_types` says per layer ("sliding_attention" or "full_attention") when present."""
     window = c.get("sliding_window")
     if window is None:
         return None
-    used = c.get("use_sliding_window", True) or "sliding_attention" in (c.get("layer_types") or [])
+    if c.get("layer_types"):
+        used = "sliding_attention" in c["layer_types"]
+    else:
+        used = c.get("use_sliding_window", True)
     return int(window) if used else None

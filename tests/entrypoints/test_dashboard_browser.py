@@ -333,6 +333,10 @@ def test_the_dashboard_in_chromium_under_load(browser, tiny_model_dir, tmp_path)
         assert any(c["state"] == "cached" for c in after["cells"])           # the prompts stay in the prefix cache
         assert not any(c["owners"] for c in after["cells"])
         assert after["step"] and int(after["step"]) > 0
+        # a second after the last step the core reports the rate it now has: none
+        rate = "return document.getElementById('spark-tokens').getAttribute('data-value')"
+        _poll(lambda: browser.execute_script(rate), lambda v: v is not None and float(v) == 0, 10,
+              "tokens/s back to 0 when idle")
         _screenshot(browser, tmp_path, "dashboard-idle.png")
     finally:
         if load is not None and load.is_alive():

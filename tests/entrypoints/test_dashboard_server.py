@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -238,5 +239,23 @@ def test_dashboard_shows_text_only_with_the_flag(tiny_model_dir):
         shown = [r for s in snapshots for r in s["requests"] if r["status"] == "running"]
         assert shown and all(r["prompt"].startswith(tuple(PROMPTS)) for r in shown)
         assert any(r["output"] for r in shown)
+        # a viewer still watching when the server is stopped: its stream is ended cleanly
+        # (not cut off after uvicorn's graceful-shutdown timeout, with errors in the log)
+        ended, opened = [], threading.Event()
+
+        def watch():
+            with httpx.stream("GET", server.url + "/dashboard/events", timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        opened.set()
+            ended.append(True)
+        viewer = threading.Thread(target=watch, daemon=True)
+        viewer.start()
+        assert opened.wait(30)
     finally:
         _stop(server)
+    viewer.join(10)
+    server.log.seek(0)
+    log = server.log.read()
+    assert ended == [True], "the open stream did not end cleanly"
+    assert "graceful shutdown exceeded" not in log and "Exception in ASGI application" not in log, log

@@ -49,6 +49,9 @@ def test_registry_names_every_family_and_refuses_others(tmp_path):
     del config["architectures"]
     (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type="qwen2")))
     assert ModelConfig.from_pretrained(tmp_path).architecture == "Qwen2ForCausalLM"
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, model_type="gpt2")))
+    with pytest.raises(ValueError, match=r"no 'architectures', and model_type='gpt2' is not one of \['llama', "):
+        ModelConfig.from_pretrained(tmp_path)
 
 
 @pytest.mark.parametrize("arch, words", [
@@ -126,5 +129,21 @@ def test_qwen_sliding_window_is_off_unless_used(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window=32, use_sliding_window=False)))
     assert ModelConfig.from_pretrained(tmp_path).sliding_window is None
+    # transformers 5's layer_types decide when present (all "full_attention" here)
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window=32, use_sliding_window=True)))
+    assert ModelConfig.from_pretrained(tmp_path).sliding_window is None
+    config["layer_types"] = ["sliding_attention", "full_attention"]
     (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window=32, use_sliding_window=True)))
     assert ModelConfig.from_pretrained(tmp_path).sliding_window == 32
+    del config["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, sliding_window=32, use_sliding_window=True)))
+    assert ModelConfig.from_pretrained(tmp_path).sliding_window == 32
+
+
+def test_an_unsupported_rope_type_names_the_file_and_field(tmp_path):
+    make_tiny_model(tmp_path, "Qwen2ForCausalLM")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: rope_parameters.rope_type='yarn' is not supported"):
+        LLM(str(tmp_path))

@@ -269,6 +269,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    app.state.dashboard_hub = hub        # serve() ends its streams when the server stops
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
     return app
 
@@ -314,7 +315,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ (and it or "
+                    "?key=KEY on /dashboard and its stream; a key in a URL lands in access logs)")
     ap.add_argument("--served-model-name", default=None,
                     help="the name clients send as 'model' (default: --model, or "
                          f"{DEFAULT_MODEL_NAME} for the default model)")
@@ -357,9 +359,17 @@ async def serve(args: argparse.Namespace) -> None:
                 await asyncio.sleep(0.05)
             logger.info("ready on http://%s:%d (model %r)", args.host, args.port, name)
 
+        async def end_dashboard_streams():  # an open event stream would hold the shutdown 5 s
+            while not server.should_exit:
+                await asyncio.sleep(0.1)
+            if app.state.dashboard_hub is not None:
+                app.state.dashboard_hub.close()
+
         ready = asyncio.create_task(say_ready())
+        closer = asyncio.create_task(end_dashboard_streams())
         await server.serve()
         ready.cancel()
+        closer.cancel()
     finally:
         engine.shutdown()
 

@@ -45,7 +45,13 @@ class LatestOnly:
     def __init__(self) -> None:
         self.item: str | None = None
         self.dropped = 0
+        self.closed = False
         self._ready = asyncio.Event()
+
+    def close(self) -> None:
+        """Wake the reader for good: `get` returns None at once from now on."""
+        self.closed = True
+        self._ready.set()
 
     def put(self, item: str) -> None:
         if self.item is not None:
@@ -79,11 +85,19 @@ class DashboardHub:
         self.latest: str | None = None            # the newest snapshot, as JSON
         self.num_snapshots = 0
         self._dropped_by_gone = 0                 # by viewers that have left
+        self.closing = False                      # close(): no new streams either
 
     @property
     def dropped(self) -> int:
         """Snapshots some viewer skipped because it had not read the one before."""
         return self._dropped_by_gone + sum(v.dropped for v in self.viewers)
+
+    def close(self) -> None:
+        """The server is stopping: end every viewer's stream (it would otherwise hold the
+        graceful shutdown until uvicorn cancels it, logging errors)."""
+        self.closing = True
+        for box in self.viewers:
+            box.close()
 
     def _on_snapshot(self, snapshot) -> None:
         """AsyncLLM's callback: encode once, hand to every viewer (never waits)."""
@@ -95,6 +109,8 @@ class DashboardHub:
     async def events(self):
         """One viewer's server-sent events, until it goes (the response is cancelled)."""
         box = LatestOnly()
+        if self.closing:
+            box.close()
         first = not self.viewers
         self.viewers.add(box)
         try:
@@ -103,8 +119,10 @@ class DashboardHub:
             elif self.latest is not None:          # current: the core flushes before it idles
                 box.put(self.latest)
             yield ": nanopaged dashboard\n\n"      # the headers go out now, not at the first snapshot
-            while True:
+            while not box.closed:
                 data = await box.get(KEEP_ALIVE_S)
+                if box.closed:
+                    break                          # the server is stopping: end the stream
                 yield ": keep-alive\n\n" if data is None else f"data: {data}\n\n"
         finally:
             self.viewers.discard(box)

@@ -2,7 +2,7 @@
  *
  * Two sources of snapshots:
  *   live:   a server's GET /dashboard/events, server-sent events, one JSON snapshot each
- *           (the server sends at most ~10 a second, and only while a page watches);
+ *           (the server sends at most 5 a second, and only while a page watches);
  *   replay: window.NANOPAGED_REPLAY = [snapshot, ...], embedded by
  *           `python -m nanopaged.trace --export FILE.html`; ← and → step through them.
  *
@@ -39,11 +39,13 @@
 
   // -- colours: stable per request id (a hash spread by the golden angle) ------------------
   var colours = {};
+  // A request's colour: by order of first appearance, each hue 137.5° (the golden angle)
+  // from the one before, so requests that arrive together never share a colour.
+  var numColoured = 0;
   function colour(requestId) {
     if (!(requestId in colours)) {
-      var h = 0;
-      for (var i = 0; i < requestId.length; i++) h = (h * 31 + requestId.charCodeAt(i)) >>> 0;
-      colours[requestId] = "hsl(" + Math.round((h * 137.508) % 360) + ", 60%, " + (58 + (h >> 8) % 12) + "%)";
+      var n = numColoured++;
+      colours[requestId] = "hsl(" + ((n * 137.508) % 360).toFixed(1) + ", 60%, " + (56 + 8 * (n % 3)) + "%)";
     }
     return colours[requestId];
   }
@@ -113,7 +115,7 @@
     gpuGrid.el.classList.toggle("has-selection", selected !== null);
     var summary = $("gpu-summary");
     summary.textContent = s.num_gpu_blocks + " blocks" + (sent < s.num_gpu_blocks ? " (counts of the first " +
-      sent + ")" : "") + " · " + counts.used + " used · " + counts.shared +
+      sent + ")" : "") + " · " + counts.used + " held by one · " + counts.shared +
       " shared · " + counts.cached + " free cached · " + counts.free + " free · block size " + s.block_size;
     for (var k in counts) summary.setAttribute("data-" + k, counts[k]);
   }
@@ -163,7 +165,8 @@
           line.textContent = id;
           var counts = document.createElement("span");            // on its own line: ids are long
           counts.className = "counts";
-          counts.textContent = r.num_prompt_tokens + " prompt + " + r.num_output_tokens + " output tokens · " +
+          counts.textContent = r.num_prompt_tokens + " prompt + " + r.num_output_tokens + " output tokens" +
+            (r.seqs.length > 1 ? " (all seqs)" : "") + " · " +
             r.seqs.length + " seq" + (r.seqs.length > 1 ? "s" : "") + " · " + blocks + " blocks";
           li.appendChild(line);
           li.appendChild(counts);
@@ -243,15 +246,17 @@
     if (last) draw(last);
   }
 
-  $("gpu-grid").addEventListener("click", function (e) {
+  // Selection on mousedown, not click: the queues are rebuilt with every snapshot, and a
+  // click whose press and release land on two versions of an entry is no click at all.
+  $("gpu-grid").addEventListener("mousedown", function (e) {
     var owners = e.target.getAttribute && e.target.getAttribute("data-owners");
     if (owners !== null && owners !== undefined) select(owners ? owners.split(",")[0] : null);
   });
-  $("cpu-grid").addEventListener("click", function (e) {
+  $("cpu-grid").addEventListener("mousedown", function (e) {
     var owners = e.target.getAttribute && e.target.getAttribute("data-owners");
     if (owners) select(owners);
   });
-  $("queues").addEventListener("click", function (e) {
+  $("queues").addEventListener("mousedown", function (e) {
     var li = e.target.closest && e.target.closest("li[data-request-id]");
     if (li) select(li.getAttribute("data-request-id"));
   });
@@ -263,12 +268,27 @@
     });
     step.preempted.forEach(function (p) { parts.push("preempt " + p.request_id + " (" + p.mode + ")"); });
     step.copy_on_write.forEach(function (c) { parts.push("copy-on-write seq " + c.seq_id + ": " + c.src + "→" + c.dst); });
-    return "step " + step.step + ": " + (parts.join(" · ") || "nothing scheduled");
+    (step.verified || []).forEach(function (v) {
+      parts.push(v.request_id + "/seq " + v.seq_id + ": " + v.num_accepted + " of " + v.num_drafts + " drafts accepted" +
+                 (v.taken_back.length ? ", block" + (v.taken_back.length > 1 ? "s " : " ") + v.taken_back.join(", ") +
+                  " taken back" : ""));
+    });
+    return parts.join(" · ") || "nothing scheduled";           // the list's number is the step
   }
 
+  var lastLogged = null;
   function logSteps(steps) {
     var log = $("step-log");
     steps.forEach(function (step) {
+      if (lastLogged !== null && step.step > lastLogged + 1) {   // steps no snapshot carried
+        var gap = document.createElement("li");
+        gap.className = "gap";
+        gap.value = step.step - 1;
+        gap.textContent = "… " + (step.step - lastLogged - 1) + " step" + (step.step - lastLogged > 2 ? "s" : "") +
+          " not shown (more than a snapshot carries)";
+        log.insertBefore(gap, log.firstChild);
+      }
+      lastLogged = step.step;
       var li = document.createElement("li");
       li.value = step.step;
       li.setAttribute("data-step", step.step);
@@ -351,6 +371,7 @@
 
   // -- replay: the snapshots of a traced run, embedded in the page ------------------------------
   function replay(snapshots) {
+    $("spark-tokens").hidden = true;      // the tracer's own wall-clock rate: it means nothing here
     var index = 0;
     $("replay-controls").hidden = false;
     function show(i) {
@@ -358,6 +379,7 @@
       var s = snapshots[index], from = Math.max(0, index - HISTORY + 1);
       history = snapshots.slice(from, index + 1).map(function (x) { return x.stats || {}; });
       $("step-log").textContent = "";
+      lastLogged = null;
       snapshots.slice(Math.max(0, index - LOG_LINES + 1), index + 1).forEach(function (x) { logSteps(x.steps || []); });
       draw(s);
       drawSparklines();
