@@ -49,8 +49,8 @@ def with_text(snapshot: DashboardSnapshot, engine: LLMEngine) -> DashboardSnapsh
 class ReplayRecorder:
     """Takes a snapshot after every traced step: pass its `record` to run_trace as
     on_step. It is the server's DashboardSampler, handed each step's events and asked
-    for a snapshot after every step rather than at most ~10 a second (its tokens/s is
-    the tracer's: slow, since each step is drawn too)."""
+    for a snapshot after every step rather than at most 5 a second (its tokens/s is
+    the tracer's: slow, since each step is drawn too; the replay page hides it)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
