@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -442,6 +443,25 @@ async def _stream_text(client: httpx.AsyncClient, body: dict) -> str:
     return text
 
 
+def test_a_prompt_of_max_model_len_is_refused_and_one_less_gives_one_token(http):
+    """Field case C58, at the tiny model's max_model_len of 256: a prompt of exactly 256
+    token ids with max_tokens 5 is a 400 naming max_model_len and both lengths, streamed
+    or not (it once ran to 257 tokens in all); 255 ids give exactly one token, ended by
+    length, streamed or not."""
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={"prompt": [7] * 256, "max_tokens": 5, "stream": stream})
+        assert r.status_code == 400, (stream, r.text)
+        assert all(w in r.json()["error"]["message"] for w in ("256 tokens", "max_model_len=256")), r.text
+    body = {"prompt": [7] * 255, "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    whole = http.post("/v1/completions", json=body).json()
+    assert whole["usage"]["completion_tokens"] == 1 and whole["choices"][0]["finish_reason"] == "length"
+    chunks = [json.loads(line[6:]) for line in
+              http.post("/v1/completions", json=dict(body, stream=True)).text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_32_concurrent_streams_equal_their_solo_outputs(tiny_server, http):
     bodies = [{"prompt": PROMPTS[i % 3] + " " * (i // 3 % 2), "max_tokens": 4 + i % 9, "temperature": 0,
                "ignore_eos": True} for i in range(32)]
@@ -508,11 +528,13 @@ def test_disconnect_before_a_whole_response_aborts(tiny_server, http):
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_with_a_stream_in_flight_stops_the_core_and_exits_0(tiny_model_dir):
-    """SIGTERM (how systemd, Docker and Kubernetes stop a service) while a stream is being
-    served: the server exits with status 0, its EngineCore process is gone, and so is the
-    core's ipc folder. uvicorn raises the signal again after its graceful end; with the
-    default action the process died there (status -15) before shutting the core down."""
+def test_sigterm_with_streams_in_flight_stops_the_core_and_exits_0(tiny_model_dir):
+    """Field case C67. SIGTERM (how systemd, Docker and Kubernetes stop a service) while 8
+    streams are being served: the server exits with status 0, its EngineCore process is
+    gone, and so is the core's ipc folder; every client sees its stream end or an error,
+    none hangs. uvicorn raises the signal again after its graceful end; with the default
+    action the process died there (status -15) before shutting the core down. (SIGTERM
+    to an idle server: every test's Server.stop.)"""
     server = Server(tiny_model_dir, *TINY_ARGS, "--log-level", "info")
     try:
         ready = f"ready on http://127.0.0.1:{server.port}"
@@ -530,13 +552,25 @@ def test_sigterm_with_a_stream_in_flight_stops_the_core_and_exits_0(tiny_model_d
         assert [p for p in os.listdir(server.tmpdir) if p.startswith("nanopaged-")], "no ipc folder"
         body = {"model": str(tiny_model_dir), "prompt": "Hello", "max_tokens": 200, "stream": True,
                 "ignore_eos": True, "temperature": 0}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
-            lines = response.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))     # it is streaming
-            server.proc.send_signal(signal.SIGTERM)
+        streaming, ended = threading.Barrier(9, timeout=60), []
+
+        def client():
             with contextlib.suppress(httpx.HTTPError):
-                for _ in lines:                       # the stream ends: finished or cut off
-                    pass
+                with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+                    lines = response.iter_lines()
+                    assert next(line for line in lines if line.startswith("data:"))     # it is streaming
+                    streaming.wait()
+                    for _ in lines:                   # the stream ends: finished or cut off
+                        pass
+            ended.append(True)
+        clients = [threading.Thread(target=client, daemon=True) for _ in range(8)]
+        for c in clients:
+            c.start()
+        streaming.wait()                              # all 8 streaming
+        server.proc.send_signal(signal.SIGTERM)
+        for c in clients:
+            c.join(timeout=60)
+        assert len(ended) == 8, f"{8 - len(ended)} clients hung"
         assert server.proc.wait(timeout=30) == 0
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"left behind: {alive}"

@@ -98,6 +98,19 @@ def test_a_row_is_the_same_after_a_recompute_preemption(model_dir, alone, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_seeded_n2_chat_is_the_same_on_a_cache_hit(model_dir, dtype):
+    """Field case C45s: LLM.chat of one user message, n=2, temperature 1, seed 1234, three
+    times in one engine: the second and third run hit the prefix cache, and all three
+    give the same two samples (in bf16 the first once differed from the two hits)."""
+    llm = engine(model_dir, dtype, enable_prefix_caching=True)
+    params = SamplingParams(n=2, temperature=1.0, seed=1234, max_tokens=16)
+    chat = [{"role": "user", "content": "Paged attention splits the KV cache into blocks."}]
+    runs = [[c.token_ids for c in llm.chat(chat, params, use_tqdm=False)[0].outputs] for _ in range(3)]
+    assert llm.engine.get_stats()["prefix_cache_hits"] > 0
+    assert runs[0] == runs[1] == runs[2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_seeded_sampling_gives_the_same_text_on_a_cache_hit(model_dir, dtype):
     llm = engine(model_dir, dtype, enable_prefix_caching=True)
     params = SamplingParams(n=2, temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
@@ -190,3 +203,28 @@ def test_attention_kernel_gives_a_row_the_same_bits_in_every_batch_and_block_siz
         alone = _paged(kernels, q[s], [k[s]], [v[s]], [q_lens[s]], 16, seed=s)
         for bs, outs in together.items():
             assert torch.equal(outs[s], alone), (s, bs)
+
+
+# -- the real model ----------------------------------------------------------------------
+
+ROMAN = "The history of the Roman empire"
+FIFTEEN = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
+           "def fibonacci(n):", "Once upon a time", "The three laws of motion are", "List five fruits:",
+           "Translate 'good morning' into Spanish:", "SELECT * FROM users WHERE", "The mitochondria is",
+           "Dear hiring manager,", "In 1969, Apollo 11", "A recipe for pancakes:", "import numpy as np",
+           "The best way to learn a language is"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_real_model_gives_a_prompt_the_same_bits_as_the_7th_of_16(default_model_dir, dtype):
+    """Field case C63 on SmolLM2-135M-Instruct: greedy, 64 new tokens, the prompt alone and
+    then as the 7th of 16 different prompts: the same text, and the sampled tokens'
+    logprobs equal as floats, in float32 and in bfloat16 (where `auto` picks bf16, on an
+    AMX CPU, the text once parted at the 4th character)."""
+    llm = LLM(str(default_model_dir), dtype=dtype, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=64, logprobs=1)
+    alone = llm.generate([ROMAN], params, use_tqdm=False)[0].outputs[0]
+    batched = llm.generate(FIFTEEN[:6] + [ROMAN] + FIFTEEN[6:], params, use_tqdm=False)[6].outputs[0]
+    assert batched.text == alone.text
+    assert batched.token_ids == alone.token_ids and batched.logprobs == alone.logprobs
