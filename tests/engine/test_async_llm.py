@@ -189,7 +189,7 @@ def two_busy_processes():
 @pytest.mark.timeout(300)
 def test_a_request_id_reused_right_after_leaving_gets_only_its_own_tokens(engine, offline, loop,
                                                                          two_busy_processes):
-    """Field case C49r. Leave a long stream under id X after two outputs, then at once send
+    """Field case C49 (C49r in CASES.md). Leave a long stream under id X after two outputs, then at once send
     a short request under X again. The first request's last outputs may still be on their way from the
     core (it has not seen the abort yet); they must not reach the second request. With
     one id for both they did, on a loaded CPU: the 24-token request ended with hundreds

@@ -99,7 +99,7 @@ def test_a_row_is_the_same_after_a_recompute_preemption(model_dir, alone, dtype)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_seeded_n2_chat_is_the_same_on_a_cache_hit(model_dir, dtype):
-    """Field case C45s: LLM.chat of one user message, n=2, temperature 1, seed 1234, three
+    """Field case C45 (C45s in CASES.md): LLM.chat of one user message, n=2, temperature 1, seed 1234, three
     times in one engine: the second and third run hit the prefix cache, and all three
     give the same two samples (in bf16 the first once differed from the two hits)."""
     llm = engine(model_dir, dtype, enable_prefix_caching=True)
