@@ -36,6 +36,7 @@ import torch
 
 from ..messages import GrammarOutput, SchedulerOutput
 from ..sampling_params import StructuredOutputsParams
+from ..utils.checks import check_json_nesting
 from ..utils.math_utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,9 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
     or GBNF.
 
     Raises:
-        ValueError: json that is not JSON text or a dict; a grammar that cannot be
-            read as Lark or GBNF. The message names the field.
+        ValueError: json that is not JSON text or a dict, or JSON text nested deeper
+            than MAX_NESTING_DEPTH (utils/checks.py); a grammar that cannot be read as
+            Lark or GBNF. The message names the field.
     """
     import llguidance
 
@@ -69,6 +71,7 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
     if kind in ("json", "json_object"):
         schema = params.json if kind == "json" else {"type": "object"}
         if isinstance(schema, str):
+            check_json_nesting("StructuredOutputsParams.json", schema)    # json.loads recurses
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:

@@ -7,6 +7,8 @@ it, through the attributes dashboard.js sets for exactly this purpose: the grid'
 entries (data-request-id), the block table's rows (data-logical, data-physical) and
 #status (data-step).
 
+- /dashboard?key= lands on /dashboard (the key traded for an HttpOnly cookie, which the
+  page's stream then uses);
 - during the load the grid shows used blocks, and blocks shared with ref_count 2 by the
   two sequences of one n=2 request;
 - a click on a request shows its block table, and its physical ids are exactly the cells
@@ -308,6 +310,10 @@ def test_the_dashboard_in_chromium_under_load(browser, tiny_model_dir, tmp_path)
     try:
         browser.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": HOLD})
         browser.get(f"{server.url}/dashboard?key={KEY}")
+        # the key is traded for an HttpOnly cookie: the page's URL no longer holds it, and
+        # its scripts cannot read the cookie (the stream goes live below on the cookie alone)
+        assert browser.current_url == f"{server.url}/dashboard", browser.current_url
+        assert browser.execute_script("return document.cookie;") == ""
         read = lambda: browser.execute_script(READ_PAGE)    # noqa: E731
         idle = _poll(read, lambda p: p["state"] == "live" and len(p["cells"]) == 64, 30, "the page going live")
         assert all(c["state"] in ("free", "cached") for c in idle["cells"])

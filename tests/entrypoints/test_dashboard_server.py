@@ -7,7 +7,8 @@ ones it skipped, a quiet stream sends keep-alive comments, --no-dashboard is a 4
 two real servers (test_serve.py's Server) under a bounded load of requests: the stream
 shows used blocks during the load and a pool all free (or free-cached) after it; no text
 by default, text with --dashboard-show-text; with --api-key the page and the stream need
-the key (header or ?key=); and a stalled viewer (a socket that never reads) neither
+the key (the header, or the cookie that /dashboard?key= sets: test_serve_input.py tests
+that flow); and a stalled viewer (a socket that never reads) neither
 stops the load nor grows the server's memory: its updates are dropped and counted.
 """
 from __future__ import annotations
@@ -123,9 +124,9 @@ def _metric(url: str, name: str, headers=None) -> float:
     raise KeyError(name)
 
 
-async def _watch(url: str, snapshots: list) -> None:
+async def _watch(url: str, snapshots: list, headers=None) -> None:
     """A viewer: read the stream, keep every snapshot (parsed), until cancelled."""
-    async with httpx.AsyncClient(timeout=None) as client:
+    async with httpx.AsyncClient(timeout=None, headers=headers) as client:
         async with client.stream("GET", url) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             async for line in r.aiter_lines():
@@ -162,7 +163,7 @@ def _stalled_viewer(server: Server) -> socket.socket:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", server.port))
-    sock.sendall(f"GET /dashboard/events?key={KEY} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    sock.sendall(f"GET /dashboard/events HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
     return sock
 
 
@@ -178,7 +179,7 @@ def test_dashboard_under_load_with_a_key_and_a_stalled_viewer(tiny_model_dir):
         assert httpx.get(url + "/dashboard").status_code == 401
         assert httpx.get(url + "/dashboard", params={"key": "wrong"}).status_code == 401
         assert httpx.get(url + "/dashboard/events", timeout=10).status_code == 401
-        page = httpx.get(url + "/dashboard", params={"key": KEY})
+        page = httpx.get(url + "/dashboard", params={"key": KEY}, follow_redirects=True)   # via the cookie
         assert page.status_code == 200 and "<html" in page.text
         assert httpx.get(url + "/dashboard", headers=auth).status_code == 200
         assert httpx.get(url + "/dashboard/static/dashboard.js").status_code == 200
@@ -188,7 +189,7 @@ def test_dashboard_under_load_with_a_key_and_a_stalled_viewer(tiny_model_dir):
         snapshots: list[dict] = []
 
         async def main():
-            viewer = asyncio.create_task(_watch(url + f"/dashboard/events?key={KEY}", snapshots))
+            viewer = asyncio.create_task(_watch(url + "/dashboard/events", snapshots, auth))
             assert await _until(lambda: snapshots, 30)              # the idle state, at once
             assert _all_free(snapshots[0])
             assert await _until(lambda: _metric(url, "nanopaged:dashboard_viewers") == 2, 10)

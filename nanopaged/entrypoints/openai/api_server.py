@@ -16,9 +16,11 @@ process, so the event loop never waits for a forward pass. Errors are OpenAI's J
 body {"error": {"message", "type", "param", "code"}}: 400 for a bad request (pydantic's
 validation, SamplingParams' and the Processor's checks, invalid JSON), 401 for a
 missing or wrong key when --api-key is set (/health and /metrics stay open, as in
-vLLM; /dashboard and /dashboard/events take the key as `?key=` too, since a browser's
-EventSource cannot send headers), 404 for an unknown model, 413 for a body over --max-body-bytes, 500 when the
-engine died. A client that disconnects aborts its request in the core.
+vLLM; /dashboard?key=KEY trades the key for a cookie that the page's stream then sends,
+since a browser's EventSource cannot send headers: auth.py), 400 for a body that nests
+JSON more than 128 deep (utils/checks.py), 404 for an unknown model, 413 for a body over
+--max-body-bytes, 500 when the engine died. The access log never shows a key
+(auth.RedactSecrets). A client that disconnects aborts its request in the core.
 vLLM: `vllm/entrypoints/openai/api_server.py`.
 """
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import os
@@ -34,7 +35,6 @@ import re
 import signal
 import sys
 import typing
-from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,8 +44,9 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...config import EngineConfig
-from . import serving
+from . import auth, serving
 from ...engine.async_llm import HEALTH_TIMEOUT_S, AsyncLLM, EngineUnresponsiveError
+from ...utils.checks import check_json_nesting
 from ...utils.proc import EngineDeadError
 from .metrics import ServerMetrics
 from .serving_dashboard import DashboardHub, page_file
@@ -57,7 +58,7 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 logger = logging.getLogger("nanopaged.entrypoints.openai.api_server")
 
 
-async def _send_error(send, status: int, message: str, code: str) -> None:
+async def _send_error(send, status: int, message: str, code: str | None) -> None:
     body = json.dumps(error_body(status, message, code=code)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
@@ -65,27 +66,14 @@ async def _send_error(send, status: int, message: str, code: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-_KEYED_DASHBOARD_PATHS = ("/dashboard", "/dashboard/", "/dashboard/events")
-
-
-def _key_given(scope, headers: dict, api_key: str) -> bool:
-    """The Authorization header says `Bearer <api_key>`; on the dashboard's page and
-    stream, `?key=<api_key>` in the URL also does (EventSource sends no headers)."""
-    expected = api_key.encode()
-    if hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + expected):
-        return True
-    if scope["path"] not in _KEYED_DASHBOARD_PATHS:
-        return False
-    keys = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", [])
-    return any(hmac.compare_digest(k.encode(), expected) for k in keys)
-
-
 class _Guard:
-    """ASGI middleware: the API key (on /v1/ paths, the dashboard's page and stream) and
-    the body size limit (413).
+    """ASGI middleware: the API key (on /v1/ paths, the dashboard's page and stream:
+    auth.py), the body size limit (413) and the body's nesting depth (400).
 
     The body is read here, up to max_body_bytes, and replayed to the app, so a client
-    that declares no Content-Length (chunked) cannot get past the limit either.
+    that declares no Content-Length (chunked) cannot get past the limit either. Its JSON
+    nesting is counted before anything parses it (check_json_nesting): json.loads
+    recurses once per level, and a body of 100,000 "[" would be a RecursionError, a 500.
     """
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
@@ -96,11 +84,10 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         path = scope["path"]
-        if self.api_key is not None and (path.startswith("/v1/") or path in _KEYED_DASHBOARD_PATHS):
-            if not _key_given(scope, headers, self.api_key):
-                return await _send_error(send, 401, "Incorrect or missing API key "
-                                                    "(send 'Authorization: Bearer KEY'; "
-                                                    "the dashboard also takes ?key=KEY)", "invalid_api_key")
+        if self.api_key is not None:
+            refused = auth.check_key(scope, headers, self.api_key)      # a 401, or the dashboard's 303
+            if refused is not None:
+                return await refused(scope, receive, send)
         declared = headers.get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return await _send_error(send, 413, f"request body is {int(declared)} bytes, more than "
@@ -118,6 +105,10 @@ class _Guard:
                 return await _send_error(send, 413, f"request body is more than the server's "
                                                     f"limit of {self.max_body_bytes} bytes",
                                          "request_too_large")
+        try:
+            check_json_nesting("the request body", b"".join(chunks))
+        except ValueError as e:
+            return await _send_error(send, 400, str(e), None)
         replayed = False
 
         async def replay():
@@ -138,7 +129,8 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
 
     Args:
         api_key: if set, every /v1/ request must send `Authorization: Bearer <api_key>`
-            (and /dashboard, /dashboard/events that or `?key=<api_key>`).
+            (and /dashboard, /dashboard/events that or the cookie that /dashboard?key=
+            sets: auth.py).
         max_body_bytes: larger request bodies get a 413.
         health_timeout: seconds GET /health waits for the core's answer to a ping.
         dashboard: serve GET /dashboard and its stream (False: they are 404s).
@@ -315,8 +307,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ (and it or "
-                    "?key=KEY on /dashboard and its stream; a key in a URL lands in access logs)")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/; open the "
+                    "dashboard as /dashboard?key=KEY, which trades the key for an HttpOnly cookie and "
+                    "redirects to /dashboard (the access log shows any key= as key=REDACTED)")
     ap.add_argument("--served-model-name", default=None,
                     help="the name clients send as 'model' (default: --model, or "
                          f"{DEFAULT_MODEL_NAME} for the default model)")
@@ -352,6 +345,7 @@ async def serve(args: argparse.Namespace) -> None:
                         dashboard_show_text=args.dashboard_show_text)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5)
+        auth.redact_access_log()            # after Config, which sets uvicorn's loggers up
         server = uvicorn.Server(config)
 
         async def say_ready():              # once the socket listens, not before

@@ -191,7 +191,11 @@ class ChatMessage(OpenAIBaseModel):
             return self.content or ""
         if any(part.get("type") != "text" for part in self.content):
             raise ValueError("messages: only text content parts are supported")
-        return "".join(part.get("text", "") for part in self.content)
+        texts = [part.get("text", "") for part in self.content]
+        for t in texts:
+            if not isinstance(t, str):
+                raise ValueError(f"messages: a text content part's text must be a str, got {t!r:.60}")
+        return "".join(texts)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -342,9 +342,10 @@
 
   // -- live: server-sent events ----------------------------------------------------------------
   function live() {
-    var key = new URLSearchParams(location.search).get("key");
-    // relative to the page's own path, so it works behind a prefix: /x/dashboard -> /x/dashboard/events
-    var url = location.pathname.replace(/\/+$/, "") + "/events" + (key ? "?key=" + encodeURIComponent(key) : "");
+    // relative to the page's own path, so it works behind a prefix: /x/dashboard -> /x/dashboard/events.
+    // No key in it: with --api-key, /dashboard?key= has set an HttpOnly cookie (auth.py), and
+    // the browser sends it with this same-origin request by itself.
+    var url = location.pathname.replace(/\/+$/, "") + "/events";
     var source = null, retry = null;
     function connect() {
       source = new EventSource(url);
