@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="split the model over this many worker processes (chapter 17; default 1)")
     ap.add_argument("--speculative-config", default=None, metavar="JSON",
-                    help="speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                    help="speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
                          "or '{\"method\": \"draft_model\", \"model\": PATH, ...}' (chapter 19; default off)")
     ap.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                     help="extra chat template variables, as vLLM's chat_template_kwargs: "
