@@ -50,7 +50,8 @@ class SpeculativeConfig:
     """Speculative decoding (chapters/19-speculative-decoding.md): propose
     num_speculative_tokens tokens cheaply, then let the model check them all in one
     forward. vLLM's SpeculativeConfig names (`vllm/config/speculative.py`); LLM(...)
-    takes it as a dict: `speculative_config={"method": "ngram", "num_speculative_tokens": 4}`.
+    takes it as a dict: `speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2, "prompt_lookup_max": 5}`.
 
     Args:
         method: "ngram" (prompt lookup: the tokens that followed the sequence's last
@@ -194,7 +195,7 @@ class EngineConfig:
         speculative_config: speculative decoding, off by default: a dict of
             SpeculativeConfig's fields (vLLM's form), or that dict as JSON text, as on
             the command line ('{"method": "ngram", "num_speculative_tokens": 4,
-            "prompt_lookup_min": 2}'). Speculative steps are synchronous:
+            "prompt_lookup_min": 2, "prompt_lookup_max": 5}'). Speculative steps are synchronous:
             async_scheduling is then turned off, with a warning.
     """
 

@@ -2,13 +2,15 @@
 carries each package that setup.py finds (a hand-kept list once left out
 nanopaged.exercises, so `python -m nanopaged.exercise` failed after a wheel install) and
 kernels/ as nanopaged/_kernels/ (pyproject.toml), and the dashboard page's files
-(nanopaged/entrypoints/openai/dashboard/, package data); an installed nanopaged finds
-them there, runs the course's exercise runner and the tracer (and its replay export)
-from outside the checkout.
+(nanopaged/entrypoints/openai/dashboard/, package data), and the course's chapters/ as
+nanopaged/_chapters/ with their figures; an installed nanopaged finds them there, runs
+the course's exercise runner (whose `start` names a chapter that is on disk) and the
+tracer (and its replay export) from outside the checkout.
 
 The wheel is built from a copy of the repository in tmp_path, so no build/ or
 *.egg-info lands in the checkout; without build isolation (offline, a few seconds)."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,7 +33,7 @@ def installed(tmp_path_factory):
     shutil.copy(ROOT / "pyproject.toml", repo)
     shutil.copy(ROOT / "setup.py", repo)
     shutil.copy(ROOT / "README.md", repo)
-    for folder in ("nanopaged", "kernels"):
+    for folder in ("nanopaged", "kernels", "chapters"):
         shutil.copytree(ROOT / folder, repo / folder, ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
     subprocess.run([*pip, "wheel", ".", "--no-deps", "--no-build-isolation", "-w", str(wheels)],
@@ -57,6 +59,9 @@ def test_the_wheel_carries_every_package_of_the_checkout(installed):
     assert all(f"nanopaged/_kernels/{s}" in names for s in SOURCES), sorted(names)
     page = {f"nanopaged/entrypoints/openai/dashboard/{f}" for f in ("index.html", "dashboard.js", "dashboard.css")}
     assert page <= set(names), sorted(page - set(names))
+    chapters = {f"nanopaged/_chapters/{p.relative_to(ROOT / 'chapters')}" for p in (ROOT / "chapters").rglob("*")
+                if p.is_file()}
+    assert chapters and chapters <= set(names), sorted(chapters - set(names))
 
 
 @pytest.mark.timeout(180)
@@ -76,6 +81,12 @@ def test_an_installed_wheel_runs_the_exercises_and_the_tracer(installed, tmp_pat
     listed = run_installed(target, ["-m", "nanopaged.exercise", "list"], cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr
     assert "ex12" in listed.stdout or "12" in listed.stdout, listed.stdout
+    started = run_installed(target, ["-m", "nanopaged.exercise", "start", "2"], cwd=tmp_path)
+    assert started.returncode == 0, started.stderr
+    [chapter] = re.findall(r"Read (\S+), fill it in", started.stdout)       # the chapter, on disk
+    assert Path(chapter) == target / "nanopaged" / "_chapters" / "02-block-manager.md", started.stdout
+    assert Path(chapter).read_text() == (ROOT / "chapters" / "02-block-manager.md").read_text()
+    assert str(Path(chapter)) in run_installed(target, ["-m", "nanopaged.exercise", "list"], cwd=tmp_path).stdout
     where = run_installed(target, ["-c", "import nanopaged.exercises, nanopaged.trace.cli as c; print(c.__file__)"],
                           cwd=tmp_path)
     assert Path(where.stdout.strip()).is_relative_to(target), where

@@ -24,6 +24,7 @@ import sys
 
 from ..engine.processor import apply_chat_template, check_chat_template_kwargs
 from ..sampling_params import RequestOutputKind, SamplingParams
+from ..utils.cli import quiet_broken_pipe
 
 
 def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int,
@@ -87,6 +88,7 @@ def _json_flag(flag: str, text: str | None):
         raise ValueError(f"{flag} is not JSON: {e}") from None
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nanopaged.chat", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="local HF model folder (Llama, Mistral, Qwen2, Qwen3) or hub id (default: SmolLM2-135M-Instruct)")
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="split the model over this many worker processes (chapter 17; default 1)")
     ap.add_argument("--speculative-config", default=None, metavar="JSON",
-                    help="speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                    help="speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
                          "or '{\"method\": \"draft_model\", \"model\": PATH, ...}' (chapter 19; default off)")
     ap.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                     help="extra chat template variables, as vLLM's chat_template_kwargs: "

@@ -1,6 +1,6 @@
 """python -m nanopaged.exercise: the course's exercises, with checkers.
 
-    python -m nanopaged.exercise list          # every exercise, and whether yours passes
+    python -m nanopaged.exercise list          # every exercise: not started, started or passed
     python -m nanopaged.exercise start N       # make exercises/exNN_*.py, the stub to fill
     python -m nanopaged.exercise check N       # run its checks against your code
     python -m nanopaged.exercise hint N        # the chapter's hint
@@ -16,7 +16,8 @@ puts the engine's own back. Each check names a property in words; a failing one 
 what it saw. Prediction questions (exercise 0) have no function: you write your answer
 in the file, and the check runs the engine and compares.
 
-Files go in ./exercises/ (or --dir). Nothing under nanopaged/ is changed.
+Files go in ./exercises/ (or --dir). Nothing under nanopaged/ is changed. progress.py
+keeps which files passed their check (for `list`) and finds the chapters.
 """
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from ..utils.cli import quiet_broken_pipe
 from . import SWAPS, all_exercises
+from .progress import chapter_path, record_check, state
 
 DEFAULT_DIR = "exercises"      # ./exercises/, where `start` writes unless --dir says
 CHECK_TIMEOUT_S = 120          # a check taking longer is a failure (an endless loop?)
@@ -259,6 +262,7 @@ def exercise_file(exercise, folder: Path) -> Path:
     return folder / (f"{slug}.txt" if not targets(exercise) else f"{slug}.py")
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     """The CLI (see the module doc). Returns the exit status: 0, or 1 when a check
     fails or the command cannot run."""
@@ -272,12 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.dir)
     if args.command == "list":
         width = max(len(ex.TITLE) for ex in exercises.values())
-        try:
-            for n, ex in exercises.items():
-                state = "not started" if not exercise_file(ex, folder).exists() else "started"
-                print(f"{n:3}  {state:<11}  {ex.TITLE:<{width}}  chapters/{ex.CHAPTER}", flush=True)
-        except BrokenPipeError:        # `list | head`: the reader has what it wanted
-            sys.stdout = None          # no second error when Python flushes stdout at exit
+        for n, ex in exercises.items():
+            print(f"{n:3}  {state(exercise_file(ex, folder)):<11}  {ex.TITLE:<{width}}  {chapter_path(ex)}")
         return 0
     if args.number is None:
         print(f"`{args.command}` needs an exercise number (0 to {max(exercises)}): "
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             path.rename(path.with_suffix(path.suffix + ".bak"))
             print(f"your version is kept in {path.with_suffix(path.suffix + '.bak')}")
         path.write_text(stub_source(ex, folder))
-        print(f"wrote {path}: {ex.TITLE}. Read chapters/{ex.CHAPTER}, fill it in, then "
+        print(f"wrote {path}: {ex.TITLE}. Read {chapter_path(ex)}, fill it in, then "
               f"`{command('check', ex, folder)}`")
         return 0
     if not path.exists():
@@ -314,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         if why is not None:
             print(textwrap.indent(why, "      "))
     passed = sum(why is None for _, why in results)
+    record_check(path, passed == len(results))
     print(f"{passed} of {len(results)} checks pass" + (": done!" if passed == len(results) else ""))
     return 0 if passed == len(results) else 1
 

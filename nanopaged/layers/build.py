@@ -3,7 +3,9 @@
 loads without ninja or a compiler), one build per source, flags, python and torch. CPU
 builds target the instruction set torch itself dispatches to (AVX512 with bf16 and AMX
 where present, or AVX2). An installed package carries the sources in nanopaged/_kernels/
-(pyproject.toml), a checkout in kernels/. A process tries each build once.
+(pyproject.toml), a checkout in kernels/. A process tries each build once. While ninja
+runs, a line every PROGRESS_EVERY_S says how long it has been (a build on a busy CPU
+takes minutes, and a silent one looks hung), and a last line how long it took.
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import logging
 import os
 import shutil
 import sys
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,6 +28,7 @@ from ..utils.paths import cache_dir
 logger = logging.getLogger(__name__)
 PACKAGE_DIR = Path(__file__).parents[1]     # nanopaged/
 KEEP_BUILDS = 3          # builds kept per kernel, python and torch: the most recently used
+PROGRESS_EVERY_S = 20.0  # seconds between "building ...: N s elapsed" lines while ninja runs
 
 
 def _kernels_dir() -> Path:
@@ -140,16 +146,41 @@ def build_extension(name: str, source: Path, kind: str):
         raise KernelBuildError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)")
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
-        logger.info("building the %s kernel %s (once, about a minute; cached in %s)",
+        logger.info("building the %s kernel %s (once, about a minute, longer on a busy CPU; cached in %s)",
                     kind.upper(), source.name, build_dir)
+    what = f"building the {kind.upper()} kernel {source.name}"
+    start = time.monotonic()
     try:
-        module = cpp_extension.load(name=name, sources=[str(source)], build_directory=str(build_dir),
-                                    verbose=False, **flags)
+        with _elapsed_lines(what):
+            module = cpp_extension.load(name=name, sources=[str(source)], build_directory=str(build_dir),
+                                        verbose=False, **flags)
     except Exception as e:       # compiler errors arrive as RuntimeError, CalledProcessError, ...
         raise KernelBuildError(f"building {source.name} failed: {str(e)[-2000:]}") from e
+    logger.info("built the %s kernel %s in %.0f s", kind.upper(), source.name, time.monotonic() - start)
     (build_dir / "last-used").touch()
     prune_builds(build_dir)
     return module
+
+
+@contextmanager
+def _elapsed_lines(what: str, every_s: float | None = None):
+    """Inside the block, a thread logs "<what>: N s elapsed" every `every_s` seconds
+    (default PROGRESS_EVERY_S); the thread is stopped and joined when the block ends,
+    by an error too."""
+    every_s = PROGRESS_EVERY_S if every_s is None else every_s
+    start, done = time.monotonic(), threading.Event()
+
+    def report() -> None:
+        while not done.wait(every_s):        # False: every_s passed and the block still runs
+            logger.info("%s: %.0f s elapsed", what, time.monotonic() - start)
+
+    thread = threading.Thread(target=report, name="nanopaged-kernel-build-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def prune_builds(build_dir: Path, keep: int = KEEP_BUILDS) -> list[Path]:

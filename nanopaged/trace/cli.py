@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.text import Text
 
 from .. import events as ev
+from ..utils.cli import quiet_broken_pipe
 from .replay import ReplayRecorder, replay_page
 from .scenarios import SCENARIOS, History, Scenario, prompt_scenario
 from .view import TraceView
@@ -122,6 +123,7 @@ def _positive(name: str):
     return parse
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     """The command line (see the module doc). Returns the exit status: 0, 1 for an error
     while loading or running (printed), 2 for bad arguments (argparse's usage error)."""

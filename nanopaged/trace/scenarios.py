@@ -60,7 +60,8 @@ class Scenario:
             (in bfloat16 a seeded sample can pick another token); your own prompts in
             the engine's "auto".
         speculative_config: speculative decoding (EngineConfig's field: None, or a dict
-            such as {"method": "ngram", "num_speculative_tokens": 4}).
+            such as {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+            "prompt_lookup_max": 5}).
         transition: the point, as a phrase ("a new block is allocated right after ...").
         find: the first step (1-based) of a run's history at which the point has been
             made, or None; see shown_at.

@@ -90,3 +90,40 @@ def test_the_command_line_start_check_hint_reset(tmp_path):
     assert list(scratch.glob("nanopaged-*")) == [], "a check left its tiny model folder behind"
     code, out = run("check", "99")
     assert code == 1 and "exercise number must be one of" in out
+
+
+def test_list_says_passed_for_the_file_whose_check_passed(tmp_path, capsys):
+    """`list` says `passed` once `check` passes, for as long as the file is that version:
+    an edit makes it `started` until the next check, and a failing check forgets it."""
+    import logging
+    import re
+    from nanopaged.exercises.runner import main
+
+    def command(*args):
+        code = main([*args, "--dir", str(tmp_path)])
+        return code, capsys.readouterr().out
+
+    def listed(number):
+        code, out = command("list")
+        rows = dict(re.match(r"\s*(\d+)  (not started|started|passed)  ", line).groups()
+                    for line in out.splitlines())     # "  1  not started  BlockTable: ..."
+        return rows[str(number)]
+
+    level = logging.getLogger("nanopaged").level          # main quiets the checks' engines
+    try:
+        assert listed(1) == "not started"
+        assert command("start", "1")[0] == 0 and listed(1) == "started"
+        path = tmp_path / "ex01_block_table.py"
+        path.write_text(reference_source(EXERCISES[1]))
+        code, out = command("check", "1")
+        assert code == 0 and "4 of 4 checks pass: done!" in out, out
+        assert listed(1) == "passed" and listed(2) == "not started"
+        path.write_text(path.read_text() + "# an edit\n")
+        assert listed(1) == "started"
+        assert command("check", "1")[0] == 0 and listed(1) == "passed"
+        path.write_text(path.read_text().replace("range(start, end)", "range(start, end + 1)"))
+        assert command("check", "1")[0] == 1
+        path.write_text(path.read_text().replace("range(start, end + 1)", "range(start, end)"))
+        assert listed(1) == "started"             # the failing check forgot the pass
+    finally:
+        logging.getLogger("nanopaged").setLevel(level)

@@ -9,6 +9,7 @@ entries (data-request-id), the block table's rows (data-logical, data-physical) 
 
 - /dashboard?key= lands on /dashboard (the key traded for an HttpOnly cookie, which the
   page's stream then uses);
+- the legend sits above the grid;
 - during the load the grid shows used blocks, and blocks shared with ref_count 2 by the
   two sequences of one n=2 request;
 - a click on a request shows its block table, and its physical ids are exactly the cells
@@ -24,9 +25,10 @@ Chromium and chromedriver come from Debian (`apt-get install chromium chromium-d
 .ci/run installs them when missing). Without them the test skips, except under CI
 (the CI variable set), where it fails: there a skip would hide a broken install.
 Everything it starts (the server, its EngineCore, chromedriver, Chromium's processes)
-is stopped by pid and checked gone. The replay page (`nanopaged.trace --export
-FILE.html` with window.NANOPAGED_REPLAY) is not in this branch yet, so it is not tested
-here.
+is stopped by pid and checked gone. The same page as the tracer's replay (`nanopaged.trace
+--export FILE.html`, window.NANOPAGED_REPLAY): its buttons and arrow keys step through a
+run, and chapter 13's preempt figure shows the CPU swap pool folded to one line while
+none of its blocks is in use and open while some are.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import psutil
@@ -317,6 +320,10 @@ def test_the_dashboard_in_chromium_under_load(browser, tiny_model_dir, tmp_path)
         read = lambda: browser.execute_script(READ_PAGE)    # noqa: E731
         idle = _poll(read, lambda p: p["state"] == "live" and len(p["cells"]) == 64, 30, "the page going live")
         assert all(c["state"] in ("free", "cached") for c in idle["cells"])
+        legend, grid = browser.execute_script(  # the legend is read first, above the grid
+            "return ['legend', 'gpu-grid'].map(function (id) {"
+            " var r = document.getElementById(id).getBoundingClientRect(); return [r.top, r.bottom]; });")
+        assert legend[1] <= grid[0], (legend, grid)
 
         load = Load(server.url)
         load.start()
@@ -351,6 +358,41 @@ def test_the_dashboard_in_chromium_under_load(browser, tiny_model_dir, tmp_path)
         alive = server.stop()
     assert server.proc.returncode == 0 and not alive, f"exit {server.proc.returncode}, left behind: {alive}"
     assert server.left_in_tmp == [], server.left_in_tmp
+
+
+SWAP_POOL = """
+var pool = document.getElementById('cpu-pool');
+return {index: +document.getElementById('replay-position').getAttribute('data-index'), hidden: pool.hidden,
+        open: pool.open, used: +pool.getAttribute('data-used'),
+        summary: document.getElementById('cpu-summary').textContent,
+        grid_shown: document.getElementById('cpu-grid').checkVisibility(),
+        height: pool.getBoundingClientRect().height};
+"""
+
+
+def test_the_swap_pool_is_folded_while_unused_and_open_while_used_in_chromium(browser):
+    """Chapter 13's preempt figure (a CPU pool of 2 blocks; a request swapped out and
+    back in): the pool is one summary line, "2 blocks, none in use", while nothing is
+    swapped out; it opens at the step that swaps out and folds again once the blocks
+    are back. A click on the summary is the viewer's choice, and then it stays."""
+    from selenium.webdriver.common.by import By
+    browser.get(Path(FIGURES, "trace-preempt.html").as_uri())
+    read = lambda: browser.execute_script(SWAP_POOL)      # noqa: E731
+    first = _poll(read, lambda p: p["index"] == 1, 10, "the replay page to load")
+    count = int(browser.find_element(By.ID, "replay-position").get_attribute("data-count"))
+    assert not first["hidden"] and first["used"] == 0 and not first["open"] and not first["grid_shown"], first
+    assert first["summary"] == "2 blocks, none in use" and first["height"] < 40, first      # one line
+    seen = [first]
+    for _ in range(count - 1):
+        browser.find_element(By.ID, "replay-next").click()
+        seen.append(read())
+    assert all(p["open"] == p["grid_shown"] == (p["used"] > 0) for p in seen), seen
+    assert any(p["used"] for p in seen) and not seen[-1]["used"], seen
+    assert [p["summary"] for p in seen if p["used"] == 2][0] == "2 blocks, 2 in use", seen
+    browser.find_element(By.CSS_SELECTOR, "#cpu-pool > summary").click()     # open by hand, nothing in use
+    browser.find_element(By.ID, "replay-prev").click()
+    after = read()
+    assert after["open"] and after["grid_shown"] and after["index"] == count - 1, after
 
 
 def test_the_tracers_replay_page_steps_back_and_forth_in_chromium(browser, tmp_path):

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from nanopaged.entrypoints.openai import serving_dashboard
-from nanopaged.entrypoints.openai.api_server import build_app, parse_args
+from nanopaged.entrypoints.openai.api_server import build_app, parse_args, ready_line
 from nanopaged.entrypoints.openai.serving_dashboard import DashboardHub, LatestOnly
 
 from test_serve import KEY, TINY_ARGS, Server
@@ -107,6 +107,26 @@ def test_no_dashboard_is_404_and_the_flags_parse():
     client = TestClient(build_app(FakeEngine(), "m"))
     assert client.get("/dashboard/static/dashboard.js").headers["content-type"].startswith("text/javascript")
     assert client.get("/dashboard/static/..%2Fprotocol.py").status_code == 404
+
+
+@pytest.mark.parametrize("flags", [[], ["--api-key", KEY], ["--no-dashboard"]])
+def test_the_ready_line_names_the_pages_and_each_one_answers(flags):
+    """The "ready on ..." line names the dashboard (with --api-key: the ?key= it needs,
+    never the key; not at all with --no-dashboard) and /docs, and each URL it names
+    answers 200 (the key filled in)."""
+    import re
+    from starlette.testclient import TestClient
+    args = parse_args(["--port", "8123", *flags])
+    app = build_app(FakeEngine(), "m", api_key=args.api_key, dashboard=args.dashboard)
+    line = ready_line(args, "m", app)
+    assert line.startswith("ready on http://127.0.0.1:8123 (model 'm')"), line
+    urls = [u.rstrip(",") for u in re.findall(r"http://\S+", line)][1:]
+    assert [u.split("?")[0] for u in urls] == ["http://127.0.0.1:8123/dashboard"] * args.dashboard + [
+        "http://127.0.0.1:8123/docs"], line
+    assert ("?key=<api-key>" in line) == (args.api_key is not None) and KEY not in line, line
+    client = TestClient(app)
+    for url in urls:
+        assert client.get(url.replace("<api-key>", KEY)).status_code == 200, url
 
 
 # -- real servers -----------------------------------------------------------------------------

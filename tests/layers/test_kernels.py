@@ -12,8 +12,12 @@ The CUDA kernel's tests are in test_kernels_cuda.py.
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
+import sys
+import threading
 import time
 import warnings
 
@@ -378,3 +382,76 @@ def test_auto_engine_serves_with_the_reference_when_the_build_fails(tiny_model_d
     fallback = [w for w in caught if "PyTorch reference" in str(w.message)]
     assert len(fallback) == 1 and fallback[0].filename == __file__     # the LLM(...) line above
     assert llm.generate("Hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].finished
+
+
+
+class _Lines(logging.Handler):
+    """Collects build.py's log lines; `seen` is set once `wanted` progress lines came."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines, self.wanted, self.seen = [], 1, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+        if sum(line.endswith("s elapsed") for line in self.lines) >= self.wanted:
+            self.seen.set()
+
+
+@pytest.fixture
+def slow_build(monkeypatch, tmp_path):
+    """build_extension up to cpp_extension.load: no cached build, a compiler and ninja
+    'found', a tiny source, progress every 10 ms, build.py's lines collected.
+    Yields (the source, the _Lines handler)."""
+    monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", sys.executable)                  # any program on PATH passes the check
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(build, "PROGRESS_EVERY_S", 0.01)
+    source = tmp_path / "fake_kernel.cpp"
+    source.write_text("// a fake kernel: cpp_extension.load is replaced\n")
+    lines, level = _Lines(), build.logger.level
+    build.logger.addHandler(lines)
+    build.logger.setLevel(logging.INFO)
+    try:
+        yield source, lines
+    finally:
+        build.logger.removeHandler(lines)
+        build.logger.setLevel(level)
+
+
+def _progress_threads():
+    return [t for t in threading.enumerate() if t.name == "nanopaged-kernel-build-progress"]
+
+
+def test_a_slow_build_says_how_long_it_has_been_and_how_long_it_took(slow_build, monkeypatch):
+    """A first build on a busy CPU takes minutes: while ninja runs, a line says the
+    seconds elapsed, again and again; then one says how long it took. No thread is left."""
+    source, lines = slow_build
+    lines.wanted, module = 2, object()
+
+    def slow_load(**kwargs):         # returns once two progress lines were logged during it
+        assert lines.seen.wait(30), lines.lines
+        return module
+    monkeypatch.setattr(cpp_extension, "load", slow_load)
+    assert build.build_extension("nanopaged_cpu", source, "cpu") is module
+    progress = [line for line in lines.lines if line.endswith("s elapsed")]
+    assert len(progress) >= 2 and all(re.fullmatch(r"building the CPU kernel fake_kernel\.cpp: \d+ s elapsed", line)
+                                      for line in progress), lines.lines
+    assert lines.lines[0].startswith("building the CPU kernel fake_kernel.cpp (once")
+    assert re.fullmatch(r"built the CPU kernel fake_kernel\.cpp in \d+ s", lines.lines[-1]), lines.lines
+    assert _progress_threads() == []
+
+
+def test_a_failed_build_stops_its_progress_lines(slow_build, monkeypatch):
+    source, lines = slow_build
+
+    def failing_load(**kwargs):      # fails once a progress line was logged during it
+        assert lines.seen.wait(30), lines.lines
+        raise RuntimeError("error: expected ';' before '}' token")
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    with pytest.raises(KernelBuildError, match="expected ';'"):
+        build.build_extension("nanopaged_cpu", source, "cpu")
+    assert _progress_threads() == []
+    after = len(lines.lines)
+    time.sleep(0.1)                                     # ten periods: a running reporter would log
+    assert len(lines.lines) == after and not any(line.startswith("built") for line in lines.lines)

@@ -140,6 +140,15 @@ def test_every_element_the_script_looks_up_is_in_the_page():
     assert ids and {i for i in ids if f'id="{i}"' not in page} == set()
 
 
+def test_the_legend_comes_before_the_pools_and_the_swap_pool_starts_folded():
+    """A default pool's grids are thousands of cells (SmolLM2's swap pool alone 11650):
+    the legend sits above them, and the swap pool is a <details>, closed until
+    dashboard.js opens it for blocks in use (the browser test watches it do so)."""
+    page = (DASHBOARD_DIR / "index.html").read_text()
+    assert page.index('id="legend"') < page.index('id="gpu-pool"') < page.index('id="cpu-pool"'), page
+    assert re.search(r'<details id="cpu-pool" hidden>\s*<summary><h2>CPU swap pool <span id="cpu-summary"', page)
+
+
 def test_the_served_page_loads_its_files_and_events_under_its_own_path_with_the_key():
     page, js = (DASHBOARD_DIR / "index.html").read_text(), (DASHBOARD_DIR / "dashboard.js").read_text()
     for name in ("static/dashboard.css", "static/dashboard.js"):

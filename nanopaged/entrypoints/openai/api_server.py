@@ -10,7 +10,8 @@ server-sent events with "stream": true), GET /health (200 when the engine core a
 a ping within --health-timeout seconds; 503 when it is dead or does not), GET /metrics
 (Prometheus text, metrics.py), GET /dashboard: a live page of the KV pool and the
 scheduler, fed by GET /dashboard/events (serving_dashboard.py; ids and counts only, text
-with --dashboard-show-text; off with --no-dashboard). The server only turns HTTP into
+with --dashboard-show-text; off with --no-dashboard), GET /docs (FastAPI's page of the
+API, as vLLM's; its scripts come from a CDN). The line "ready on ..." names the pages. The server only turns HTTP into
 `AsyncLLM.generate` calls and back (serving.py); the engine core runs in its own
 process, so the event loop never waits for a forward pass. Errors are OpenAI's JSON
 body {"error": {"message", "type", "param", "code"}}: 400 for a bad request (pydantic's
@@ -136,7 +137,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
         dashboard: serve GET /dashboard and its stream (False: they are 404s).
         dashboard_show_text: the dashboard shows the requests' prompt and output text.
     """
-    app = FastAPI(title="nanopaged", docs_url=None, redoc_url=None)
+    app = FastAPI(title="nanopaged", docs_url="/docs", redoc_url=None)     # /docs: Swagger UI, as vLLM
     hub = DashboardHub(engine, dashboard_show_text) if dashboard else None
     metrics = ServerMetrics(engine, served_model_name, hub)
 
@@ -328,6 +329,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def ready_line(args: argparse.Namespace, name: str, app: FastAPI) -> str:
+    """The line logged once the server listens: its URL and model, and the pages a
+    person opens in a browser: the dashboard (not with --no-dashboard; with --api-key
+    its URL needs ?key=, and the key itself is never logged) and the API's docs."""
+    url = f"http://{args.host}:{args.port}"
+    pages = []
+    if args.dashboard:
+        pages.append(f"the dashboard at {url}/dashboard" + ("?key=<api-key>" if args.api_key else ""))
+    if app.docs_url:
+        pages.append(f"the API docs at {url}{app.docs_url}")
+    return f"ready on {url} (model {name!r})" + (": " + ", ".join(pages) if pages else "")
+
+
 async def serve(args: argparse.Namespace) -> None:
     """Start the engine core, then serve until SIGINT / SIGTERM; the core is shut down after."""
     import uvicorn
@@ -351,7 +365,7 @@ async def serve(args: argparse.Namespace) -> None:
         async def say_ready():              # once the socket listens, not before
             while not server.started:
                 await asyncio.sleep(0.05)
-            logger.info("ready on http://%s:%d (model %r)", args.host, args.port, name)
+            logger.info("%s", ready_line(args, name, app))
 
         async def end_dashboard_streams():  # an open event stream would hold the shutdown 5 s
             while not server.should_exit:

@@ -16,6 +16,9 @@
  *   #gpu-grid [data-block]  one cell per device block: data-state free | cached | used | shared,
  *                           data-ref-count, data-owners (request ids, comma-separated), data-cached
  *   #cpu-grid [data-cpu-block]  one per CPU block: data-state free | used, data-owners
+ *   #cpu-pool               a <details>, data-used (blocks in use); open while any is in use,
+ *                           folded to its summary line while none is, unless the viewer
+ *                           opened or closed it by hand (then it stays as they left it)
  *   #queue-running / -waiting / -swapped li[data-request-id]  (data-status, data-num-tokens)
  *   #block-table            data-request-id of the request shown; tr[data-logical][data-physical]
  *                           per logical block, with data-seq-id and data-on-cpu
@@ -58,6 +61,10 @@
   }
   var gpuGrid = makeGrid("gpu-grid", "gpu-note", "data-block");
   var cpuGrid = makeGrid("cpu-grid", "cpu-note", "data-cpu-block");
+  // The swap pool is usually empty and often big (thousands of blocks): folded, unless
+  // something is swapped out. A click on its summary line hands the choice to the viewer.
+  var cpuFoldedByHand = false;
+  $("cpu-pool").querySelector("summary").addEventListener("click", function () { cpuFoldedByHand = true; });
 
   // size: the pool's blocks; sent: how many of them the snapshot describes (the server
   // sends at most engine/dashboard.MAX_BLOCKS per pool)
@@ -121,7 +128,8 @@
   }
 
   function drawCpu(s) {
-    $("cpu-pool").hidden = !s.num_cpu_blocks;
+    var pool = $("cpu-pool");
+    pool.hidden = !s.num_cpu_blocks;
     if (!s.num_cpu_blocks) return;
     var sent = Math.min(s.num_cpu_blocks, MAX_BLOCKS);    // cpu_owners: the held ones only
     build(cpuGrid, s.num_cpu_blocks, sent, "CPU block ");
@@ -136,8 +144,10 @@
       set(cpuGrid, b, "selected", owner != null && owner === selected);
     }
     cpuGrid.el.classList.toggle("has-selection", selected !== null);
-    $("cpu-summary").textContent = s.num_cpu_blocks + " blocks · " + used + " used" +
-      (sent < s.num_cpu_blocks ? " of the first " + sent : "");
+    pool.setAttribute("data-used", used);
+    if (!cpuFoldedByHand) pool.open = used > 0;
+    $("cpu-summary").textContent = s.num_cpu_blocks + " blocks, " + (used ? used + " in use" : "none in use") +
+      (sent < s.num_cpu_blocks ? " (of the first " + sent + ")" : "");
   }
 
   // -- the queues --------------------------------------------------------------------------
