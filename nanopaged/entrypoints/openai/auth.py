@@ -9,10 +9,10 @@ A browser cannot put a header on the page it opens, nor on the EventSource the p
 for its stream, so the dashboard takes the key in the URL; but a URL is written to access
 logs, browser history and proxies' logs. So the key is taken there once and traded for a
 cookie that the browser then sends by itself (HttpOnly: the page's scripts cannot read
-it; SameSite=Strict: no other site's page can make the browser send it; Path=/dashboard:
-no other path gets it; the price: a link on another site's page lands on a 401, as the
-browser holds a Strict cookie back on a cross-site navigation, and opening /dashboard
-again works). The cookie holds an HMAC of the key, not the key: it opens the dashboard
+it; SameSite=Lax: another site's page cannot make the browser send it with a fetch or an
+EventSource, only with a plain link that opens the page, which is read-only; Strict
+would also hold it back on that link, landing a clicked link on a 401; Path=/dashboard:
+no other path gets it). The cookie holds an HMAC of the key, not the key: it opens the dashboard
 and nothing else. And the access log is filtered (`RedactSecrets`), so a key
 someone put in any URL, accepted or refused, is logged as `key=REDACTED`.
 
@@ -89,7 +89,7 @@ def check_key(scope, headers: dict, api_key: str) -> Response | None:
                         if part and unquote_plus(part.partition("=")[0]) != "key")
         response = RedirectResponse(path + ("?" + rest if rest else ""), status_code=303)
         response.set_cookie(COOKIE_NAME, dashboard_cookie_value(api_key), path="/dashboard",
-                            httponly=True, samesite="strict")
+                            httponly=True, samesite="lax")
         return response
     if _bearer_ok(headers, api_key) or _cookie_ok(headers, api_key):     # a ?key= here is not looked at
         return None
