@@ -197,6 +197,14 @@ class EngineConfig:
             the command line ('{"method": "ngram", "num_speculative_tokens": 4,
             "prompt_lookup_min": 2, "prompt_lookup_max": 5}'). Speculative steps are synchronous:
             async_scheduling is then turned off, with a warning.
+        max_logprobs: most top logprobs a request may ask for per token, in
+            SamplingParams.logprobs and prompt_logprobs (vLLM's max_logprobs, default 20).
+        max_logits_bytes: most bytes of fp32 logits (rows x vocab_size x 4) a step holds
+            at once. The runner computes and samples a step's rows (one per sequence,
+            each fork of n > 1, each draft to verify, each prompt-logprob position) in
+            chunks of at most this many bytes, and the Processor refuses a request
+            whose own rows per step (n, or beam_width) need more. None = max_num_seqs
+            rows: max_num_seqs x vocab_size x 4 bytes (issue 34).
     """
 
     model: str | os.PathLike | None = None
@@ -219,13 +227,16 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     speculative_config: SpeculativeConfig | dict | None = None
+    max_logprobs: int = 20
+    max_logits_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         for name in ("block_size", "max_num_seqs"):
             check_int(name, getattr(self, name), minimum=1, rule="a positive integer")
+        check_int("max_logprobs", self.max_logprobs, minimum=0)
         for name in ("num_gpu_blocks", "kv_cache_memory_bytes", "max_num_batched_tokens",
-                     "max_model_len"):
+                     "max_model_len", "max_logits_bytes"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=1, rule="a positive integer")
         if self.num_cpu_blocks is not None:
@@ -278,16 +289,18 @@ class EngineConfig:
             return torch.bfloat16 if fast_bf16 else torch.float32
         return _DTYPES[self.dtype]
 
-    def resolve(self, max_position_embeddings: int) -> EngineConfig:
+    def resolve(self, max_position_embeddings: int, vocab_size: int | None = None) -> EngineConfig:
         """This config with everything left to the engine filled in, as a new frozen
-        EngineConfig: max_model_len and max_num_batched_tokens from the model, dtype
+        EngineConfig: max_model_len and max_num_batched_tokens from the model,
+        max_logits_bytes from vocab_size (when given), dtype
         (the name of torch_dtype), device ("cpu", "cuda" or "cuda:N") and
         distributed_executor_backend from the machine and tensor_parallel_size.
         Resolving a resolved config changes nothing.
 
         Raises:
-            ValueError: max_model_len above the model's limit, or a token budget too
-                small for one full-length prompt.
+            ValueError: max_model_len above the model's limit, a token budget too
+                small for one full-length prompt, or a max_logits_bytes below one row
+                of logits.
         """
         max_model_len = self.max_model_len
         if max_model_len is None:
@@ -309,6 +322,14 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens={budget} is smaller "
                              f"than max_model_len={max_model_len}: a full-length prompt "
                              "could never be scheduled (turn on enable_chunked_prefill)")
+        logits_bytes = self.max_logits_bytes
+        if vocab_size is not None:
+            row = vocab_size * 4                       # one row of fp32 logits
+            if logits_bytes is None:
+                logits_bytes = self.max_num_seqs * row
+            elif logits_bytes < row:
+                raise ValueError(f"max_logits_bytes={logits_bytes} is less than one row of fp32 logits "
+                                 f"(vocab_size {vocab_size} x 4 B = {row} B)")
         dtype = next(name for name, d in _DTYPES.items() if d == self.torch_dtype)   # canonical first
         async_scheduling = self.async_scheduling
         if async_scheduling and self.speculative_config is not None:
@@ -317,4 +338,4 @@ class EngineConfig:
             async_scheduling = False
         return replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget, dtype=dtype,
                        device=str(self.torch_device), distributed_executor_backend=self.executor_backend,
-                       async_scheduling=async_scheduling)
+                       async_scheduling=async_scheduling, max_logits_bytes=logits_bytes)

@@ -259,8 +259,8 @@ class EngineCoreOutput:
         new_logprobs: Logprobs of those tokens (one row each), if asked for.
         new_prompt_logprobs: Logprobs of prompt tokens computed this step, if asked for.
         finish_reason: a FinishReason once the sequence ended, else None.
-        stop_reason: the eos / stop token id that ended it (stop strings are the
-            OutputProcessor's, which fills in the string).
+        stop_reason: the stop_token_ids id that ended it; None for an eos (stop
+            strings are the OutputProcessor's, which fills in the string).
         num_cached_tokens: prompt tokens found in the prefix cache (first output only).
         cumulative_logprob, score: a finished beam's sum of logprobs and its
             length-penalised score.

@@ -44,8 +44,8 @@ class CompletionOutput:
             logprobs were asked for; always set for beam search).
         logprobs: one dict per token in token_ids, token id -> Logprob: the sampled token
             with its own rank and the top-k with ranks 1..k; None unless asked for.
-        stop_reason: what stopped it: the eos / stop token id (int), the stop string
-            (str), or None (length, abort, or still running).
+        stop_reason: what stopped it: the stop_token_ids id (int) or the stop string
+            (str) that did; None for an eos, length, abort, or still running (vLLM's).
         score: a beam hypothesis' length-penalised score (beam search only).
     """
 

@@ -64,7 +64,7 @@ class Sequence:
             / block_size) blocks, in the CPU swap pool while it is_swapped.
         block_hashes: prefix-cache hashes of its full blocks (kept across preemption).
         status: a SequenceStatus.
-        stop_reason: the eos / stop token id that finished it, if one did.
+        stop_reason: the stop_token_ids id that finished it, if one did (None for an eos).
         cumulative_logprob: sum of the logprobs of its output tokens (beam search).
         num_output_placeholders: with async scheduling, tokens that steps in flight will
             sample for it (0, 1 or 2); num_computed_tokens then already counts the

@@ -34,7 +34,7 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
     """
     model_path = resolve_model(config.model)
     model_config = ModelConfig.from_pretrained(model_path)
-    resolved = config.resolve(max_model_len_limit(config, model_config))
+    resolved = config.resolve(max_model_len_limit(config, model_config), model_config.vocab_size)
     check_tensor_parallel(model_config, resolved.tensor_parallel_size)
     sc = resolved.speculative_config
     if sc is not None and sc.method == "draft_model":

@@ -87,6 +87,8 @@ class _RequestState:
         self.prompt_token_ids = request.prompt_token_ids
         self.params = params
         self.is_beam = request.beam_search is not None
+        # the ids check_stop ends a sequence on: its stop_token_ids, and the eos unless ignore_eos
+        self.stop_token_ids = params.stop_ids | (frozenset() if params.ignore_eos else request.eos_token_ids)
         # A beam search's hypotheses arrive all at once, decoded whole; they get their
         # states then (there may be fewer than beam_width of them).
         self.completions: dict[int, _CompletionState] = {} if self.is_beam else {
@@ -193,9 +195,10 @@ class OutputProcessor:
         params = state.params
         ids = out.new_token_ids
         # vLLM v1: the eos / stop token id that ended a sequence is kept in token_ids but
-        # not decoded into the text, unless include_stop_str_in_output. (A structured
-        # output whose grammar completed stops on a token of its text: stop_reason None.)
-        stop_terminated = out.finish_reason is FinishReason.STOP and ids and out.stop_reason is not None
+        # not decoded into the text, unless include_stop_str_in_output. An eos ends with
+        # stop_reason None (vLLM's), so the token says it: a structured output whose
+        # grammar completed stops on a token of its text, which is no stop id.
+        stop_terminated = out.finish_reason is FinishReason.STOP and ids and ids[-1] in state.stop_token_ids
         to_decode = ids[:-1] if stop_terminated and not params.include_stop_str_in_output else ids
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         # A step may bring several tokens (speculative decoding: accepted drafts and one

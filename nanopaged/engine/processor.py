@@ -2,10 +2,13 @@
 
 Everything a request can get wrong is found here, before the core does any work for
 it: the prompt is tokenized (or the chat template applied), its token ids and length are
-checked against the model, and the SamplingParams against the vocabulary and
-max_model_len. What leaves is tokens and numbers only; the core never sees a string
-(but a structured-output spec, a schema or regex, which it compiles: chapter 18).
-vLLM: `vllm/v1/engine/processor.py`.
+checked against the model, and the SamplingParams against the vocabulary,
+max_model_len and the engine's bounds on what one request may cost (issue 34: n and
+beam_width at most max_num_seqs, logprobs at most max_logprobs, a step's logits rows
+within max_logits_bytes). What leaves is tokens and numbers only; the core never sees a
+string (but a structured-output spec, a schema or regex, which it compiles: chapter 18).
+vLLM: `vllm/v1/engine/processor.py`; the length rule and its message are vLLM's OpenAI
+server's (`serving_engine.py`, `_validate_input`).
 """
 from __future__ import annotations
 
@@ -18,8 +21,7 @@ from ..core.beam_search import BeamSearchParams, num_candidates
 from ..messages import EngineCoreRequest
 from ..sampling_params import SamplingParams
 from ..utils.checks import check_text, is_int, is_list_of
-
-MAX_LOGPROBS = 20          # vLLM's default max_logprobs: top-k asked per token at most
+from ..worker.logits_chunks import LOGIT_BYTES
 
 
 class Processor:
@@ -30,13 +32,22 @@ class Processor:
         vocab_size: the model's vocabulary size (token ids are in [0, vocab_size)).
         max_model_len: longest sequence, prompt + output, in tokens.
         eos_token_ids: ids that end a sequence (see `eos_token_ids_of`).
+        max_num_seqs: most sequences one request may run (n, beam_width); None = no bound.
+        max_logprobs: most top logprobs per token (logprobs, prompt_logprobs).
+        max_logits_bytes: most bytes of fp32 logits a request's rows of one step may
+            take (rows x vocab_size x 4); None = no bound.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int],
+                 max_num_seqs: int | None = None, max_logprobs: int = 20,
+                 max_logits_bytes: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.max_num_seqs = max_num_seqs
+        self.max_logprobs = max_logprobs
+        self.max_logits_bytes = max_logits_bytes
 
     @classmethod
     def from_config(cls, config, model_path, model_config) -> "Processor":
@@ -46,7 +57,8 @@ class Processor:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         return cls(tokenizer, model_config.vocab_size, config.max_model_len,
-                   eos_token_ids_of(model_path, model_config, tokenizer))
+                   eos_token_ids_of(model_path, model_config, tokenizer), config.max_num_seqs,
+                   config.max_logprobs, config.max_logits_bytes)
 
     def process_inputs(self, request_id: str, prompt, params) -> tuple[EngineCoreRequest, str | None]:
         """Build the EngineCoreRequest of one request; also returns the prompt text (None
@@ -62,11 +74,15 @@ class Processor:
             TypeError: a prompt, request_id or params of the wrong type.
             ValueError: an empty prompt; a token id outside the vocabulary; a prompt
                 of max_model_len tokens or more (no room for one output token: the rule
-                is prompt_len + 1 <= max_model_len, for every path); a SamplingParams field the model cannot honour
-                (a token id outside the vocabulary, too many logprobs); structured
-                outputs that do not compile (llguidance's message, with the position).
-                The message names field and value. (max_tokens past max_model_len is no error: the
-                sequence ends with finish_reason "length" at max_model_len.)
+                is prompt_len + 1 <= max_model_len, for every path); prompt_len +
+                max_tokens > max_model_len (vLLM's rule and message: "This model's
+                maximum context length is ..."; max_tokens=None means up to
+                max_model_len); a request that costs more than the engine allows
+                (issue 34): n or beam_width > max_num_seqs, logprobs or prompt_logprobs
+                > max_logprobs, its rows of logits past max_logits_bytes; a
+                SamplingParams field the model cannot honour (a token id outside the
+                vocabulary); structured outputs that do not compile (llguidance's
+                message, with the position). The message names field, value and limit.
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -76,6 +92,7 @@ class Processor:
         beam = None
         if isinstance(params, BeamSearchParams):      # beams: greedy rows with top logprobs
             beam = params
+            self._check_num_seqs("BeamSearchParams.beam_width", beam.beam_width)
             params = SamplingParams(n=beam.beam_width, temperature=0, max_tokens=beam.max_tokens,
                                     ignore_eos=beam.ignore_eos,
                                     logprobs=num_candidates(beam.beam_width, self.eos_token_ids))
@@ -86,7 +103,8 @@ class Processor:
             self._check_params(params)
         params = params.update_from_tokenizer(self.tokenizer, self.eos_token_ids)   # a copy
         if params.max_tokens is None:                  # None: up to max_model_len
-            params.max_tokens = max(self.max_model_len - len(prompt_ids), 1)
+            params.max_tokens = self.max_model_len - len(prompt_ids)
+        self._check_length(len(prompt_ids), params.max_tokens)
         return EngineCoreRequest(request_id, prompt_ids, params, self.eos_token_ids, time.monotonic(), beam), text
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -115,15 +133,36 @@ class Processor:
                              f"a prompt may have at most {self.max_model_len - 1} tokens, to leave "
                              f"room for one output token")
 
+    def _check_length(self, prompt_len: int, max_tokens: int) -> None:
+        """vLLM's rule: the prompt and every token asked for fit in max_model_len."""
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. "
+                             f"However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+                             f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                             f"messages or completion.")
+
+    def _check_num_seqs(self, name: str, rows: int) -> None:
+        """A request's `rows` sequences (n, beam_width) fit in one step's batch, and their
+        rows of fp32 logits (one per sequence per step) in max_logits_bytes (issue 34)."""
+        if self.max_num_seqs is not None and rows > self.max_num_seqs:
+            raise ValueError(f"{name}={rows} is more than max_num_seqs={self.max_num_seqs}: a request's "
+                             f"sequences must fit in one step's batch")
+        need = rows * self.vocab_size * LOGIT_BYTES
+        if self.max_logits_bytes is not None and need > self.max_logits_bytes:
+            raise ValueError(f"{name}={rows} needs {rows} rows of fp32 logits a step ({rows} x vocab_size "
+                             f"{self.vocab_size} x {LOGIT_BYTES} B = {need} B), more than "
+                             f"max_logits_bytes={self.max_logits_bytes}")
+
     def _check_params(self, params: SamplingParams) -> None:
         params.check_against_vocab(self.vocab_size)
-        if params.structured_outputs is not None:
-            structured_output.validate(params.structured_outputs)   # compiles? (a few ms)
+        self._check_num_seqs("SamplingParams.n", params.n)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and k > MAX_LOGPROBS:
-                raise ValueError(f"SamplingParams.{name}={k} is more than the {MAX_LOGPROBS} "
-                                 f"top logprobs this engine returns per token")
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"SamplingParams.{name}={k} is more than max_logprobs={self.max_logprobs}, "
+                                 f"the most top logprobs per token this engine returns")
+        if params.structured_outputs is not None:
+            structured_output.validate(params.structured_outputs)   # compiles? (a few ms)
 
 
 # apply_chat_template's own arguments: the engine sets them, or they change what the call

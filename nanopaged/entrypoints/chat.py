@@ -4,9 +4,10 @@
                              [--top-p P] [--seed S] [--system TEXT]
                              [--chat-template-kwargs JSON]
 
-Each turn renders the whole conversation with the tokenizer's chat template, sends it
-to the engine as one request, and prints the answer as the engine produces it, one
-step at a time (text deltas from the incremental detokenizer, so a multi-byte character
+Each turn renders the whole conversation with the tokenizer's chat template (dropping
+the oldest turns until the prompt leaves room for --max-tokens in max_model_len, the
+engine's rule), sends it to the engine as one request, and prints the answer as the
+engine produces it, one step at a time (text deltas from the incremental detokenizer, so a multi-byte character
 is never split). Commands: /reset forgets the conversation, /exit (or end of input)
 quits. Ctrl-C while the model is answering stops that answer (the request is aborted
 and its blocks freed) and returns to the prompt. The model's eos ids (all that its
@@ -44,6 +45,17 @@ def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int,
         if len(msgs) - first <= 1:
             raise ValueError(f"message is {len(ids)} tokens; the model takes at most {max_prompt_tokens}")
         del msgs[first]
+
+
+def prompt_budget(engine, max_tokens: int) -> int:
+    """The longest prompt a turn may have: room for max_tokens answer tokens in
+    max_model_len (vLLM's rule, which the engine's Processor enforces: issue 34) and for
+    one more token in the KV pool. Raises ValueError when max_tokens leaves no room."""
+    max_model_len, bm = engine.config.max_model_len, engine.block_manager
+    if max_tokens >= max_model_len:
+        raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt: this model's maximum "
+                         f"context length is {max_model_len} tokens (prompt + answer)")
+    return min(max_model_len - max_tokens, bm.num_gpu_blocks * bm.block_size - 1)
 
 
 def stream_answer(engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -121,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             from .llm import LLM
             engine = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
                          speculative_config=args.speculative_config).engine
+        prompt_limit = prompt_budget(engine, args.max_tokens)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         err.print(f"[red]error:[/red] {e}")
         return 1
@@ -132,9 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     if interactive:
         err.print(f"[dim]nanopaged chat - {engine.model_path.name}. /reset clears the "
                   "conversation, /exit quits, Ctrl-C stops an answer.[/dim]")
-    # leave room for at least one answer token, in the model and in the KV pool
-    bm = engine.block_manager
-    max_prompt_tokens = min(engine.config.max_model_len, bm.num_gpu_blocks * bm.block_size) - 1
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
     for turn in itertools.count():
@@ -162,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, seed=args.seed + turn)
         try:
-            prompt_ids = build_prompt(tokenizer, messages, max_prompt_tokens, template_kwargs)
+            prompt_ids = build_prompt(tokenizer, messages, prompt_limit, template_kwargs)
             answer = stream_answer(engine, f"chat-{turn}", prompt_ids, params)
-        except ValueError as e:            # too long for the model or for the KV pool
+        except ValueError as e:            # too long for the model or for the KV pool: the engine's message
             err.print(f"[red]error:[/red] {e}")
             messages.pop()
             continue

@@ -131,7 +131,8 @@ def _cases():
         "n=2 with max_tokens 3, and max_tokens 4": ([[5, 6, 7], [8, 9]],
                                                     [SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=3,
                                                                     ignore_eos=True), greedy(4)], None),
-        "a prompt of max_model_len - 2 = 30 tokens": ([list(range(40, 70)), [1, 2, 3]], [greedy(10), greedy(10)], 32),
+        # max_tokens=None: up to the context (prompt + max_tokens > max_model_len is refused)
+        "a prompt of max_model_len - 2 = 30 tokens": ([list(range(40, 70)), [1, 2, 3]], [greedy(None), greedy(10)], 32),
     }
 
 

@@ -15,7 +15,9 @@ Each step it:
    (`slot_mapping`), its block table and its context length (`seq_lens`),
 4. runs the model over all those tokens at once,
 5. takes the hidden state of each sequence's last token, computes logits only there (in
-   fp32), and samples; plus prompt logprobs where a request asked for them. A step
+   fp32), and samples; plus prompt logprobs where a request asked for them. Logits
+   are computed and sampled in chunks of rows, so a step never holds more than
+   max_logits_bytes of them (logits_chunks.py). A step
    with structured outputs samples in a second call, `sample_tokens`, once the core
    has sent the token masks (a GrammarOutput) of its constrained rows.
 6. with async scheduling, appends what it sampled to its own record: the next step was
@@ -44,7 +46,8 @@ from ..layers.attention import AttentionMetadata
 from ..layers.backends import TorchBackend
 from ..utils.math_utils import cdiv
 from .input_batch import InputBatch
-from .sampler import Sampler, apply_grammar_bitmask, compute_logprobs
+from .logits_chunks import chunked_logprobs, compute_logits_rows, max_logits_rows, row_chunks
+from .sampler import Sampler, compute_logprobs
 from .spec_decode.draft_model import DraftModelProposer
 from .spec_decode.ngram_proposer import NgramProposer
 from .spec_decode.rejection_sampler import RejectionSampler
@@ -98,12 +101,15 @@ class ModelRunner:
             ones (_propose), with an n-gram proposer or `draft_model`.
         draft_model: the loaded draft (a model of any registered family), for method "draft_model".
         max_model_len: no draft is proposed at or past it.
+        max_logits_bytes: most bytes of fp32 logits held at once (logits_chunks.py);
+            None = no bound.
     """
 
     def __init__(self, model: LlamaForCausalLM, num_gpu_blocks: int, block_size: int,
                  seed: int = 0, num_cpu_blocks: int = 0, attn_backend: TorchBackend | None = None,
                  async_scheduling: bool = False, speculative_config: SpeculativeConfig | None = None,
-                 draft_model: LlamaForCausalLM | None = None, max_model_len: int | None = None) -> None:
+                 draft_model: LlamaForCausalLM | None = None, max_model_len: int | None = None,
+                 max_logits_bytes: int | None = None) -> None:
         c = model.config
         self.model = model
         self.async_scheduling = async_scheduling
@@ -124,7 +130,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)   # rows without a seed
         self.input_batch = InputBatch(c.vocab_size, self.device)
-        self._pending = None       # (ModelInput, logits, output) of a step awaiting sample_tokens
+        self.max_logits_rows = max_logits_rows(max_logits_bytes, c.vocab_size)   # per chunk; None: all
+        self._pending = None       # (ModelInput, hidden, output) of a step awaiting sample_tokens
         self.speculative_config = sc = speculative_config
         self.rejection_sampler = RejectionSampler()
         self.proposer: NgramProposer | DraftModelProposer | None = None
@@ -137,7 +144,8 @@ class ModelRunner:
                 raise ValueError("speculative_config.method is 'draft_model' but no draft model was loaded")
             draft_model.set_attention_backend(self.attn_backend)
             self.proposer = DraftModelProposer(draft_model, sc.num_speculative_tokens, num_gpu_blocks, block_size,
-                                               num_cpu_blocks, max_model_len or self.model.rope_cos.shape[0])
+                                               num_cpu_blocks, max_model_len or self.model.rope_cos.shape[0],
+                                               self.max_logits_rows)
 
     @staticmethod
     def kv_cache_bytes_per_block(model_config, block_size: int, dtype: torch.dtype,
@@ -273,74 +281,77 @@ class ModelRunner:
         out = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, inp))
         if not inp.sampled_seq_ids:
             return out
-        logits = self.model.compute_logits(hidden[inp.logits_indices]).float()   # [num_sampled, vocab]
         if so.structured_output_seq_ids:
-            self._pending = (inp, logits, out)
+            self._pending = (inp, hidden, out)
             return None
-        return self._sample(inp, logits, out)
+        return self._sample(inp, hidden, out)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
-        """Finish the step execute_model left at its logits: mask every constrained
-        row (sampler.apply_grammar_bitmask), then sample all rows.
+        """Finish the step execute_model left at its hidden states: sample all rows, each
+        constrained row masked by its grammar (sampler.apply_grammar_bitmask).
 
         Raises:
             RuntimeError: no step is waiting for its masks.
         """
         if self._pending is None:
             raise RuntimeError("sample_tokens: execute_model left no step waiting for its grammar bitmask")
-        (inp, logits, out), self._pending = self._pending, None
+        (inp, hidden, out), self._pending = self._pending, None
         rows_of: dict[int, list[int]] = {}       # a verifying sequence has k + 1 rows, in order
         for i, seq_id in enumerate(inp.sampled_seq_ids):
             rows_of.setdefault(seq_id, []).append(i)
         rows = [rows_of[i].pop(0) for i in grammar_output.structured_output_seq_ids]
-        apply_grammar_bitmask(logits, rows, grammar_output.grammar_bitmask.to(self.device))
-        return self._sample(inp, logits, out)
+        return self._sample(inp, hidden, out, (rows, grammar_output.grammar_bitmask.to(self.device)))
 
-    def _sample(self, inp: ModelInput, logits: torch.Tensor, out: ModelRunnerOutput) -> ModelRunnerOutput:
-        """Sample the plain rows (one per sequence), verify the drafts of the others
-        (_verify), then propose the next step's drafts (speculative decoding)."""
+    def _sample(self, inp: ModelInput, hidden: torch.Tensor, out: ModelRunnerOutput,
+                masks: tuple[list[int], torch.Tensor] | None = None) -> ModelRunnerOutput:
+        """Sample the plain rows (one per sequence), chunk by chunk (logits_chunks.py),
+        verify the drafts of the others (_verify), then propose the next step's drafts
+        (speculative decoding). masks: (sampled row, grammar bitmask) per constrained row."""
         spec = inp.spec_token_ids
         plain = [i for i, seq_id in enumerate(inp.sampled_seq_ids) if seq_id not in spec]
-        seq_ids = [inp.sampled_seq_ids[i] for i in plain]
-        if plain:
-            meta = self.input_batch.make_sampling_metadata(seq_ids)
-            sampled = self.sampler(logits[plain] if spec else logits, meta, self.generator)
-            out.sampled_token_ids = dict(zip(seq_ids, sampled.sampled_token_ids.tolist()))
-            out.logprobs = {i: lp for i, lp in zip(seq_ids, sampled.logprobs) if lp is not None}
+        for rows in row_chunks(plain, self.max_logits_rows):
+            seq_ids = [inp.sampled_seq_ids[i] for i in rows]
+            logits = compute_logits_rows(self.model, hidden, inp.logits_indices, rows, masks)   # [rows, vocab]
+            sampled = self.sampler(logits, self.input_batch.make_sampling_metadata(seq_ids), self.generator)
+            out.sampled_token_ids.update(zip(seq_ids, sampled.sampled_token_ids.tolist()))
+            out.logprobs.update((i, lp) for i, lp in zip(seq_ids, sampled.logprobs) if lp is not None)
         if spec:
-            self._verify(inp, logits, out)
+            self._verify(inp, hidden, out, masks)
         if self.proposer is not None:
             out.draft_token_ids = self._propose(inp, out)
         if self.async_scheduling:
             self.input_batch.append_output_tokens(list(out.sampled_token_ids), list(out.sampled_token_ids.values()))
         return out
 
-    def _verify(self, inp: ModelInput, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _verify(self, inp: ModelInput, hidden: torch.Tensor, out: ModelRunnerOutput, masks) -> None:
         """Speculative decoding: check each verifying sequence's drafts against its
-        k + 1 rows of logits (worker/spec_decode/rejection_sampler.py). Row j is
+        k + 1 rows of logits (worker/spec_decode/rejection_sampler.py), whole sequences
+        per chunk of rows. Row j is
         processed as if drafts[:j] were already output (penalties, min_tokens, bad
         words), so greedy verification accepts exactly what plain decoding would pick.
         Fills sampled_token_ids (the token after the accepted drafts),
         num_accepted_tokens and the logprobs of the new tokens (raw, one row each)."""
-        spec = inp.spec_token_ids
-        rows = [i for i, seq_id in enumerate(inp.sampled_seq_ids) if seq_id in spec]
-        row_seq_ids = [inp.sampled_seq_ids[i] for i in rows]
-        drafts = list(spec.values())
-        meta = self.input_batch.make_sampling_metadata(row_seq_ids, [d[:j] for d in drafts
-                                                                      for j in range(len(d) + 1)])
-        raw = logits[rows]                                                    # [sum(k_i + 1), vocab]
-        tokens = self.rejection_sampler(self.sampler.apply_logits_processors(raw, meta), drafts, meta,
-                                        self.generator)
-        first = 0
-        for seq_id, d, new in zip(spec, drafts, tokens):
-            out.sampled_token_ids[seq_id] = new[-1]
-            out.num_accepted_tokens[seq_id] = len(new) - 1
-            k = self.input_batch.seqs[seq_id].sampling_params.logprobs
-            if k is not None:
-                targets = torch.tensor(new, dtype=torch.int64, device=self.device)
-                out.logprobs[seq_id] = compute_logprobs(raw[first:first + len(new)], targets, k)
-            first += len(d) + 1
+        spec, rows_of = inp.spec_token_ids, {}
+        for i, seq_id in enumerate(inp.sampled_seq_ids):
+            rows_of.setdefault(seq_id, []).append(i)
+        for seq_ids in row_chunks(list(spec), self.max_logits_rows, [len(d) + 1 for d in spec.values()]):
+            rows = [r for seq_id in seq_ids for r in rows_of[seq_id]]
+            drafts = [spec[seq_id] for seq_id in seq_ids]
+            meta = self.input_batch.make_sampling_metadata([inp.sampled_seq_ids[r] for r in rows],
+                                                           [d[:j] for d in drafts for j in range(len(d) + 1)])
+            raw = compute_logits_rows(self.model, hidden, inp.logits_indices, rows, masks)   # [sum(k_i + 1), vocab]
+            tokens = self.rejection_sampler(self.sampler.apply_logits_processors(raw, meta), drafts, meta,
+                                            self.generator)
+            first = 0
+            for seq_id, d, new in zip(seq_ids, drafts, tokens):
+                out.sampled_token_ids[seq_id] = new[-1]
+                out.num_accepted_tokens[seq_id] = len(new) - 1
+                k = self.input_batch.seqs[seq_id].sampling_params.logprobs
+                if k is not None:
+                    targets = torch.tensor(new, dtype=torch.int64, device=self.device)
+                    out.logprobs[seq_id] = compute_logprobs(raw[first:first + len(new)], targets, k)
+                first += len(d) + 1
 
     def _propose(self, inp: ModelInput, out: ModelRunnerOutput) -> dict[int, list[int]]:
         """The drafts of each sequence that computed tokens and sampled this step (forks
@@ -364,13 +375,14 @@ class ModelRunner:
         return drafts
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput) -> dict[int, Logprobs]:
-        """Logprobs of the prompt tokens this step's hidden rows predict (raw, fp32)."""
+        """Logprobs of the prompt tokens this step's hidden rows predict (raw, fp32), in
+        chunks of at most max_logits_rows rows."""
         result = {}
         for seq_id, (row, count, start) in inp.prompt_logprob_rows.items():
             state = self.input_batch.seqs[seq_id]
-            logits = self.model.compute_logits(hidden[row:row + count]).float()
-            targets = torch.tensor(state.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
-            result[seq_id] = compute_logprobs(logits, targets, state.sampling_params.prompt_logprobs)
+            result[seq_id] = chunked_logprobs(self.model, hidden[row:row + count],
+                                              state.prompt_token_ids[start + 1:start + 1 + count],
+                                              state.sampling_params.prompt_logprobs, self.max_logits_rows)
         return result
 
     # -- block copies and start-up measurements ------------------------------------------------

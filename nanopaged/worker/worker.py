@@ -126,7 +126,8 @@ class Worker:
             attn_backend = get_attn_backend(attn_backend, self.device)
         self.model_runner = ModelRunner(self.model, num_gpu_blocks, self.config.block_size, self.config.seed,
                                         num_cpu_blocks, attn_backend, self.config.async_scheduling,
-                                        self.config.speculative_config, self.draft_model, self.config.max_model_len)
+                                        self.config.speculative_config, self.draft_model, self.config.max_model_len,
+                                        self.config.max_logits_bytes)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step on this rank (every rank computes the same ModelRunnerOutput);

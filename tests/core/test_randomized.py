@@ -34,7 +34,8 @@ def workloads(draw, tight=False):
     need = max((1 if tight else width(r)) * -(-(len(r["prompt"]) + r["max_tokens"]) // block_size)
                for r in reqs)
     num_blocks = draw(st.integers(need, 3 * need))
-    max_num_seqs = draw(st.integers(1, 4))
+    # a request's n (or beam width) may not pass max_num_seqs (the Processor's rule, issue 34)
+    max_num_seqs = draw(st.integers(max(width(r) for r in reqs), 4))
     # a small token budget makes chunked prefill cut prompts into several steps
     budget = draw(st.one_of(st.integers(max_num_seqs, 24), st.just(None)))
     # preemption by swap (into a CPU pool that may be too small) or by recompute
@@ -76,7 +77,7 @@ def completions(out):
 
 @lru_cache(maxsize=None)
 def solo_output(folder, prompt, kind, n, max_tokens, seed):
-    eng = get_engine(folder, 16, 256, (1, None, ("recompute", 0)), False)
+    eng = get_engine(folder, 16, 256, (4, None, ("recompute", 0)), False)
     r = dict(prompt=prompt, kind=kind, n=n, max_tokens=max_tokens, seed=seed)
     eng.add_request("solo", list(prompt), params_of(r))
     while eng.has_unfinished_requests():

@@ -283,10 +283,42 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(engine, loop):
     assert loop.run_until_complete(settled(lambda: engine.get_stats()["num_free_gpu_blocks"] == 48))
 
 
+def test_admission_bounds_and_stop_reason_as_the_offline_engine(engine, loop):
+    """Issue 34 through AsyncLLM (the server's engine): n past max_num_seqs (8 here),
+    logprobs past max_logprobs and prompt + max_tokens past max_model_len raise the
+    Processor's ValueError on the first output, nothing queued; an eos ends a stream
+    with stop_reason None, a stop_token_ids id with the id."""
+    async def first(params):
+        gen = engine.generate(PROMPTS[0], params)
+        try:
+            return await gen.__anext__()
+        finally:
+            await gen.aclose()
+
+    for params, message in ((SamplingParams(n=9), r"SamplingParams.n=9 is more than max_num_seqs=8"),
+                            (SamplingParams(logprobs=21), r"SamplingParams.logprobs=21 is more than max_logprobs=20"),
+                            (SamplingParams(max_tokens=1000), r"This model's maximum context length is 256 tokens. "
+                                                              r"However, you requested 10\d\d tokens")):
+        with pytest.raises(ValueError, match=message):
+            loop.run_until_complete(first(params))
+    eos, stop = 0, 7                                   # the tiny model's eos id; a logit bias picks the token
+
+    async def ends(params):
+        outs = [o async for o in engine.generate(PROMPTS[0], params)]
+        c = outs[-1].outputs[0]
+        return c.finish_reason, c.stop_reason
+
+    assert loop.run_until_complete(ends(SamplingParams(temperature=0, logit_bias={eos: 100}, output_kind=DELTA))) \
+        == ("stop", None)
+    assert loop.run_until_complete(ends(SamplingParams(temperature=0, logit_bias={stop: 100}, stop_token_ids=[stop],
+                                                       output_kind=DELTA))) == ("stop", stop)
+    assert loop.run_until_complete(settled(lambda: engine.get_stats()["num_free_gpu_blocks"] == 48))
+
+
 def test_a_killed_core_fails_every_stream_at_once(tiny_model_dir):
     eng = AsyncLLM(str(tiny_model_dir), **ENGINE_ARGS)
     pid = eng.engine_core.proc.pid
-    params = SamplingParams(max_tokens=10_000, ignore_eos=True, output_kind=DELTA)
+    params = SamplingParams(max_tokens=None, ignore_eos=True, output_kind=DELTA)
 
     async def run():
         started = [asyncio.Event() for _ in range(3)]
@@ -324,7 +356,7 @@ def test_a_core_that_raises_says_why(tiny_model_dir):
     loop = asyncio.new_event_loop()
 
     async def run():
-        gen = eng.generate(PROMPTS[0], SamplingParams(max_tokens=10_000, ignore_eos=True, output_kind=DELTA))
+        gen = eng.generate(PROMPTS[0], SamplingParams(max_tokens=None, ignore_eos=True, output_kind=DELTA))
         await gen.__anext__()
         eng.engine_core._send(EngineCoreRequestType.STOP_SEQUENCES, None)   # not a list: the core fails
         async for _ in gen:

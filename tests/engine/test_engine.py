@@ -117,7 +117,9 @@ def test_a_prompt_must_leave_room_for_one_output_token(llm24, length, how):
     """One rule for lengths on every path: prompt_len + 1 <= max_model_len. At
     max_model_len - 1 the request runs and ends at max_model_len; at max_model_len
     (once accepted, with 1 token more than the model's length in all) and past it, a
-    ValueError names both numbers, and the engine keeps serving."""
+    ValueError names both numbers, and the engine keeps serving. And vLLM's rule
+    (issue 34): prompt_len + max_tokens <= max_model_len, else its "maximum context
+    length" message; max_tokens that fit are honoured to the token."""
     from nanopaged.engine.processor import apply_chat_template
     from nanopaged.core.beam_search import BeamSearchParams
     if how == "chat":                  # a user message whose templated prompt is `length` ids
@@ -127,16 +129,20 @@ def test_a_prompt_must_leave_room_for_one_output_token(llm24, length, how):
     else:
         prompt = list(range(1, length + 1))
 
-    def run():
-        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2 if how == "n=2" else 1)
+    def run(max_tokens=5):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=2 if how == "n=2" else 1)
         if how == "beams":
             return [b.sequences[0].tokens[length:] for b in
-                    llm24.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))]
+                    llm24.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=max_tokens,
+                                                                  ignore_eos=True))]
         outs = llm24.chat(prompt, params, use_tqdm=False) if how == "chat" else llm24.generate(prompt, params)
         return [c.token_ids for c in outs[0].outputs]
 
     if length + 1 <= 24:
-        assert all(len(ids) == min(5, 24 - length) for ids in run())
+        assert all(len(ids) == 24 - length for ids in run(24 - length))
+        with pytest.raises(ValueError, match=fr"maximum context length is 24 tokens. However, you requested "
+                                             fr"{length + 5} tokens \({length} in the messages, 5 in the completion\)"):
+            run(5)
     else:
         with pytest.raises(ValueError, match=fr"prompt is {length} tokens, too long for max_model_len=24: "
                                              r"a prompt may have at most 23 tokens"):

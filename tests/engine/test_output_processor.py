@@ -197,13 +197,26 @@ def test_text_equals_decode_of_the_token_ids(tok):
 
 # -- eos / stop token ids ---------------------------------------------------------------------
 
-def test_c17_eos_stop_reason_passes_through_and_stays_out_of_the_text(tok, ids):
+def test_c17_eos_has_no_stop_reason_and_stays_out_of_the_text(tok, ids):
+    """An eos ends with stop_reason None (vLLM's; issue 34: the core sends None, so the
+    eos id itself says the last token is a stop token to leave out of the text). A
+    stop_token_ids id is the stop_reason and stays out too; a structured output whose
+    grammar completed stops on a token of its text (no stop id), which stays in."""
     for include in (False, True):
         op = OutputProcessor(tok)
         add(op, skip_special_tokens=False, include_stop_str_in_output=include)
-        c = only(step(op, out([ids[0], EOS], finish_reason=FinishReason.STOP, stop_reason=EOS))).outputs[0]
-        assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", EOS, [ids[0], EOS])
+        c = only(step(op, out([ids[0], EOS], finish_reason=FinishReason.STOP))).outputs[0]
+        assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", None, [ids[0], EOS])
         assert c.text == ("Hello<eos>" if include else "Hello")    # vLLM v1: only when asked
+        op = OutputProcessor(tok)
+        add(op, stop_token_ids=[ids[1]], include_stop_str_in_output=include)
+        c = only(step(op, out(ids[:2], finish_reason=FinishReason.STOP, stop_reason=ids[1]))).outputs[0]
+        assert (c.finish_reason, c.stop_reason, c.token_ids, c.text) == \
+            ("stop", ids[1], ids[:2], "Hello," if include else "Hello")
+    op = OutputProcessor(tok)
+    add(op)
+    c = only(step(op, out(ids[:2], finish_reason=FinishReason.STOP))).outputs[0]
+    assert (c.text, c.stop_reason) == ("Hello,", None)
 
 
 def test_length_finish_has_no_stop_reason(tok, ids):

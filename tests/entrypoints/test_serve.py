@@ -447,19 +447,89 @@ def test_a_prompt_of_max_model_len_is_refused_and_one_less_gives_one_token(http)
     """Field case C58, at the tiny model's max_model_len of 256: a prompt of exactly 256
     token ids with max_tokens 5 is a 400 naming max_model_len and both lengths, streamed
     or not (it once ran to 257 tokens in all); 255 ids give exactly one token, ended by
-    length, streamed or not."""
+    length, streamed or not, with max_tokens 1 or none (255 ids and max_tokens 5 are
+    vLLM's 400 since issue 34: test_c75_...)."""
     for stream in (False, True):
         r = http.post("/v1/completions", json={"prompt": [7] * 256, "max_tokens": 5, "stream": stream})
         assert r.status_code == 400, (stream, r.text)
         assert all(w in r.json()["error"]["message"] for w in ("256 tokens", "max_model_len=256")), r.text
-    body = {"prompt": [7] * 255, "max_tokens": 5, "ignore_eos": True, "temperature": 0}
-    whole = http.post("/v1/completions", json=body).json()
-    assert whole["usage"]["completion_tokens"] == 1 and whole["choices"][0]["finish_reason"] == "length"
-    chunks = [json.loads(line[6:]) for line in
-              http.post("/v1/completions", json=dict(body, stream=True)).text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
-    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    for max_tokens in (1, None):
+        body = {"prompt": [7] * 255, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        whole = http.post("/v1/completions", json=body).json()
+        assert whole["usage"]["completion_tokens"] == 1 and whole["choices"][0]["finish_reason"] == "length"
+        chunks = [json.loads(line[6:]) for line in
+                  http.post("/v1/completions", json=dict(body, stream=True)).text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def _sse_events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_c82_n_of_a_million_is_a_400_and_the_engine_keeps_serving(http):
+    """Field case C82 (issue 34): n = 10**6 once killed the EngineCore allocating 196 GB of
+    logits. Now the Processor refuses it, a 400 naming n, its value and the limit,
+    streamed or not, completions and chat; the next requests are served."""
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "n": 129})   # one past the limit
+    assert r.status_code == 400 and "SamplingParams.n=129 is more than max_num_seqs=128" in r.text, r.text
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        for stream in (False, True):
+            start = time.monotonic()
+            r = http.post(path, json=dict(body, max_tokens=1, n=1_000_000, stream=stream))
+            assert r.status_code == 400 and time.monotonic() - start < 5, (path, stream, r.text)
+            assert "SamplingParams.n=1000000 is more than max_num_seqs=128" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 3})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logprobs": 21})
+    assert r.status_code == 400 and "SamplingParams.logprobs=21 is more than max_logprobs=20" in r.text
+
+
+def test_c75_max_tokens_past_the_context_is_vllms_400(http):
+    """Field case C75 (issue 34) at max_model_len 256: a 15-token prompt with max_tokens
+    1000 is a 400 with vLLM's message, for completions and for chat's max_tokens and
+    max_completion_tokens, streamed and not; max_tokens that fit exactly is a 200 with
+    that many tokens; a chat without max_tokens runs up to the context."""
+    def message(prompt_len, max_tokens):
+        return (f"This model's maximum context length is 256 tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+                f"completion). Please reduce the length of the messages or completion.")
+
+    messages = [{"role": "user", "content": "Hello"}]
+    chat_len = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    cases = [("/v1/completions", {"prompt": [7] * 15}, 15, "max_tokens"),
+             ("/v1/chat/completions", {"messages": messages}, chat_len, "max_tokens"),
+             ("/v1/chat/completions", {"messages": messages}, chat_len, "max_completion_tokens")]
+    for path, body, prompt_len, field in cases:
+        for stream in (False, True):
+            r = http.post(path, json=dict(body, stream=stream, **{field: 1000}))
+            assert r.status_code == 400, (path, field, stream, r.text)
+            assert r.json()["error"]["message"] == message(prompt_len, 1000)
+        fits = dict(body, temperature=0, ignore_eos=True, **{field: 256 - prompt_len})
+        r = http.post(path, json=fits)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 256 - prompt_len, r.text
+    r = http.post("/v1/chat/completions", json={"messages": messages, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 256 - chat_len
+
+
+def test_stop_reason_is_null_on_eos_and_the_id_for_a_stop_token_id(http, tiny_model_dir):
+    """Issue 34: stop_reason is null when the eos ends a completion (it was the eos id),
+    the id when a stop_token_ids id does, streamed or not, completions and chat. A logit
+    bias of 100 makes the first token the one to stop on."""
+    eos = json.loads((tiny_model_dir / "config.json").read_text())["eos_token_id"]
+    stop = 7
+    for path, body in (("/v1/completions", {"prompt": "Hello"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]})):
+        for extra, want in (({"logit_bias": {str(eos): 100}}, None),
+                            ({"logit_bias": {str(stop): 100}, "stop_token_ids": [stop]}, stop)):
+            req = dict(body, max_tokens=5, temperature=0, **extra)
+            choice = http.post(path, json=req).json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", want), (path, extra, choice)
+            last = _sse_events(http.post(path, json=dict(req, stream=True)).text)[-1]["choices"][0]
+            assert (last["finish_reason"], last["stop_reason"]) == ("stop", want), (path, extra, last)
 
 
 def test_32_concurrent_streams_equal_their_solo_outputs(tiny_server, http):

@@ -55,9 +55,10 @@ class DraftModelProposer:
     """
 
     def __init__(self, model, num_speculative_tokens: int, num_gpu_blocks: int, block_size: int,
-                 num_cpu_blocks: int, max_model_len: int) -> None:
+                 num_cpu_blocks: int, max_model_len: int, max_logits_rows: int | None = None) -> None:
         c = model.config
         self.model = model
+        self.max_logits_rows = max_logits_rows      # logits rows at once (logits_chunks.py); None: all
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -106,7 +107,9 @@ class DraftModelProposer:
             seq_lens=t(seq_lens), query_start_loc=t(list(range(len(live) + 1))), num_decodes=len(live),
             seq_lens_list=seq_lens, query_start_loc_list=list(range(len(live) + 1)))
         hidden = self.model(t([tok for _, tok, _, _ in live]), t(positions), self.kv_cache, meta)
-        return self.model.compute_logits(hidden).float().argmax(dim=-1).tolist()
+        step = self.max_logits_rows or len(live)
+        return [token for a in range(0, len(live), step)
+                for token in self.model.compute_logits(hidden[a:a + step]).float().argmax(dim=-1).tolist()]
 
 
 def make_layer_draft(target_dir: str | Path, out_dir: str | Path, num_layers: int) -> Path:
