@@ -179,7 +179,8 @@ def test_a_value_900_deep_in_any_field_is_a_400_naming_it(http, path, field, kin
 
 @pytest.mark.parametrize("kind", ["list", "dict"])
 def test_chat_template_kwargs_900_deep_is_a_400_and_just_under_the_limit_is_used(http, kind):
-    """The issue's request (a 500 RecursionError from check_text), and a value the walk
+    """Field case C77 (nested 900 deep): the issue's request (a 500 RecursionError from
+    check_text), and a value the walk
     takes whole and hands to the template: a 200."""
     chat = BASES["/v1/chat/completions"]
     r = http.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"enable_thinking": nested(900, kind)}})
@@ -232,7 +233,9 @@ def test_the_dashboard_cookie_flow_through_a_real_server(server):
 
 
 def test_zz_the_key_never_reaches_the_log_and_the_server_still_serves(server, http):
-    """Last: reads the log of every test above, then asks more of its own."""
+    """Field case C70 (the key in the log: with --api-key K at --log-level info, after
+    /dashboard?key=K and /v1/models?key=K, K appears nowhere in the server's output).
+    Last: reads the log of every test above, then asks more of its own."""
     no_auth = httpx.Client(base_url=server.url, timeout=30)
     with no_auth:
         assert no_auth.get("/v1/models", params={"key": KEY}).status_code == 401

@@ -290,7 +290,8 @@ def test_each_family_sharded_equals_tp1(tiny_family, arch, tp_size):
     replicated. 4 heads over 2 KV heads, untied. Checked by the replay (top of this
     section): a wrong bias row, KV head or norm changes the logits, which must be exact.
 
-    This test compared the logits with atol=1e-5 until it failed on an AMD EPYC with
+    Field case C84 (the sharded reduction on AVX2). This test compared the logits with
+    atol=1e-5 until it failed on an AMD EPYC with
     AVX2 only, Qwen2 at tp=4: off by 1.07e-5 every time with 2 threads (6.8e-6 with
     OMP_NUM_THREADS=1). Measured on that CPU: the embedding, the first norm and
     qkv_proj with its bias are exact; the first difference is layer 0's o_proj on the
