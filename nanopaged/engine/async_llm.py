@@ -17,6 +17,12 @@ Many `generate` calls share one engine: each has its own queue, and one task (th
 output handler) reads every step's outputs and sorts them into the queues. The core
 never waits for the front end, nor the front end for the core.
 
+Signs of life: `start_heartbeat(interval)` pings the core every interval (one ping at a
+time), and every message the output handler reads (a step's outputs, a ping's answer)
+stamps `seconds_since_heard()`. A live core, idle or busy, is heard from at least every
+interval plus one step; a frozen one (stopped, swapping, deadlocked) ages. The server's
+/health reads that age and never waits.
+
 The live dashboard (engine/dashboard.py): `add_dashboard_viewer(callback)` has the core
 send snapshots of its state (at most 5 a second, only while someone watches); the
 output handler keeps the latest and calls every viewer's callback with it.
@@ -32,6 +38,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 import weakref
 from typing import AsyncIterator
 
@@ -48,7 +55,7 @@ __all__ = ["AsyncLLM", "EngineDeadError", "EngineUnresponsiveError"]
 
 logger = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 5.0        # check_health's default wait for the core's answer
+HEALTH_TIMEOUT_S = 5.0        # check_health's default wait; the server's /health limit of silence
 
 
 class EngineUnresponsiveError(TimeoutError):
@@ -84,6 +91,8 @@ class AsyncLLM:
         self._request_counter = itertools.count()
         self._pings: dict[int, asyncio.Future] = {}         # ping number -> its answer
         self._ping_counter = itertools.count()
+        self._heartbeat: asyncio.Task | None = None
+        self._last_heard = time.monotonic()                 # the core just said "ready"
         self._dashboard_viewers: dict = {}                  # callback -> with_text
         self.dashboard: DashboardSnapshot | None = None     # the latest snapshot (no text)
         self._prompt_texts: dict[str, str] = {}              # decoded token-id prompts, for with_text
@@ -128,6 +137,39 @@ class AsyncLLM:
                                           f"did not answer a ping within {timeout} s") from None
         finally:
             self._pings.pop(number, None)
+
+    def start_heartbeat(self, interval_s: float) -> asyncio.Task:
+        """Ping the core every interval_s seconds from now on (call it from the event
+        loop), so that seconds_since_heard() stays below about interval_s plus one step
+        while the core lives. One ping at a time: a frozen core is not sent a pile of
+        them, and the next goes interval_s after its answer. Returns the heartbeat's
+        task (cancel it to stop; shutdown() does)."""
+        self._check_alive()
+        self._start_output_handler()
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat(interval_s))
+        return self._heartbeat
+
+    async def _beat(self, interval_s: float) -> None:
+        while not self.errored:
+            number = next(self._ping_counter)
+            answer = self._pings[number] = asyncio.get_running_loop().create_future()
+            try:
+                self.engine_core.ping(number)
+                await answer                           # as long as it takes
+            except EngineDeadError:
+                return                                 # the core is gone: nothing to beat for
+            except RuntimeError:                       # it took no message for 5 s: stuck, and aging
+                pass
+            finally:
+                self._pings.pop(number, None)
+            await asyncio.sleep(interval_s)
+
+    def seconds_since_heard(self) -> float:
+        """Seconds since the core's last message (a step's outputs, an answer to a
+        ping) reached the output handler; it never waits. With the heartbeat on, a
+        live core stays below about its interval plus the longest step."""
+        return time.monotonic() - self._last_heard
 
     def get_stats(self) -> dict[str, int]:
         """The core's counters as of its last step or abort (EngineCore.get_stats: free
@@ -238,16 +280,21 @@ class AsyncLLM:
             if not finished:
                 self._abort_nowait([internal_id])
 
-    async def abort(self, request_id: str | list[str]) -> None:
+    async def abort(self, request_id: str | list[str], error: BaseException | None = None) -> None:
         """Abort request(s): they leave the core and free their blocks before its next
-        step; their generate loops end without a final output. Unknown ids are ignored."""
+        step; their generate loops end without a final output, or raise `error` if one
+        is given (a server stopping says so to its clients). Unknown ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         internal = [self._internal_ids.pop(rid) for rid in ids if rid in self._internal_ids]
         self._abort_nowait(internal)
         for rid in internal:
             queue = self._queues.pop(rid, None)
             if queue is not None:
-                queue.put_nowait(None)
+                queue.put_nowait(error)
+
+    def running_request_ids(self) -> list[str]:
+        """The caller's ids of the requests whose generate loops still run."""
+        return list(self._internal_ids)
 
     def _abort_nowait(self, ids: list[str]) -> None:
         self.output_processor.abort_requests(ids)
@@ -266,6 +313,7 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
+                self._last_heard = time.monotonic()
                 if outputs.scheduler_stats is not None:
                     self._stats = outputs.scheduler_stats
                 if outputs.dashboard is not None:
@@ -304,9 +352,10 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """Stop the core process (it is gone when this returns) and the output handler.
         Idempotent; also runs when the AsyncLLM is garbage collected or at exit."""
-        if self._output_handler is not None and not self._output_handler.done():
-            try:
-                self._output_handler.cancel()
-            except RuntimeError:                       # its loop is closed already
-                pass
+        for task in (self._heartbeat, self._output_handler):
+            if task is not None and not task.done():
+                try:
+                    task.cancel()
+                except RuntimeError:                   # its loop is closed already
+                    pass
         self._finalizer()

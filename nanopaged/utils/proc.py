@@ -100,8 +100,11 @@ def wait_ready(children: dict[int, tuple[str, subprocess.Popen]], timeout_s: flo
 
 def read_settings() -> tuple[object, int]:
     """The child's side of spawn_child: (settings, ready fd) from stdin. Also asks to die
-    with the parent (die_with_parent)."""
+    with the parent (die_with_parent) and ignores SIGINT: Ctrl-C in a terminal reaches
+    the whole process group, and it is the parent that decides when its children stop
+    (it would otherwise die mid-step with a KeyboardInterrupt traceback)."""
     die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     return pickle.load(sys.stdin.buffer)
 
 

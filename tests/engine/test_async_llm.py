@@ -235,6 +235,57 @@ def test_check_health_pings_the_core(engine, loop):
     assert not engine._pings                           # no answer left waiting
 
 
+def test_the_heartbeat_keeps_the_core_heard_and_a_frozen_one_ages(engine, loop):
+    """start_heartbeat pings the core, one ping at a time; seconds_since_heard(), which
+    never waits, is the age of the core's last message: small while it idles, growing
+    while it is frozen (SIGSTOP, one ping left unanswered, no pile), small again once it
+    runs (SIGCONT). The server's /health reads it."""
+    pid = engine.engine_core.proc.pid
+
+    async def run():
+        beat = engine.start_heartbeat(0.1)
+        try:
+            await asyncio.sleep(0.6)
+            idle = engine.seconds_since_heard()
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(1.2)
+                frozen, unanswered = engine.seconds_since_heard(), len(engine._pings)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            await settled(lambda: engine.seconds_since_heard() < 0.5)
+            return idle, frozen, unanswered, engine.seconds_since_heard()
+        finally:
+            beat.cancel()
+            await asyncio.sleep(0)
+
+    idle, frozen, unanswered, again = loop.run_until_complete(run())
+    assert idle < 0.5 and frozen > 1.0 and unanswered == 1 and again < 0.5, (idle, frozen, unanswered, again)
+    assert not engine._pings
+
+
+def test_abort_with_an_error_raises_it_in_the_stream(engine, loop):
+    """abort(ids, error): the generate loop raises error (a stopping server tells its
+    clients so) and the request leaves the core; running_request_ids() lists the
+    caller's ids."""
+    class Stopping(Exception):
+        pass
+
+    async def run():
+        got, ids = [], None
+        with pytest.raises(Stopping, match="the server is shutting down"):
+            async for out in engine.generate(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True,
+                                                                        output_kind=DELTA), "to-stop"):
+                got.append(out)
+                if len(got) == 1:
+                    ids = engine.running_request_ids()
+                    await engine.abort(ids, Stopping("the server is shutting down"))
+        return ids, engine.running_request_ids(), await settled(lambda: engine.get_stats()["num_running"] == 0)
+
+    ids, after, settled_ok = loop.run_until_complete(run())
+    assert ids == ["to-stop"] and after == [] and settled_ok
+
+
 def test_abort_ends_the_stream_quietly(engine, loop):
     async def run():
         got = []

@@ -2,12 +2,13 @@
 
     python -m nanopaged.serve [--model PATH] [--host 127.0.0.1] [--port 8000]
         [--api-key KEY] [--served-model-name NAME] [--max-body-bytes N]
-        [--dashboard-show-text] [--no-dashboard]
+        [--health-timeout S] [--shutdown-timeout S] [--dashboard-show-text] [--no-dashboard]
         [every EngineConfig field as a flag: --block-size 16 --max-model-len N ...]
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streamed as
-server-sent events with "stream": true), GET /health (200 when the engine core answers
-a ping within --health-timeout seconds; 503 when it is dead or does not), GET /metrics
+server-sent events with "stream": true), GET /health (at once: 200 while the engine core
+has been heard from within --health-timeout seconds; 503 when it is dead, silent for
+longer, or the server is shutting down), GET /metrics
 (Prometheus text, metrics.py), GET /dashboard: a live page of the KV pool and the
 scheduler, fed by GET /dashboard/events (serving_dashboard.py; ids and counts only, text
 with --dashboard-show-text; off with --no-dashboard), GET /docs (FastAPI's page of the
@@ -20,8 +21,10 @@ missing or wrong key when --api-key is set (/health and /metrics stay open, as i
 vLLM; /dashboard?key=KEY trades the key for a cookie that the page's stream then sends,
 since a browser's EventSource cannot send headers: auth.py), 400 for a body that nests
 JSON more than 128 deep (utils/checks.py), 404 for an unknown model, 413 for a body over
---max-body-bytes, 500 when the engine died. The access log never shows a key
-(auth.RedactSecrets). A client that disconnects aborts its request in the core.
+--max-body-bytes, 500 when the engine died (no traceback: that goes to the log), 503
+while the server shuts down. The access log never shows a key (auth.RedactSecrets). A
+client that disconnects aborts its request in the core. How the server stops (SIGTERM,
+SIGINT, the core's death: exit status 1) is launcher.py's.
 vLLM: `vllm/entrypoints/openai/api_server.py`.
 """
 from __future__ import annotations
@@ -45,8 +48,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...config import EngineConfig
-from . import auth, serving
-from ...engine.async_llm import HEALTH_TIMEOUT_S, AsyncLLM, EngineUnresponsiveError
+from . import auth, launcher, serving
+from ...engine.async_llm import HEALTH_TIMEOUT_S, AsyncLLM
 from ...utils.checks import check_json_nesting
 from ...utils.proc import EngineDeadError
 from .metrics import ServerMetrics
@@ -133,11 +136,12 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
             (and /dashboard, /dashboard/events that or the cookie that /dashboard?key=
             sets: auth.py).
         max_body_bytes: larger request bodies get a 413.
-        health_timeout: seconds GET /health waits for the core's answer to a ping.
+        health_timeout: seconds of silence from the core after which GET /health is a 503.
         dashboard: serve GET /dashboard and its stream (False: they are 404s).
         dashboard_show_text: the dashboard shows the requests' prompt and output text.
     """
     app = FastAPI(title="nanopaged", docs_url="/docs", redoc_url=None)     # /docs: Swagger UI, as vLLM
+    lifecycle = launcher.Lifecycle(engine, health_timeout)
     hub = DashboardHub(engine, dashboard_show_text) if dashboard else None
     metrics = ServerMetrics(engine, served_model_name, hub)
 
@@ -152,8 +156,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
 
     @app.exception_handler(Exception)
     async def _bug(_, e: Exception):         # Starlette logs the traceback after this answer
-        return JSONResponse(error_body(500, f"internal server error: {type(e).__name__}: {e}"),
-                            status_code=500)
+        return JSONResponse(error_body(500, f"internal server error ({type(e).__name__})"), status_code=500)
 
     @app.exception_handler(serving.ClientGone)
     async def _gone(_, e: serving.ClientGone):
@@ -179,23 +182,23 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
         """Start the request (400/500 before any byte is sent), then answer it."""
         check_model(body.model)
         if engine.errored:
-            raise OpenAIError(500, "the engine core has died")
+            raise OpenAIError(500, serving.DEAD_ENGINE_MESSAGE)
+        if lifecycle.draining:
+            raise OpenAIError(503, "the server is shutting down")
         request_id = random_id(prefix)
         try:
             first, rest = await serving.cancel_on_disconnect(
                 request, serving.start(engine, metrics, prompt(), params_fn(), request_id))
-        except (ValueError, TypeError) as e:
-            raise OpenAIError(400, str(e)) from None
-        except EngineDeadError as e:
-            raise OpenAIError(500, f"the engine core has died: {e}") from None
+        except (ValueError, TypeError, EngineDeadError, serving.ShuttingDown) as e:
+            raise OpenAIError(*serving.error_for_client(e)) from None
         if body.stream:
             lines = serving.guarded_stream(respond(first, rest, request_id, stream=True))
             return StreamingResponse(lines, media_type="text/event-stream",
                                      background=BackgroundTask(lines.aclose))
         try:
             return await serving.cancel_on_disconnect(request, respond(first, rest, request_id, stream=False))
-        except EngineDeadError as e:
-            raise OpenAIError(500, f"the engine core has died: {e}") from None
+        except (EngineDeadError, serving.ShuttingDown) as e:
+            raise OpenAIError(*serving.error_for_client(e)) from None
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
@@ -230,11 +233,10 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
                                          max_model_len=engine.config.max_model_len)])
 
     @app.get("/health")
-    async def health():
-        try:
-            await engine.check_health(health_timeout)
-        except (EngineDeadError, EngineUnresponsiveError) as e:
-            logger.warning("/health: 503: %s", e)
+    async def health():                     # answers at once, from the core's last sign of life
+        problem = lifecycle.health_problem()
+        if problem is not None:
+            logger.warning("/health: 503: %s", problem)
             return Response(status_code=503)
         return Response(status_code=200)
 
@@ -263,6 +265,7 @@ def build_app(engine, served_model_name: str, api_key: str | None = None,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     app.state.dashboard_hub = hub        # serve() ends its streams when the server stops
+    app.state.lifecycle = lifecycle      # serve() sets draining, /health and run() read it
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
     return app
 
@@ -273,6 +276,14 @@ def _bool(text: str) -> bool:
              "false": False, "no": False, "off": False, "0": False}.get(text.lower())
     if value is None:
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, at least 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
     return value
 
 
@@ -317,9 +328,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                     help="larger request bodies get a 413")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    ap.add_argument("--health-timeout", type=float, default=HEALTH_TIMEOUT_S,
-                    help="seconds /health waits for the engine core's answer before a 503; "
-                         "more than the longest step")
+    ap.add_argument("--health-timeout", type=_seconds, default=HEALTH_TIMEOUT_S, metavar="S",
+                    help="GET /health is a 503 once the engine core has said nothing for S seconds "
+                         "(it is pinged every S/4, at most 1 s); more than the longest step. /health "
+                         "itself answers at once (default %(default)g)")
+    ap.add_argument("--shutdown-timeout", type=_seconds, default=launcher.DEFAULT_SHUTDOWN_TIMEOUT_S,
+                    metavar="S", help="after SIGTERM / SIGINT, seconds the running requests have to "
+                    "finish before they are aborted (a stream's last event is then an error, then "
+                    "[DONE]) (default %(default)g)")
     ap.add_argument("--dashboard-show-text", action="store_true",
                     help="the dashboard (GET /dashboard) shows prompt and output text; without it, "
                          "request ids and token counts only")
@@ -342,12 +358,13 @@ def ready_line(args: argparse.Namespace, name: str, app: FastAPI) -> str:
     return f"ready on {url} (model {name!r})" + (": " + ", ".join(pages) if pages else "")
 
 
-async def serve(args: argparse.Namespace) -> None:
-    """Start the engine core, then serve until SIGINT / SIGTERM; the core is shut down after."""
+async def serve(args: argparse.Namespace) -> int:
+    """Start the engine core, then serve until SIGINT / SIGTERM (returns 0) or the core's
+    death (returns 1); the core is shut down after (launcher.py)."""
     import uvicorn
 
     own = {"model", "host", "port", "api_key", "served_model_name", "max_body_bytes", "log_level",
-           "health_timeout", "dashboard", "dashboard_show_text"}
+           "health_timeout", "shutdown_timeout", "dashboard", "dashboard_show_text"}
     engine_args = {k: v for k, v in vars(args).items() if k not in own}
     logger.info("starting the engine for %s (the HTTP server starts once it is ready)",
                 args.model or f"the default model {DEFAULT_MODEL_NAME}")
@@ -358,34 +375,28 @@ async def serve(args: argparse.Namespace) -> None:
                         health_timeout=args.health_timeout, dashboard=args.dashboard,
                         dashboard_show_text=args.dashboard_show_text)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=launcher.GRACE_AFTER_ABORT_S)
         auth.redact_access_log()            # after Config, which sets uvicorn's loggers up
-        server = uvicorn.Server(config)
+        server = launcher.Server(config)
 
         async def say_ready():              # once the socket listens, not before
             while not server.started:
                 await asyncio.sleep(0.05)
             logger.info("%s", ready_line(args, name, app))
 
-        async def end_dashboard_streams():  # an open event stream would hold the shutdown 5 s
-            while not server.should_exit:
-                await asyncio.sleep(0.1)
-            if app.state.dashboard_hub is not None:
-                app.state.dashboard_hub.close()
-
         ready = asyncio.create_task(say_ready())
-        closer = asyncio.create_task(end_dashboard_streams())
-        await server.serve()
+        status = await launcher.serve_http(server, engine, app.state.lifecycle, app.state.dashboard_hub,
+                                           args.shutdown_timeout)
         ready.cancel()
-        closer.cancel()
+        return status
     finally:
         engine.shutdown()
 
 
 class Terminated(BaseException):
-    """Raised in the main thread by SIGTERM, so that `serve`'s `finally` shuts the engine
-    core down. A BaseException, like KeyboardInterrupt, so no `except Exception` on the way
-    swallows it."""
+    """Raised in the main thread by SIGTERM while the engine starts (serving, launcher.py
+    handles the signal on the event loop), so that the half-started core is shut down. A
+    BaseException, like KeyboardInterrupt, so no `except Exception` on the way swallows it."""
 
 
 def _raise_terminated(signum, frame) -> None:
@@ -394,13 +405,13 @@ def _raise_terminated(signum, frame) -> None:
 
 def main(argv=None) -> int:
     """Entry point of `python -m nanopaged.serve` and `nanopaged-serve`. Returns 0 after
-    SIGINT or SIGTERM (the engine core stopped and its ipc folder removed), or 1 if the
-    engine could not start (bad config or a failed start; the error is printed).
+    SIGINT or SIGTERM (every request ended, the engine core stopped and its ipc folder
+    removed), or 1 if the engine could not start (bad config or a failed start; the error
+    is printed) or died while serving (so that a supervisor restarts the server).
 
-    SIGTERM is how systemd, Docker and Kubernetes stop a service. While serving, uvicorn
-    catches it and ends gracefully, then raises the signal again once it is done; with
-    Python's default action the process would die there, before the engine core is shut
-    down. Our handler turns it into an exception instead, as Ctrl-C is one already."""
+    SIGTERM is how systemd, Docker and Kubernetes stop a service. Before the server
+    listens, our handler turns it into an exception, as Ctrl-C is one already, so that a
+    half-started core is shut down; once it listens, launcher.py drains on either."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     # nanopaged's own lines (utils/log.py) at the same level, here and in the core process
@@ -408,7 +419,7 @@ def main(argv=None) -> int:
     logging.getLogger("nanopaged").setLevel(args.log_level.upper())
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        asyncio.run(serve(args))
+        return asyncio.run(serve(args))
     except (ValueError, TypeError, RuntimeError) as e:
         print(f"nanopaged.entrypoints.openai.api_server: error: {e}", file=sys.stderr)
         return 1

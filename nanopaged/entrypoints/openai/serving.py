@@ -154,15 +154,37 @@ async def cancel_on_disconnect(request: Request, coro):
         raise
 
 
+class ShuttingDown(Exception):
+    """The server stopped before this request finished (it ran past --shutdown-timeout
+    and was aborted): a 503, or a stream's last error event."""
+
+
+DEAD_ENGINE_MESSAGE = "the engine core has died"     # the cause goes to the log, not to clients
+
+
+def error_for_client(e: Exception) -> tuple[int, str]:
+    """(HTTP status, message) a client is told for an exception raised while serving
+    its request: never a traceback or a file path (those go to the server's log)."""
+    if isinstance(e, ShuttingDown):
+        return 503, str(e)
+    if isinstance(e, EngineDeadError):
+        return 500, DEAD_ENGINE_MESSAGE
+    if isinstance(e, (ValueError, TypeError)):        # the request's fault, said by our checks
+        return 400, str(e)
+    return 500, f"internal server error ({type(e).__name__})"
+
+
 async def guarded_stream(lines):
-    """The SSE lines; an error after the stream started becomes an error event."""
+    """The SSE lines; an error after the stream started becomes an error event, then
+    `data: [DONE]`."""
     try:
         async for line in lines:
             yield line
     except Exception as e:      # the status line has gone: say it in the stream, as vLLM does
-        logger.exception("error while streaming")
-        status = 500 if isinstance(e, EngineDeadError) else 400
-        yield f"data: {json.dumps(error_body(status, str(e)))}\n\n"
+        if not isinstance(e, (ShuttingDown, EngineDeadError)):    # those are logged once, by the launcher
+            logger.exception("error while streaming")
+        status, message = error_for_client(e)
+        yield f"data: {json.dumps(error_body(status, message))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         await lines.aclose()
