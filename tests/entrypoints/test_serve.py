@@ -666,7 +666,7 @@ def _timed_health(url: str) -> tuple[int, float]:
 
 @pytest.mark.timeout(60)
 def test_health_answers_at_once_frozen_503_busy_200(tiny_server, http):
-    """/health never waits (a Kubernetes probe gives up after 1 s): it reads the age of
+    """Field case C57 (C57h in CASES.md: health answers at once). /health never waits (a Kubernetes probe gives up after 1 s): it reads the age of
     the core's last sign of life. A core stopped by SIGSTOP (alive, but its loop does not
     turn) is a 503 answered within 1 s once it has been silent for --health-timeout (2 s
     here; the probe used to wait those 2 s for a ping), a 200 again once it runs; a core
