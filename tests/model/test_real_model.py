@@ -177,16 +177,21 @@ def test_c07_prompt_longer_than_max_model_len(default_model_dir):
     assert not eng.has_unfinished_requests()
     assert llm.generate([list(range(100, 105))], SamplingParams(max_tokens=4))[0].finished
     assert eng.get_stats()["num_waiting"] == 0
-    # The rule: prompt_len + 1 <= max_model_len, and a sequence stops once prompt +
-    # output reach max_model_len. A prompt of exactly max_model_len tokens has no room
-    # for an output token (it once ran to max_model_len + 1 tokens in all).
+    # The rule: prompt_len + 1 <= max_model_len, and prompt_len + max_tokens <=
+    # max_model_len (vLLM's; max_tokens=None: up to max_model_len). A prompt of exactly
+    # max_model_len tokens has no room for an output token (it once ran to
+    # max_model_len + 1 tokens in all); max_tokens past the room left is vLLM's error
+    # (it was clamped silently until issue 34).
     with pytest.raises(ValueError, match=r"32 tokens, too long for max_model_len=32: .* at most 31 tokens"):
         llm.generate([list(range(100, 132))], SamplingParams(temperature=0, max_tokens=1))
-    for max_tokens in (1, 5):
+    with pytest.raises(ValueError, match=r"maximum context length is 32 tokens. However, you requested 36 "
+                                         r"tokens \(31 in the messages, 5 in the completion\)"):
+        llm.generate([list(range(100, 131))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    for max_tokens in (1, None):
         out = llm.generate([list(range(100, 131))], SamplingParams(temperature=0, max_tokens=max_tokens,
                                                                    ignore_eos=True))[0]
         assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
-    out = llm.generate([list(range(100, 130))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    out = llm.generate([list(range(100, 130))], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 2 and out.outputs[0].finish_reason == "length"
     assert eng.get_stats()["num_waiting"] == eng.get_stats()["num_running"] == 0
 
