@@ -145,7 +145,8 @@ def build_extension(name: str, source: Path, kind: str):
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise KernelBuildError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH)")
     build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob("*.so")):
+    fresh = not any(build_dir.glob("*.so"))     # else ninja only checks the cached build
+    if fresh:
         logger.info("building the %s kernel %s (once, about a minute, longer on a busy CPU; cached in %s)",
                     kind.upper(), source.name, build_dir)
     what = f"building the {kind.upper()} kernel {source.name}"
@@ -156,7 +157,8 @@ def build_extension(name: str, source: Path, kind: str):
                                         verbose=False, **flags)
     except Exception as e:       # compiler errors arrive as RuntimeError, CalledProcessError, ...
         raise KernelBuildError(f"building {source.name} failed: {str(e)[-2000:]}") from e
-    logger.info("built the %s kernel %s in %.0f s", kind.upper(), source.name, time.monotonic() - start)
+    if fresh:
+        logger.info("built the %s kernel %s in %.0f s", kind.upper(), source.name, time.monotonic() - start)
     (build_dir / "last-used").touch()
     prune_builds(build_dir)
     return module

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -455,3 +456,19 @@ def test_a_failed_build_stops_its_progress_lines(slow_build, monkeypatch):
     after = len(lines.lines)
     time.sleep(0.1)                                     # ten periods: a running reporter would log
     assert len(lines.lines) == after and not any(line.startswith("built") for line in lines.lines)
+
+
+def test_a_cached_build_says_nothing_of_building(slow_build, monkeypatch):
+    """With the kernel cached (a .so in its build folder), ninja only checks it: no
+    "building" line and no "built in 0 s" line on every start."""
+    source, lines = slow_build
+
+    def quick_load(**kwargs):        # a build that leaves its .so behind
+        Path(kwargs["build_directory"], "nanopaged_cpu.so").write_bytes(b"")
+        return "module"
+    monkeypatch.setattr(cpp_extension, "load", quick_load)
+    assert build.build_extension("nanopaged_cpu", source, "cpu") == "module"
+    assert lines.lines[0].startswith("building") and lines.lines[-1].startswith("built"), lines.lines
+    del lines.lines[:]
+    assert build.build_extension("nanopaged_cpu", source, "cpu") == "module"
+    assert not any(line.startswith(("building", "built")) for line in lines.lines), lines.lines
