@@ -119,6 +119,7 @@ class DashboardSampler:
         self.steps: deque[DashboardStep] = deque(maxlen=max_steps)   # since the last snapshot
         self.changed = False              # something happened since the last snapshot
         self.last_snapshot = float("-inf")
+        self.resting = False              # the last snapshot was taken as the engine went idle
         self.last_rate = 0.0              # tokens_per_s of the last snapshot
         self.num_snapshots = 0
         self._generated: deque[tuple[float, int]] = deque()   # (time, num_generated_tokens)
@@ -152,18 +153,21 @@ class DashboardSampler:
         self.current = DashboardStep(step=-1)
         self.changed = True
 
-    def poll(self, engine_core, force: bool = False) -> DashboardSnapshot | None:
+    def poll(self, engine_core, force: bool = False, resting: bool = False) -> DashboardSnapshot | None:
         """A snapshot when something changed since the last one and `interval` has passed
-        (or force: now, changed or not); else None, and the steps wait for the next one."""
+        (or force: now, changed or not); else None, and the steps wait for the next one.
+        resting: the engine is about to wait for work (implies force). The first change
+        after a rest is snapshot at once: a burst shorter than `interval` is still seen."""
         now = self.clock()
-        if not force and (not self.changed or now - self.last_snapshot < self.interval):
+        due = self.resting or now - self.last_snapshot >= self.interval
+        if not (force or resting) and not (self.changed and due):
             return None
         rate = self._rate(now, engine_core.scheduler.num_generated_tokens)
         snapshot = build_snapshot(engine_core, self.steps, getattr(engine_core, "num_steps", 0),
                                   now - self.start, rate)
         self.last_rate = rate
         self.steps.clear()
-        self.changed, self.last_snapshot = False, now
+        self.changed, self.last_snapshot, self.resting = False, now, resting
         self.num_snapshots += 1
         return snapshot
 

@@ -107,7 +107,7 @@ class EngineCoreProc:
                 # about to block: the last snapshot must not wait for the next step (and
                 # a second later one more, whose tokens/s is 0, not the last busy second's)
                 self._send(EngineCoreOutputs(scheduler_stats=core.get_stats(),
-                                             dashboard=self.dashboard.poll(core, force=True)))
+                                             dashboard=self.dashboard.poll(core, resting=True)))
             rejected, changed = self._process_input(block=idle)
             if rejected is None:
                 return                                     # shut down

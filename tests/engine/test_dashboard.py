@@ -110,6 +110,26 @@ def test_the_sampler_coalesces_steps_into_at_most_one_snapshot_per_interval(tiny
     assert len(snap.steps) == MAX_STEPS and snap.steps[-1].step == eng.num_steps
 
 
+def test_the_first_step_after_a_rest_is_shown_at_once(tiny_model_dir):
+    """The snapshot taken as the engine goes idle does not hold back the next burst: a
+    burst shorter than the interval (a fast CPU, a short request) is still seen running.
+    CI on a faster CPU caught this: each round of a server test fell inside 0.2 s."""
+    eng = engine(tiny_model_dir)
+    clock = FakeClock()
+    sampler = DashboardSampler(start=clock(), clock=clock)
+    eng.add_observer(sampler)
+    assert sampler.poll(eng, resting=True).requests == []           # idle: the rest snapshot
+    clock.now += 0.01                                               # well inside 0.2 s
+    eng.add_request("a", list(range(1, 8)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    eng.step()
+    sampler.end_step(eng.num_steps)
+    snap = sampler.poll(eng)
+    assert snap is not None and snap.requests[0].status == "running"
+    eng.step()                                                      # after that, the interval again
+    sampler.end_step(eng.num_steps)
+    assert sampler.poll(eng) is None
+
+
 def test_preemption_is_a_decision_of_its_step(tiny_model_dir):
     eng = engine(tiny_model_dir, num_gpu_blocks=6, preemption_mode="recompute")
     sampler = DashboardSampler()
