@@ -1,0 +1,83 @@
+"""Extensions: every feature after the base engine, joined to it at named hooks.
+
+The base engine (block pool and manager, scheduler, runner view, input batch, model
+runner, sampler, models, engine core, LLM) runs alone. A later feature is a subclass of
+a base part that overrides some of its hooks, in a file of its own, e.g.
+
+    class AsyncScheduler(Scheduler):        # core/async_scheduler.py
+        def _after_schedule(self, step): ...
+
+The engine builds each part once, from the config, as the base class with the enabled
+extensions' subclasses in front of it (Python's method order, each override calling
+super()), so two features that override the same hook compose. vLLM picks its scheduler
+class from the config the same way (`SchedulerConfig.scheduler_cls`; the async one is
+`vllm/v1/core/sched/async_scheduler.py`).
+
+Per-request features (beam search, structured outputs) are on whenever their module
+imports; without it, a request that asks for one is refused by name.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+# extension name -> does this config turn it on? (per-request features: always)
+ENABLED: dict[str, Callable] = {
+    "async_scheduling": lambda config: config.async_scheduling,
+    "speculative_decoding": lambda config: config.speculative_config is not None,
+    "beam_search": lambda config: True,
+    "structured_outputs": lambda config: True,
+}
+PER_REQUEST = {"beam_search", "structured_outputs"}
+
+# part -> extension name -> "module:Class", the subclass of that part's base class
+SCHEDULER: dict[str, str] = {}
+MODEL_RUNNER: dict[str, str] = {}
+ENGINE_CORE: dict[str, str] = {}
+PARTS = {"scheduler": SCHEDULER, "model_runner": MODEL_RUNNER, "engine_core": ENGINE_CORE}
+
+
+def _import(path: str) -> type:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def extension_classes(part: str, config) -> list[type]:
+    """The enabled extensions' subclasses of `part`, in ENABLED's order.
+
+    Raises:
+        ImportError: an extension the config turns on (not a per-request one) is missing.
+    """
+    classes = []
+    for name, path in PARTS[part].items():
+        if not ENABLED[name](config):
+            continue
+        try:
+            classes.append(_import(path))
+        except ImportError:
+            if name not in PER_REQUEST:
+                raise
+    return sorted(classes, key=lambda c: list(ENABLED).index(_name_of(part, c)))
+
+
+def _name_of(part: str, cls: type) -> str:
+    return next(n for n, p in PARTS[part].items() if p == f"{cls.__module__}:{cls.__qualname__}")
+
+
+def build_class(base: type, part: str, config) -> type:
+    """`base` with the enabled extensions of `part` in front: the class the engine builds."""
+    classes = extension_classes(part, config)
+    if not classes:
+        return base
+    return type(base.__name__, (*classes, base), {"__doc__": base.__doc__})
+
+
+def available(name: str) -> bool:
+    """Does every module of extension `name` import? (A per-request feature's check.)"""
+    try:
+        for paths in PARTS.values():
+            if name in paths:
+                _import(paths[name])
+    except ImportError:
+        return False
+    return True
