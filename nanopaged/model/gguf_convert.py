@@ -23,7 +23,6 @@ functions that need them so ``import nanopaged`` stays fast.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanopaged.model.gguf_families import GGUFFamily, gguf_family
+from nanopaged.utils.files import apply_umask_permissions, move_into_place, sha256_file
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import gguf
@@ -266,8 +266,8 @@ def convert_gguf_to_hf(
             "transformers": transformers.__version__,
         }
         (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
-        _apply_umask_permissions(tmp)
-        _move_into_place(tmp, dst, overwrite)
+        apply_umask_permissions(tmp)
+        move_into_place(tmp, dst, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -364,42 +364,6 @@ def _write_tokenizer(src: Path, pre_tokenizer: str | None, config: Any, out: Pat
     # Otherwise transformers saves an "unlimited" 1e30 length.
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out)
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    """Return the hex SHA-256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _apply_umask_permissions(folder: Path) -> None:
-    """Give the files in ``folder`` the usual umask-derived mode.
-
-    Some writers (e.g. safetensors) create their file 0600; a cache shared by
-    several users of one machine should be readable like any other download.
-    """
-    umask = os.umask(0)
-    os.umask(umask)
-    for f in folder.iterdir():
-        if f.is_file():
-            os.chmod(f, 0o666 & ~umask)
-
-
-def _move_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
-    """Rename the finished ``tmp`` folder to ``dst``, replacing an old ``dst`` if allowed."""
-    if not dst.exists():
-        os.replace(tmp, dst)
-        return
-    if not overwrite:
-        raise FileExistsError(f"output folder {str(dst)!r} appeared during conversion")
-    # Rename the old folder aside first so ``dst`` is never a half-deleted mix.
-    trash = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-    os.replace(dst, trash)
-    os.replace(tmp, dst)
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _console() -> Any:
