@@ -23,9 +23,9 @@ stamps `seconds_since_heard()`. A live core, idle or busy, is heard from at leas
 interval plus one step; a frozen one (stopped, swapping, deadlocked) ages. The server's
 /health reads that age and never waits.
 
-The live dashboard (engine/dashboard.py): `add_dashboard_viewer(callback)` has the core
-send snapshots of its state (at most 5 a second, only while someone watches); the
-output handler keeps the latest and calls every viewer's callback with it.
+The live dashboard: `add_dashboard_viewer(callback)` starts the core's DashboardSampler
+(engine/dashboard.py, a watcher of the core process); the output handler keeps its
+latest snapshot and calls every viewer's callback with it.
 
 Leaving a `generate` loop early (break, the task cancelled, an HTTP client gone) aborts
 the request: the core frees its blocks before its next step (field case C23). If the
@@ -40,10 +40,9 @@ import itertools
 import logging
 import time
 import weakref
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from ..config import EngineConfig
-from ..messages import DashboardSnapshot
 from ..utils.proc import EngineDeadError
 from .arg_utils import create_engine_config
 from .engine_core_client import AsyncMPClient
@@ -51,11 +50,15 @@ from .output_processor import OutputProcessor
 from ..outputs import RequestOutput
 from .processor import Processor
 
+if TYPE_CHECKING:                     # the dashboard's modules load only when a viewer comes
+    from ..dashboard_messages import DashboardSnapshot
+
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineUnresponsiveError"]
 
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0        # check_health's default wait; the server's /health limit of silence
+DASHBOARD = "dashboard"       # the name of the dashboard's watcher in the core process
 
 
 class EngineUnresponsiveError(TimeoutError):
@@ -102,10 +105,6 @@ class AsyncLLM:
     def errored(self) -> bool:
         """True once the core process is gone (every request then fails)."""
         return self.engine_core.is_dead()
-
-    @property
-    def is_running(self) -> bool:
-        return not self.errored and not self.engine_core._closed
 
     def _check_alive(self) -> None:
         """Raises EngineDeadError if the core process is gone (no message sent)."""
@@ -188,14 +187,15 @@ class AsyncLLM:
         no text). Call it from the event loop (it starts the output handler)."""
         self._check_alive()
         self._start_output_handler()
+        from .dashboard import DashboardSampler
         self._dashboard_viewers[callback] = with_text
-        self.engine_core.watch_dashboard(True)
+        self.engine_core.watch(DASHBOARD, DashboardSampler)
 
     def remove_dashboard_viewer(self, callback) -> None:
         """Stop calling callback; the last viewer gone, the core stops its snapshots."""
         if self._dashboard_viewers.pop(callback, None) is not None and not self._dashboard_viewers:
             if not self.errored and not self.engine_core._closed:
-                self.engine_core.watch_dashboard(False)
+                self.engine_core.watch(DASHBOARD, None)
 
     def _show_dashboard(self, snapshot: DashboardSnapshot) -> None:
         self.dashboard = snapshot
@@ -316,8 +316,8 @@ class AsyncLLM:
                 self._last_heard = time.monotonic()
                 if outputs.scheduler_stats is not None:
                     self._stats = outputs.scheduler_stats
-                if outputs.dashboard is not None:
-                    self._show_dashboard(outputs.dashboard)
+                if DASHBOARD in outputs.watcher_outputs:
+                    self._show_dashboard(outputs.watcher_outputs[DASHBOARD])
                 for number in outputs.pongs:
                     answer = self._pings.get(number)
                     if answer is not None and not answer.done():
