@@ -17,15 +17,13 @@ Many `generate` calls share one engine: each has its own queue, and one task (th
 output handler) reads every step's outputs and sorts them into the queues. The core
 never waits for the front end, nor the front end for the core.
 
-Signs of life: `start_heartbeat(interval)` pings the core every interval (one ping at a
-time), and every message the output handler reads (a step's outputs, a ping's answer)
-stamps `seconds_since_heard()`. A live core, idle or busy, is heard from at least every
-interval plus one step; a frozen one (stopped, swapping, deadlocked) ages. The server's
-/health reads that age and never waits.
+Signs of life: `start_heartbeat(interval)` pings the core every interval, and every
+message the output handler reads stamps `seconds_since_heard()`: a live core is heard
+from at least every interval plus one step; a frozen one ages (the server's /health).
 
 The live dashboard: `add_dashboard_viewer(callback)` starts the core's DashboardSampler
-(engine/dashboard.py, a watcher of the core process); the output handler keeps its
-latest snapshot and calls every viewer's callback with it.
+(engine/dashboard.py, a watcher of the core process); the output handler hands each
+snapshot it sends to every viewer's callback.
 
 Leaving a `generate` loop early (break, the task cancelled, an HTTP client gone) aborts
 the request: the core frees its blocks before its next step (field case C23). If the
@@ -97,7 +95,6 @@ class AsyncLLM:
         self._heartbeat: asyncio.Task | None = None
         self._last_heard = time.monotonic()                 # the core just said "ready"
         self._dashboard_viewers: dict = {}                  # callback -> with_text
-        self.dashboard: DashboardSnapshot | None = None     # the latest snapshot (no text)
         self._prompt_texts: dict[str, str] = {}              # decoded token-id prompts, for with_text
         self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
 
@@ -180,11 +177,10 @@ class AsyncLLM:
     # -- the live dashboard -------------------------------------------------------------------
 
     def add_dashboard_viewer(self, callback, with_text: bool = False) -> None:
-        """Call callback(snapshot) with every DashboardSnapshot from now on, in the output
-        handler's task: it must not block (a dashboard server hands it to a queue). The
-        core sends one at once, so an idle engine's state arrives too. with_text fills
-        each request's prompt and output text from this front end's state (the core has
-        no text). Call it from the event loop (it starts the output handler)."""
+        """Call callback(snapshot) with every DashboardSnapshot from now on (the first at
+        once, idle or not), in the output handler's task, so it must not block. with_text:
+        fill each request's prompt and output text from this front end's state. Call it
+        from the event loop."""
         self._check_alive()
         self._start_output_handler()
         from .dashboard import DashboardSampler
@@ -198,7 +194,6 @@ class AsyncLLM:
                 self.engine_core.watch(DASHBOARD, None)
 
     def _show_dashboard(self, snapshot: DashboardSnapshot) -> None:
-        self.dashboard = snapshot
         with_text = self._with_text(snapshot) if any(self._dashboard_viewers.values()) else None
         for callback, text in list(self._dashboard_viewers.items()):
             callback(with_text if text else snapshot)

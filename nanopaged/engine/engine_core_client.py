@@ -1,28 +1,25 @@
 """EngineCoreClient: how a front end talks to the EngineCore, here or in another process.
 
-The core (engine_core.py) is tokens in, tokens out, so it can live anywhere. vLLM v1
-gives it two homes, and so do we:
+The core (engine_core.py) is tokens in, tokens out, so it can live anywhere:
 
-    InprocClient   the core in this process; every call goes straight through. LLMEngine
-                   (and so LLM and the tests) uses it: simple, and one process to debug.
+    InprocClient   the core in this process, every call straight through (LLMEngine,
+                   so LLM and the tests: one process to debug).
     AsyncMPClient  the core in a child process (EngineCoreProc), for AsyncLLM and the
-                   server. While the child runs a forward, the parent tokenizes new
-                   requests, detokenizes the last step and serves HTTP: that work no
-                   longer sits between two forwards.
+                   server: while the child runs a forward, the parent tokenizes,
+                   detokenizes and serves HTTP.
 
-The two processes speak over ZeroMQ sockets on a private ipc:// path (pyzmq, as vLLM):
+The two processes speak over ZeroMQ sockets on a private ipc:// path (pyzmq, as vLLM),
+with the dataclasses of messages.py, pickled (vLLM uses msgspec; the socket is private):
 
     front end  --(EngineCoreRequestType, payload)-->  EngineCoreProc     input socket
     front end  <--EngineCoreOutputs | EngineCoreDead--  EngineCoreProc   output socket
 
-The payloads are the dataclasses of messages.py, pickled (vLLM encodes them with
-msgspec; pickle needs no schema and the socket is private to the two processes).
+Watchers (CoreWatcher) run inside the child, started by a WATCH message, and add
+payloads to its outputs: the loop calls them at named points and knows nothing else.
 
-Failure: if the child dies (an exception in a step, a kill), every caller waiting on it
-gets an `EngineDeadError` at once: the child's last message says why, or a watcher
-thread sees the process end. The child exits when its parent does (it checks its parent
-each second, and on Linux asks the kernel to kill it with the parent), so no core
-process is ever left behind.
+Failure: if the child dies, every caller waiting on it gets an `EngineDeadError` at once
+(the child's last message says why, or a thread sees the process end). The child exits
+when its parent does (it checks each second, and on Linux the kernel kills it too).
 vLLM: `vllm/v1/engine/core_client.py`, `vllm/v1/engine/core.py` (EngineCoreProc).
 """
 from __future__ import annotations
