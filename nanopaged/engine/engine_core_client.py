@@ -70,8 +70,8 @@ class InprocClient:
 
 class CoreWatcher(Protocol):
     """Something that watches the core from inside its process and sends what it sees
-    with the outputs (the live dashboard: engine/dashboard.py's DashboardSampler).
-    Started and stopped by WATCH messages; a payload it returns (not None) rides in
+    with the outputs (e.g. the live viewer's DashboardSampler). Started and stopped by
+    WATCH messages; a payload it returns (not None) rides in
     EngineCoreOutputs.watcher_outputs under its name."""
 
     def watch(self, engine_core) -> None:
