@@ -283,123 +283,16 @@ class EngineCoreOutput:
 
 
 @dataclass
-class DashboardSequence:
-    """One sequence of a request as the dashboard draws it.
-
-    Attributes:
-        seq_id: the sequence's id (a request with n > 1 or beams has several).
-        block_table: physical block ids, logical block i at index i; in the CPU pool
-            when on_cpu (swapped out), else in the device pool.
-        on_cpu: whether the table is in the CPU swap pool.
-        num_computed_tokens: tokens whose K/V are written (fill of the table).
-        num_tokens: prompt + output tokens so far.
-    """
-
-    seq_id: int
-    block_table: list[int]
-    on_cpu: bool
-    num_computed_tokens: int
-    num_tokens: int
-
-
-@dataclass
-class DashboardRequest:
-    """One unfinished request. status: "running", "waiting" or "swapped" (its queue).
-    num_output_tokens: the tokens its sequences have generated, all of them together.
-    prompt and output (text) stay None unless the server runs with
-    --dashboard-show-text; the front end fills them, the core has no text (output: the
-    text of its first sequence so far)."""
-
-    request_id: str
-    status: str
-    num_prompt_tokens: int
-    num_output_tokens: int
-    seqs: list[DashboardSequence]
-    prompt: str | None = None
-    output: str | None = None
-
-
-@dataclass
-class DashboardStep:
-    """What one engine step decided, from its events (events.py).
-
-    Attributes:
-        step: the engine's step number.
-        scheduled: one dict per scheduled sequence, {"request_id", "seq_id", "kind"
-            ("prefill", "decode" or "verify"), "num_tokens"}.
-        preempted: {"request_id", "mode" ("swap" or "recompute")} per preemption.
-        copy_on_write: {"seq_id", "src", "dst"} per copy-on-write block copy.
-        verified: speculative decoding, one per verified sequence: {"request_id",
-            "seq_id", "num_drafts", "num_accepted", "taken_back"} (the blocks given back
-            because they held only rejected drafts' slots).
-    """
-
-    step: int
-    scheduled: list[dict] = field(default_factory=list)
-    preempted: list[dict] = field(default_factory=list)
-    copy_on_write: list[dict] = field(default_factory=list)
-    verified: list[dict] = field(default_factory=list)
-
-
-@dataclass
-class DashboardSnapshot:
-    """The engine's state after a step, for the live dashboard (GET /dashboard) and the
-    tracer's replay page: sent at most 5 times a second, only while a viewer watches,
-    JSON for the browser via dataclasses.asdict.
-
-    Attributes:
-        step: the last step it includes; time: seconds since the engine started.
-        block_size: tokens per block; num_gpu_blocks, num_cpu_blocks: pool sizes.
-        gpu_ref_count: each device block's ref_count (0: free), for the first
-            min(num_gpu_blocks, engine/dashboard.MAX_BLOCKS) blocks (so are the other
-            per-block lists; a shorter list means the rest of the pool is not drawn).
-        gpu_cached: [same length] whether the block is named in the prefix cache
-            (free and cached: reusable on a hit).
-        gpu_owners: [same length] the request ids holding each block, each once
-            ([] when free; n sequences of one request sharing a block: one id, ref_count n).
-        cpu_owners: CPU block id -> the request id holding it, for the held blocks among
-            the first MAX_BLOCKS (a swap pool is mostly free; JSON makes the keys strings).
-        requests: every unfinished request; running, waiting, swapped: their ids by queue.
-        steps: the decisions of the steps since the last snapshot, oldest first: the
-            last engine/dashboard.MAX_STEPS of them (a fast engine's older ones are
-            dropped; their step numbers show the gap).
-        stats: counters and rates: "tokens_per_s" (generated, over the last second),
-            "kv_usage" (fraction of device blocks in use, 0..1), "prefix_cache_hit_rate"
-            (0..1), "num_preemptions", "num_copy_on_write", "num_generated_tokens".
-    """
-
-    step: int
-    time: float
-    block_size: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    gpu_ref_count: list[int]
-    gpu_cached: list[bool]
-    gpu_owners: list[list[str]]
-    cpu_owners: dict[int, str]
-    requests: list[DashboardRequest]
-    running: list[str]
-    waiting: list[str]
-    swapped: list[str]
-    steps: list[DashboardStep] = field(default_factory=list)
-    stats: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
 class EngineCoreOutputs:
-    """One step of the core: an output per sequence that advanced or ended, and the ids
-    of requests that are now entirely done (all sequences finished, blocks freed).
+    """One step of the core: an output per sequence that advanced or ended, and the
+    requests now entirely done (all sequences finished, blocks freed).
 
     A core in its own process (engine_core_client.EngineCoreProc) also fills:
-        scheduler_stats: EngineCore.get_stats() after the step (queue sizes, free
-            blocks, counters), so the front end can report them without asking.
-        rejected_requests: request_id -> message of requests the core refused at
-            add_request (a prompt needing more KV blocks than the whole pool).
-        pongs: the numbers of the PINGs the core took in before this step: proof that
-            its loop still turns (AsyncLLM.check_health, the server's /health).
-        dashboard: while a viewer watches (a DASHBOARD True message), the engine's
-            state for the live dashboard, at most 5 times a second
-            (engine/dashboard.py); None otherwise.
+        scheduler_stats: EngineCore.get_stats() after the step.
+        rejected_requests: request_id -> why add_request refused it.
+        pongs: the numbers of the PINGs taken in before this step (its loop turns).
+        watcher_outputs: watcher name -> the payload it added to this message (a
+            watcher of the core: engine_core_client.CoreWatcher); {} mostly.
     """
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
@@ -407,21 +300,21 @@ class EngineCoreOutputs:
     scheduler_stats: dict[str, int | float] | None = None
     rejected_requests: dict[str, str] = field(default_factory=dict)
     pongs: list[int] = field(default_factory=list)
-    dashboard: DashboardSnapshot | None = None
+    watcher_outputs: dict[str, object] = field(default_factory=dict)
 
 
 class EngineCoreRequestType(enum.Enum):
     """What a message from the front end to a core process asks (vLLM's
-    EngineCoreRequestType). The payload of each: ADD an EngineCoreRequest; ABORT a
-    list of request ids; STOP_SEQUENCES a list of (request_id, index); PING a number,
-    answered in the next EngineCoreOutputs' pongs; DASHBOARD a bool, whether a
-    dashboard viewer watches (True also asks for a snapshot at once); SHUTDOWN None."""
+    EngineCoreRequestType). Payloads: ADD an EngineCoreRequest; ABORT a list of request
+    ids; STOP_SEQUENCES a list of (request_id, index); PING a number, answered in the
+    next outputs' pongs; WATCH (name, factory): start the watcher `name`, built once
+    by factory(), or stop it when factory is None; SHUTDOWN None."""
 
     ADD = "add"
     ABORT = "abort"
     STOP_SEQUENCES = "stop_sequences"
     PING = "ping"
-    DASHBOARD = "dashboard"
+    WATCH = "watch"
     SHUTDOWN = "shutdown"
 
 

@@ -3,7 +3,7 @@
 Imports run downward only:
 
     entrypoints / trace / exercises  ->  engine  ->  core, worker  ->  model  ->  layers
-        ->  the vocabulary (config, sampling_params, outputs, messages, events) and utils
+        ->  the vocabulary (config, sampling_params, outputs, messages, dashboard_messages, events) and utils
 
 `core` and `worker` never import each other, and no module imports itself back through
 others (no import circles). Every import statement counts, also one inside a function or
@@ -19,7 +19,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nanopaged"
 
-VOCABULARY = {"config", "sampling_params", "outputs", "messages", "events"}
+VOCABULARY = {"config", "sampling_params", "outputs", "messages", "dashboard_messages", "events"}
 RANKS = {"utils": 0, **{name: 0 for name in VOCABULARY}, "layers": 1, "model": 2, "core": 3, "worker": 3,
          "engine": 4, "entrypoints": 5, "trace": 5, "exercises": 5}
 SHIMS = {"chat", "serve", "exercise", "__main__"}       # `python -m nanopaged.X` doors: the top

@@ -17,15 +17,13 @@ Many `generate` calls share one engine: each has its own queue, and one task (th
 output handler) reads every step's outputs and sorts them into the queues. The core
 never waits for the front end, nor the front end for the core.
 
-Signs of life: `start_heartbeat(interval)` pings the core every interval (one ping at a
-time), and every message the output handler reads (a step's outputs, a ping's answer)
-stamps `seconds_since_heard()`. A live core, idle or busy, is heard from at least every
-interval plus one step; a frozen one (stopped, swapping, deadlocked) ages. The server's
-/health reads that age and never waits.
+Signs of life: `start_heartbeat(interval)` pings the core every interval, and every
+message the output handler reads stamps `seconds_since_heard()`: a live core is heard
+from at least every interval plus one step; a frozen one ages (the server's /health).
 
-The live dashboard (engine/dashboard.py): `add_dashboard_viewer(callback)` has the core
-send snapshots of its state (at most 5 a second, only while someone watches); the
-output handler keeps the latest and calls every viewer's callback with it.
+The live dashboard: `add_dashboard_viewer(callback)` starts the core's DashboardSampler
+(engine/dashboard.py, a watcher of the core process); the output handler hands each
+snapshot it sends to every viewer's callback.
 
 Leaving a `generate` loop early (break, the task cancelled, an HTTP client gone) aborts
 the request: the core frees its blocks before its next step (field case C23). If the
@@ -40,10 +38,9 @@ import itertools
 import logging
 import time
 import weakref
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from ..config import EngineConfig
-from ..messages import DashboardSnapshot
 from ..utils.proc import EngineDeadError
 from .arg_utils import create_engine_config
 from .engine_core_client import AsyncMPClient
@@ -51,11 +48,15 @@ from .output_processor import OutputProcessor
 from ..outputs import RequestOutput
 from .processor import Processor
 
+if TYPE_CHECKING:                     # the dashboard's modules load only when a viewer comes
+    from ..dashboard_messages import DashboardSnapshot
+
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineUnresponsiveError"]
 
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0        # check_health's default wait; the server's /health limit of silence
+DASHBOARD = "dashboard"       # the name of the dashboard's watcher in the core process
 
 
 class EngineUnresponsiveError(TimeoutError):
@@ -94,7 +95,6 @@ class AsyncLLM:
         self._heartbeat: asyncio.Task | None = None
         self._last_heard = time.monotonic()                 # the core just said "ready"
         self._dashboard_viewers: dict = {}                  # callback -> with_text
-        self.dashboard: DashboardSnapshot | None = None     # the latest snapshot (no text)
         self._prompt_texts: dict[str, str] = {}              # decoded token-id prompts, for with_text
         self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
 
@@ -102,10 +102,6 @@ class AsyncLLM:
     def errored(self) -> bool:
         """True once the core process is gone (every request then fails)."""
         return self.engine_core.is_dead()
-
-    @property
-    def is_running(self) -> bool:
-        return not self.errored and not self.engine_core._closed
 
     def _check_alive(self) -> None:
         """Raises EngineDeadError if the core process is gone (no message sent)."""
@@ -181,24 +177,23 @@ class AsyncLLM:
     # -- the live dashboard -------------------------------------------------------------------
 
     def add_dashboard_viewer(self, callback, with_text: bool = False) -> None:
-        """Call callback(snapshot) with every DashboardSnapshot from now on, in the output
-        handler's task: it must not block (a dashboard server hands it to a queue). The
-        core sends one at once, so an idle engine's state arrives too. with_text fills
-        each request's prompt and output text from this front end's state (the core has
-        no text). Call it from the event loop (it starts the output handler)."""
+        """Call callback(snapshot) with every DashboardSnapshot from now on (the first at
+        once, idle or not), in the output handler's task, so it must not block. with_text:
+        fill each request's prompt and output text from this front end's state. Call it
+        from the event loop."""
         self._check_alive()
         self._start_output_handler()
+        from .dashboard import DashboardSampler
         self._dashboard_viewers[callback] = with_text
-        self.engine_core.watch_dashboard(True)
+        self.engine_core.watch(DASHBOARD, DashboardSampler)
 
     def remove_dashboard_viewer(self, callback) -> None:
         """Stop calling callback; the last viewer gone, the core stops its snapshots."""
         if self._dashboard_viewers.pop(callback, None) is not None and not self._dashboard_viewers:
             if not self.errored and not self.engine_core._closed:
-                self.engine_core.watch_dashboard(False)
+                self.engine_core.watch(DASHBOARD, None)
 
     def _show_dashboard(self, snapshot: DashboardSnapshot) -> None:
-        self.dashboard = snapshot
         with_text = self._with_text(snapshot) if any(self._dashboard_viewers.values()) else None
         for callback, text in list(self._dashboard_viewers.items()):
             callback(with_text if text else snapshot)
@@ -316,8 +311,8 @@ class AsyncLLM:
                 self._last_heard = time.monotonic()
                 if outputs.scheduler_stats is not None:
                     self._stats = outputs.scheduler_stats
-                if outputs.dashboard is not None:
-                    self._show_dashboard(outputs.dashboard)
+                if DASHBOARD in outputs.watcher_outputs:
+                    self._show_dashboard(outputs.watcher_outputs[DASHBOARD])
                 for number in outputs.pongs:
                     answer = self._pings.get(number)
                     if answer is not None and not answer.done():

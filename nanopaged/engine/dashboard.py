@@ -1,13 +1,6 @@
-"""The dashboard's data: a DashboardSnapshot of the engine's state, and a sampler that
-collects each step's decisions and hands out a snapshot at most 5 times a second.
-
-The live dashboard (GET /dashboard, entrypoints/openai/serving_dashboard.py) and the
-tracer's replay page draw the same picture the tracer's terminal view draws
-(trace/view.py): the device pool coloured by owner, the CPU swap pool, the three queues,
-each request's block table and each step's decisions. `build_snapshot` reads the state
-straight from the scheduler and the block manager; the decisions (who was scheduled for
-how many tokens, who was preempted, which blocks were copied on write) exist only as the
-step's events (events.py), so `DashboardSampler` listens for them.
+"""The live dashboard's data: build_snapshot reads the engine's state into a
+DashboardSnapshot (dashboard_messages.py), and DashboardSampler, an event observer,
+gathers each step's decisions and hands out a snapshot at most 5 times a second.
 
     sampler = DashboardSampler()
     core.observers.append(sampler)         # only while a viewer watches: else no cost at all
@@ -15,19 +8,19 @@ step's events (events.py), so `DashboardSampler` listens for them.
     sampler.end_step(core.num_steps)       # this step's decisions become one DashboardStep
     snapshot = sampler.poll(core)          # a snapshot, or None within 0.2 s of the last one
 
-The steps between two snapshots are coalesced into the next one's `steps` (the last
-MAX_STEPS of them), so a viewer at 5 updates a second sees every decision of an engine
-that takes 10 ms or more a step, and the latest ones of a faster one (the page marks the
-steps it missed). EngineCoreProc (engine_core_client.py)
-runs this in the core's process; the tracer calls build_snapshot after every step.
+The state (pool, queues, block tables) is read from the scheduler and block manager;
+the decisions exist only as the step's events (events.py). The steps between two
+snapshots ride in the next one (the last MAX_STEPS of them). In a server the sampler
+is a watcher of the core process (engine_core_client.CoreWatcher); the tracer's replay
+page (trace/replay.py) polls it after every step. The pictures are trace/view.py's.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 
+from ..dashboard_messages import DashboardRequest, DashboardSequence, DashboardSnapshot, DashboardStep
 from ..events import BlockCached, BlockFreed, CopyOnWrite, DraftsVerified, Event, Preempted, SequenceScheduled
-from ..messages import DashboardRequest, DashboardSequence, DashboardSnapshot, DashboardStep
 
 SNAPSHOT_INTERVAL_S = 0.2    # at most 5 snapshots a second: on 2 cores, 10 a second of SmolLM2's
                              # pool cost a viewer's server ~4% of its throughput (README)
@@ -122,6 +115,7 @@ class DashboardSampler:
         self.resting = False              # the last snapshot was taken as the engine went idle
         self.last_rate = 0.0              # tokens_per_s of the last snapshot
         self.num_snapshots = 0
+        self._now = False                 # a viewer joined: the next poll is forced
         self._generated: deque[tuple[float, int]] = deque()   # (time, num_generated_tokens)
 
     def __call__(self, event: Event) -> None:
@@ -184,3 +178,30 @@ class DashboardSampler:
             samples.popleft()
         t0, g0 = samples[0]
         return (generated - g0) / (now - t0) if now > t0 else 0.0
+
+    # -- as a watcher of the core process (engine_core_client.CoreWatcher) -----------------
+
+    def watch(self, engine_core) -> None:
+        """A viewer joined: observe the core's events (once), snapshot at the next chance."""
+        if self not in engine_core.observers:
+            self.start = engine_core.start_time            # snapshots' time: since the engine started
+            engine_core.observers.append(self)
+        self._now = True
+
+    def unwatch(self, engine_core) -> None:
+        engine_core.observers.remove(self)
+
+    def after_step(self, engine_core, stepped: bool) -> DashboardSnapshot | None:
+        if stepped:
+            self.end_step(engine_core.num_steps)
+        snapshot, self._now = self.poll(engine_core, force=self._now), False
+        return snapshot
+
+    def before_rest(self, engine_core) -> DashboardSnapshot | None:
+        """The last change must not wait for the next step, and a stale rate gets its 0."""
+        if self.changed or self.rate_is_stale():
+            return self.poll(engine_core, resting=True)
+        return None
+
+    def wants_wake(self) -> bool:
+        return self.rate_is_stale()

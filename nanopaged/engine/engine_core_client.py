@@ -1,28 +1,25 @@
 """EngineCoreClient: how a front end talks to the EngineCore, here or in another process.
 
-The core (engine_core.py) is tokens in, tokens out, so it can live anywhere. vLLM v1
-gives it two homes, and so do we:
+The core (engine_core.py) is tokens in, tokens out, so it can live anywhere:
 
-    InprocClient   the core in this process; every call goes straight through. LLMEngine
-                   (and so LLM and the tests) uses it: simple, and one process to debug.
+    InprocClient   the core in this process, every call straight through (LLMEngine,
+                   so LLM and the tests: one process to debug).
     AsyncMPClient  the core in a child process (EngineCoreProc), for AsyncLLM and the
-                   server. While the child runs a forward, the parent tokenizes new
-                   requests, detokenizes the last step and serves HTTP: that work no
-                   longer sits between two forwards.
+                   server: while the child runs a forward, the parent tokenizes,
+                   detokenizes and serves HTTP.
 
-The two processes speak over ZeroMQ sockets on a private ipc:// path (pyzmq, as vLLM):
+The two processes speak over ZeroMQ sockets on a private ipc:// path (pyzmq, as vLLM),
+with the dataclasses of messages.py, pickled (vLLM uses msgspec; the socket is private):
 
     front end  --(EngineCoreRequestType, payload)-->  EngineCoreProc     input socket
     front end  <--EngineCoreOutputs | EngineCoreDead--  EngineCoreProc   output socket
 
-The payloads are the dataclasses of messages.py, pickled (vLLM encodes them with
-msgspec; pickle needs no schema and the socket is private to the two processes).
+Watchers (CoreWatcher) run inside the child, started by a WATCH message, and add
+payloads to its outputs: the loop calls them at named points and knows nothing else.
 
-Failure: if the child dies (an exception in a step, a kill), every caller waiting on it
-gets an `EngineDeadError` at once: the child's last message says why, or a watcher
-thread sees the process end. The child exits when its parent does (it checks its parent
-each second, and on Linux asks the kernel to kill it with the parent), so no core
-process is ever left behind.
+Failure: if the child dies, every caller waiting on it gets an `EngineDeadError` at once
+(the child's last message says why, or a thread sees the process end). The child exits
+when its parent does (it checks each second, and on Linux the kernel kills it too).
 vLLM: `vllm/v1/engine/core_client.py`, `vllm/v1/engine/core.py` (EngineCoreProc).
 """
 from __future__ import annotations
@@ -33,12 +30,12 @@ import shutil
 import tempfile
 import threading
 import traceback
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
 from ..messages import EngineCoreDead, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
-from .dashboard import DashboardSampler
 from ..utils.proc import (EngineDeadError, exit_child, exit_reason, read_settings, report_ready, spawn_child,
                           stop_processes, wait_ready)
 
@@ -71,19 +68,36 @@ class InprocClient:
 
 # -- the child process --------------------------------------------------------------------
 
+class CoreWatcher(Protocol):
+    """Something that watches the core from inside its process and sends what it sees
+    with the outputs (e.g. the live viewer's DashboardSampler). Started and stopped by
+    WATCH messages; a payload it returns (not None) rides in
+    EngineCoreOutputs.watcher_outputs under its name."""
+
+    def watch(self, engine_core) -> None:
+        """WATCH on, the first or a later one: attach (e.g. as an event observer)."""
+
+    def unwatch(self, engine_core) -> None:
+        """WATCH off: detach; the watcher is dropped."""
+
+    def after_step(self, engine_core, stepped: bool) -> object | None:
+        """Outputs are about to go (stepped: after a step, else only news): a payload or None."""
+
+    def before_rest(self, engine_core) -> object | None:
+        """The loop is about to block for input: a payload it owes now, or None."""
+
+    def wants_wake(self) -> bool:
+        """Asked each second while the loop blocks: True wakes it (before_rest runs next)."""
+
+
 class EngineCoreProc:
     """The loop of the core's own process: take in what the front end sent, step while
     there is work, send each step's outputs back (with the core's stats).
 
     Requests arrive between steps, so a new one joins the very next batch; an abort
     frees the request's blocks before the next step (field case C23). When idle it
-    blocks on the input socket, waking each second to check that its parent lives.
-
-    The live dashboard: while the front end says a viewer watches (DASHBOARD True), a
-    DashboardSampler listens to the core's events and a snapshot rides along with the
-    outputs at most every 0.2 s; the last one is sent before the loop blocks, so a
-    viewer always sees the state the engine rests in. Without a viewer there is no
-    observer, and no snapshot is ever built.
+    blocks on the input socket, waking each second to check that its parent lives and
+    to ask its watchers (CoreWatcher) whether they want it awake.
     """
 
     def __init__(self, engine_core, input_address: str, output_address: str, parent_pid: int) -> None:
@@ -95,19 +109,17 @@ class EngineCoreProc:
         self.output = self.ctx.socket(zmq.PUSH)
         self.output.connect(output_address)
         self.pongs: list[int] = []                 # PINGs taken in, answered with the next outputs
-        self.dashboard: DashboardSampler | None = None   # while a dashboard viewer watches
-        self._dashboard_now = False                # a viewer joined: a snapshot at once
+        self.watchers: dict[str, CoreWatcher] = {}
 
     def run(self) -> None:
         """Serve until SHUTDOWN or the parent's death. Exceptions propagate."""
         core = self.engine_core
         while True:
             idle = not core.has_unfinished_requests()
-            if idle and self.dashboard is not None and (self.dashboard.changed or self.dashboard.rate_is_stale()):
-                # about to block: the last snapshot must not wait for the next step (and
-                # a second later one more, whose tokens/s is 0, not the last busy second's)
-                self._send(EngineCoreOutputs(scheduler_stats=core.get_stats(),
-                                             dashboard=self.dashboard.poll(core, resting=True)))
+            if idle:                        # about to block: what the watchers owe goes first
+                owed = self._watcher_outputs(lambda w: w.before_rest(core))
+                if owed:
+                    self._send(EngineCoreOutputs(scheduler_stats=core.get_stats(), watcher_outputs=owed))
             rejected, changed = self._process_input(block=idle)
             if rejected is None:
                 return                                     # shut down
@@ -121,24 +133,24 @@ class EngineCoreProc:
             outputs.rejected_requests = rejected
             outputs.scheduler_stats = core.get_stats()
             outputs.pongs, self.pongs = self.pongs, []
-            if self.dashboard is not None:
-                if stepped:
-                    self.dashboard.end_step(core.num_steps)
-                outputs.dashboard = self.dashboard.poll(core, force=self._dashboard_now)
-                self._dashboard_now = False
+            outputs.watcher_outputs = self._watcher_outputs(lambda w: w.after_step(core, stepped))
             self._send(outputs)
 
-    def _watch_dashboard(self, watching: bool) -> None:
-        """DASHBOARD: start (and snapshot at once) or stop listening to the core's events."""
-        observers = self.engine_core.observers
-        if watching:
-            if self.dashboard is None:
-                self.dashboard = DashboardSampler(self.engine_core.start_time)
-                observers.append(self.dashboard)
-            self._dashboard_now = True
-        elif self.dashboard is not None:
-            observers.remove(self.dashboard)
-            self.dashboard = None
+    def _watcher_outputs(self, hook) -> dict[str, object]:
+        """name -> hook(watcher), for the watchers whose hook returned a payload."""
+        payloads = {name: hook(w) for name, w in self.watchers.items()}
+        return {name: p for name, p in payloads.items() if p is not None}
+
+    def watch(self, name: str, factory) -> None:
+        """WATCH: start watcher `name` (factory() builds it, once) or, factory None, stop it."""
+        if factory is None:
+            watcher = self.watchers.pop(name, None)
+            if watcher is not None:
+                watcher.unwatch(self.engine_core)
+            return
+        if name not in self.watchers:
+            self.watchers[name] = factory()
+        self.watchers[name].watch(self.engine_core)
 
     def _process_input(self, block: bool) -> tuple[dict[str, str] | None, bool]:
         """Handle every waiting message (waiting for one first if block). Returns the
@@ -150,8 +162,8 @@ class EngineCoreProc:
             while not self.input.poll(1000):
                 if os.getppid() != self.parent_pid:
                     return None, False
-                if self.dashboard is not None and self.dashboard.rate_is_stale():
-                    return rejected, False                 # back to the loop: a snapshot is owed
+                if any(w.wants_wake() for w in self.watchers.values()):
+                    return rejected, False
         while self.input.poll(0):
             kind, payload = pickle.loads(self.input.recv())
             changed = True
@@ -166,8 +178,8 @@ class EngineCoreProc:
                 self.engine_core.stop_sequences(payload)
             elif kind is EngineCoreRequestType.PING:
                 self.pongs.append(payload)
-            elif kind is EngineCoreRequestType.DASHBOARD:
-                self._watch_dashboard(payload)
+            elif kind is EngineCoreRequestType.WATCH:
+                self.watch(*payload)
             elif kind is EngineCoreRequestType.SHUTDOWN:
                 return None, changed
         return rejected, changed
@@ -296,10 +308,10 @@ class AsyncMPClient:
     def stop_sequences(self, seqs: list[tuple[str, int]]) -> None:
         self._send(EngineCoreRequestType.STOP_SEQUENCES, list(seqs))
 
-    def watch_dashboard(self, watching: bool) -> None:
-        """Tell the core whether a dashboard viewer watches: True starts its snapshots
-        (the first at once, even when idle), False stops them (no cost left)."""
-        self._send(EngineCoreRequestType.DASHBOARD, bool(watching))
+    def watch(self, name: str, factory) -> None:
+        """Start the core's watcher `name`, built there by factory() (a class or function,
+        pickled by reference), or stop it when factory is None (CoreWatcher)."""
+        self._send(EngineCoreRequestType.WATCH, (name, factory))
 
     def ping(self, number: int) -> None:
         """Ask the core to answer `number` in the pongs of its next outputs."""

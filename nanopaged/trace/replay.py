@@ -1,20 +1,14 @@
 """The tracer's replay page: `python -m nanopaged.trace --export FILE.html`.
 
-The server's live dashboard (GET /dashboard, nanopaged/entrypoints/openai/dashboard/)
-draws DashboardSnapshots (messages.py) as they stream in. Here the same page draws a
-traced run offline: after every step the tracer takes a snapshot of the engine, and
-the export writes one self-contained HTML file, the dashboard's index.html with its
-dashboard.css and dashboard.js inlined and the snapshots embedded as
+The server's live dashboard page (entrypoints/openai/dashboard/) drawing a traced run
+offline: after every step the server's own DashboardSampler (engine/dashboard.py) takes
+a snapshot, and the export writes one self-contained HTML file, index.html with its CSS
+and JS inlined and the snapshots embedded as
 
     <script>window.NANOPAGED_REPLAY = [snapshot of step 1, snapshot of step 2, ...];</script>
 
-so the page steps through them (buttons, ← and →) instead of connecting to a server.
-No URL is fetched: the file opens from a disk on a machine with no network.
-
-A step's snapshot is the server's own (DashboardSampler and build_snapshot,
-nanopaged/engine/dashboard.py: the step's decisions from its events, the scheduler's
-queues and the block manager of the engine in this process), with the requests' text
-(with_text).
+so the page steps through them (buttons, ← and →). It fetches nothing: it opens from
+a disk on a machine with no network.
 """
 from __future__ import annotations
 
@@ -26,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import events as ev
+from ..dashboard_messages import DashboardSnapshot
 from ..engine.dashboard import DashboardSampler
-from ..messages import DashboardSnapshot
 
 if TYPE_CHECKING:
     from ..engine.llm_engine import LLMEngine

@@ -150,17 +150,45 @@ def test_the_core_process_listens_only_while_a_viewer_watches(tiny_model_dir, tm
     core = eng.engine_core
     proc = EngineCoreProc(core, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", parent_pid=0)
     try:
-        assert list(core.observers) == [] and proc.dashboard is None
-        proc._watch_dashboard(True)
-        assert list(core.observers) == [proc.dashboard] and proc._dashboard_now
-        proc._watch_dashboard(True)                  # a second viewer: still one observer
-        assert len(core.observers) == 1
-        proc._watch_dashboard(False)
-        assert list(core.observers) == [] and proc.dashboard is None
+        assert list(core.observers) == [] and proc.watchers == {}
+        proc.watch("dashboard", DashboardSampler)
+        sampler = proc.watchers["dashboard"]
+        assert list(core.observers) == [sampler] and sampler._now
+        assert sampler.start == core.start_time      # snapshots' time counts from the engine's start
+        proc.watch("dashboard", DashboardSampler)   # a second viewer: still one observer
+        assert len(core.observers) == 1 and proc.watchers == {"dashboard": sampler}
+        proc.watch("dashboard", None)
+        assert list(core.observers) == [] and proc.watchers == {}
     finally:
         proc.input.close(linger=0)
         proc.output.close(linger=0)
         proc.ctx.term()
+
+
+def test_as_a_core_watcher_the_sampler_owes_the_resting_state_and_a_zero_rate_a_second_later(tiny_model_dir):
+    """The CoreWatcher hooks EngineCoreProc calls: a snapshot at once for a new viewer,
+    the interval after a step, one owed before the loop rests, and a wake a second later
+    for the 0 tokens/s snapshot (then nothing until something changes)."""
+    eng = engine(tiny_model_dir)
+    core, clock = eng.engine_core, FakeClock()
+    sampler = DashboardSampler(clock=clock)
+    sampler.watch(core)
+    assert sampler.after_step(core, stepped=False).requests == []         # a viewer joined: at once
+    assert sampler.before_rest(core) is None and not sampler.wants_wake()  # nothing new
+    eng.add_request("a", list(range(1, 8)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    clock.now += 0.05
+    while eng.has_unfinished_requests():
+        eng.step()
+        assert sampler.after_step(core, stepped=True) is None              # inside the 0.2 s interval
+    rest = sampler.before_rest(core)
+    assert [s.step for s in rest.steps] == [1, 2] and rest.stats["tokens_per_s"] > 0
+    assert not sampler.wants_wake()
+    clock.now += 1.0
+    assert sampler.wants_wake()
+    assert sampler.before_rest(core).stats["tokens_per_s"] == 0
+    assert not sampler.wants_wake() and sampler.before_rest(core) is None
+    sampler.unwatch(core)
+    assert list(core.observers) == []
 
 
 def test_a_viewer_gets_the_idle_state_at_once_and_the_final_state_after_a_burst(tiny_model_dir):

@@ -63,9 +63,9 @@ def test_a_mailbox_keeps_the_newest_and_counts_what_it_dropped():
 
 
 def test_the_hub_subscribes_once_fans_out_and_keeps_alive(monkeypatch):
-    from nanopaged.messages import DashboardSnapshot
+    from nanopaged.dashboard_messages import DashboardSnapshot
     monkeypatch.setattr(serving_dashboard, "KEEP_ALIVE_S", 0.05)
-    from nanopaged.messages import DashboardRequest, DashboardSequence, DashboardStep
+    from nanopaged.dashboard_messages import DashboardRequest, DashboardSequence, DashboardStep
     seq = DashboardSequence(seq_id=0, block_table=[0], on_cpu=False, num_computed_tokens=3, num_tokens=4)
     snap = DashboardSnapshot(step=3, time=1.0, block_size=4, num_gpu_blocks=2, num_cpu_blocks=0,
                              gpu_ref_count=[1, 0], gpu_cached=[False, True], gpu_owners=[["a"], []],

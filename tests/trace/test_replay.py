@@ -18,7 +18,7 @@ from rich.console import Console
 
 from nanopaged import SamplingParams
 from nanopaged import events as ev
-from nanopaged.messages import DashboardRequest, DashboardSequence, DashboardSnapshot, DashboardStep
+from nanopaged.dashboard_messages import DashboardRequest, DashboardSequence, DashboardSnapshot, DashboardStep
 from nanopaged.trace.cli import main, run_trace
 from nanopaged.trace.replay import DASHBOARD_DIR, ReplayRecorder, replay_page
 from nanopaged.trace.scenarios import SCENARIOS, TraceRequest

@@ -1,4 +1,4 @@
-/* nanopaged's dashboard: draws DashboardSnapshots (nanopaged/messages.py) into index.html.
+/* nanopaged's dashboard: draws DashboardSnapshots (nanopaged/dashboard_messages.py) into index.html.
  *
  * Two sources of snapshots:
  *   live:   a server's GET /dashboard/events, server-sent events, one JSON snapshot each

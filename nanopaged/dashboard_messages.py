@@ -1,0 +1,111 @@
+"""The live dashboard's messages: a DashboardSnapshot of the engine's state, and its parts.
+
+engine/dashboard.py builds them in the core's process; they ride to the front end in
+EngineCoreOutputs.watcher_outputs, and the page (GET /dashboard, the tracer's replay page)
+gets them as JSON (dataclasses.asdict). Ids and numbers only: the text fields stay None
+unless a front end fills them. nanopaged's own; vLLM has no dashboard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DashboardSequence:
+    """One sequence of a request.
+
+    Attributes:
+        seq_id: the sequence (a request with n > 1 or beams has several).
+        block_table: physical block ids, logical block i at index i.
+        on_cpu: the table is in the CPU swap pool (swapped out), else the device pool.
+        num_computed_tokens: tokens whose K/V are written.
+        num_tokens: prompt + output tokens so far.
+    """
+
+    seq_id: int
+    block_table: list[int]
+    on_cpu: bool
+    num_computed_tokens: int
+    num_tokens: int
+
+
+@dataclass
+class DashboardRequest:
+    """One unfinished request.
+
+    Attributes:
+        status: its queue: "running", "waiting" or "swapped".
+        num_output_tokens: the tokens all its sequences have generated.
+        prompt, output: text (output: its first sequence's), None unless the front end
+            fills them (--dashboard-show-text): the core has no text.
+    """
+
+    request_id: str
+    status: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    seqs: list[DashboardSequence]
+    prompt: str | None = None
+    output: str | None = None
+
+
+@dataclass
+class DashboardStep:
+    """What one engine step decided, from its events (events.py).
+
+    Attributes:
+        step: the engine's step number.
+        scheduled: per scheduled sequence {"request_id", "seq_id", "kind" ("prefill",
+            "decode" or "verify"), "num_tokens"}.
+        preempted: per preemption {"request_id", "mode" ("swap" or "recompute")}.
+        copy_on_write: per copied block {"seq_id", "src", "dst"}.
+        verified: per sequence that verified drafts {"request_id", "seq_id",
+            "num_drafts", "num_accepted", "taken_back" (block ids freed: they held only
+            rejected drafts' slots)}.
+    """
+
+    step: int
+    scheduled: list[dict] = field(default_factory=list)
+    preempted: list[dict] = field(default_factory=list)
+    copy_on_write: list[dict] = field(default_factory=list)
+    verified: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class DashboardSnapshot:
+    """The engine's state after a step.
+
+    Attributes:
+        step: the last step it includes; time: seconds since the engine started.
+        block_size: tokens per block; num_gpu_blocks, num_cpu_blocks: the pools' sizes.
+        gpu_ref_count: each device block's ref_count (0: free), for the first
+            min(num_gpu_blocks, engine/dashboard.MAX_BLOCKS) blocks, as are the other
+            per-block lists.
+        gpu_cached: [same length] the block is in the prefix cache.
+        gpu_owners: [same length] the ids of the requests holding the block, each once
+            ([] when free; n sequences of one request sharing it: one id, ref_count n).
+        cpu_owners: CPU block id -> the request holding it, for the held blocks among the
+            first MAX_BLOCKS (a swap pool is mostly free; JSON makes the keys strings).
+        requests: every unfinished request; running, waiting, swapped: their ids by queue.
+        steps: the decisions of the steps since the last snapshot, oldest first, the
+            last engine/dashboard.MAX_STEPS of them (the step numbers show a gap).
+        stats: "tokens_per_s" (generated, over the last second), "kv_usage" (fraction of
+            device blocks in use), "prefix_cache_hit_rate", "num_preemptions",
+            "num_copy_on_write", "num_generated_tokens".
+    """
+
+    step: int
+    time: float
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    gpu_ref_count: list[int]
+    gpu_cached: list[bool]
+    gpu_owners: list[list[str]]
+    cpu_owners: dict[int, str]
+    requests: list[DashboardRequest]
+    running: list[str]
+    waiting: list[str]
+    swapped: list[str]
+    steps: list[DashboardStep] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
