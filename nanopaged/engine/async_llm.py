@@ -311,8 +311,6 @@ class AsyncLLM:
                 self._last_heard = time.monotonic()
                 if outputs.scheduler_stats is not None:
                     self._stats = outputs.scheduler_stats
-                if DASHBOARD in outputs.watcher_outputs:
-                    self._show_dashboard(outputs.watcher_outputs[DASHBOARD])
                 for number in outputs.pongs:
                     answer = self._pings.get(number)
                     if answer is not None and not answer.done():
@@ -323,6 +321,8 @@ class AsyncLLM:
                     if queue is not None:
                         queue.put_nowait(ValueError(message))
                 processed = self.output_processor.process_outputs(outputs)
+                if DASHBOARD in outputs.watcher_outputs:      # after: its text includes this step's tokens
+                    self._show_dashboard(outputs.watcher_outputs[DASHBOARD])
                 for out in processed.request_outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:
