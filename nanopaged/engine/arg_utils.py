@@ -41,11 +41,10 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
 
 
 def max_model_len_limit(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The longest max_model_len this model can serve exactly, in tokens: its
-    max_position_embeddings, or its sliding_window when that is shorter. The engine has
-    no windowed attention, so it keeps every sequence inside the window, where the
-    window masks nothing (vLLM capped max_model_len the same way for attention backends
-    without sliding-window support). max_model_len=None is capped with a log line.
+    """The longest max_model_len this model serves exactly, in tokens: its
+    max_position_embeddings, or its sliding_window when shorter. There is no windowed
+    attention, so sequences stay inside the window, where it masks nothing (as vLLM capped
+    it for backends without sliding windows). max_model_len=None is capped with a log line.
 
     Raises:
         ValueError: max_model_len set above the sliding window (names both).
@@ -63,9 +62,9 @@ def max_model_len_limit(config: EngineConfig, model_config: ModelConfig) -> int:
 
 
 def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor_parallel_size: int) -> Path:
-    """The draft model's local folder, once it is known to fit the target: the same
-    vocabulary (size and tokens: the target checks the draft's token ids as its own),
-    and heads that split over tensor_parallel_size.
+    """The draft model's local folder, once it fits the target: the same vocabulary
+    (the target checks the draft's ids as its own) and heads that split over
+    tensor_parallel_size.
 
     Raises:
         ValueError: naming speculative_config.model and what differs.

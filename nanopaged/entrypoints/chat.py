@@ -27,11 +27,11 @@ from ..utils.cli import quiet_broken_pipe
 
 def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int,
                  chat_template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of the conversation (chat template + generation prompt, with the extra
-    template variables `chat_template_kwargs`, as LLM.chat's).
+    """Token ids of the conversation (chat template + generation prompt, as LLM.chat's),
+    the oldest turns dropped (never the system message) until they fit max_prompt_tokens.
 
-    Drops the oldest user/assistant turns (never the system message) until the prompt
-    fits in max_prompt_tokens. Raises ValueError if even the last message alone does not.
+    Raises:
+        ValueError: the last message alone does not fit.
     """
     msgs = list(messages)
     while True:
@@ -45,9 +45,12 @@ def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int,
 
 
 def prompt_budget(engine, max_tokens: int) -> int:
-    """The longest prompt a turn may have: room for max_tokens answer tokens in
-    max_model_len (vLLM's rule, which the engine's Processor enforces: issue 34) and for
-    one more token in the KV pool. Raises ValueError when max_tokens leaves no room."""
+    """The longest prompt of a turn, in tokens: max_tokens must fit after it in
+    max_model_len (vLLM's rule, the Processor's), one more token in the KV pool.
+
+    Raises:
+        ValueError: max_tokens leaves no room.
+    """
     max_model_len, bm = engine.config.max_model_len, engine.block_manager
     if max_tokens >= max_model_len:
         raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt: this model's maximum "
@@ -57,17 +60,13 @@ def prompt_budget(engine, max_tokens: int) -> int:
 
 def stream_answer(engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
                   out=sys.stdout) -> str:
-    """Run one request to completion, writing its text to `out` as it grows.
-
-    Ctrl-C (SIGINT) stops the answer: it is only noted by a signal handler, and the loop
-    aborts the request between two steps, so a step is never cut in half (which could
-    leave blocks allocated for a request the scheduler no longer tracks). Returns the
-    answer text, partial if stopped.
+    """Run one request to completion, writing its text to `out` as it grows; returns the
+    text, partial if Ctrl-C stopped it. Raises ValueError as add_request.
     """
     params = copy.copy(params)
     params.output_kind = RequestOutputKind.DELTA            # each output: the new text only
     engine.add_request(request_id, prompt_ids, params)      # may raise ValueError: nothing to undo
-    stop = []
+    stop = []       # Ctrl-C is only noted: the abort comes between two steps, never inside one
     previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     text = ""
     try:

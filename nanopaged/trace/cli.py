@@ -40,16 +40,15 @@ if TYPE_CHECKING:
 
 def run_trace(engine: LLMEngine, scenario: Scenario, console: Console, *, steps: int | None = None,
               pause: bool = False, on_step: Callable[[int, list[ev.Event]], None] | None = None) -> History:
-    """Run a scenario on `engine`, drawing every step on `console` (view.py).
+    """Run `scenario` on `engine`, drawing each step on `console` (view.py); returns the
+    events of each step (index 0: step 1, with the requests added before it).
 
-    Each request is added before step `arrival + 1` (at once if the engine is idle);
-    then the engine steps until it has nothing left to do, or for `steps` steps. With
-    pause=True it waits for a key after each step, and q stops it. on_step(number,
-    events) is called after each step is drawn (the replay export's snapshots).
+    A request is added before step `arrival + 1`, or at once if the engine is idle; the
+    run ends when nothing is left, or after `steps` steps. pause=True waits for a key
+    after each step (q stops). on_step(number, events) runs after each step is drawn.
 
-    Returns the events of each step (index 0 is step 1; a request added before a step
-    counts in that step). Raises what add_request raises for a request that cannot run
-    (ValueError: e.g. a prompt bigger than the whole pool).
+    Raises:
+        ValueError: as add_request (e.g. a prompt bigger than the whole pool).
     """
     view = TraceView(engine, console)
     view.header(scenario)
