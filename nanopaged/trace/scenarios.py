@@ -18,8 +18,8 @@ run's events (events.py), the step where the point is made:
              (chapter 19)
 
 `python -m nanopaged.trace --scenario NAME` runs one (cli.py). The engine settings are
-the scenario's; --block-size, --num-gpu-blocks and the speculative flags override them,
-and the tracer then says whether the point was still made.
+the scenario's; the engine's flags (--block-size, --num-gpu-blocks, --speculative-config,
+...) override them, and the tracer then says whether the point was still made.
 """
 from __future__ import annotations
 
@@ -81,18 +81,17 @@ class Scenario:
     transition: str = ""
     find: Callable[[History], int | None] | None = field(default=None, repr=False)
 
-    def build_engine(self, model=None, block_size: int | None = None,
-                     num_gpu_blocks: int | None = None, speculative_config: dict | None = None) -> LLMEngine:
-        """The scenario's engine on `model` (None: the default model), optionally with
-        another block size, pool size or speculative_config. Raises what EngineConfig /
+    def build_engine(self, model=None, **engine_args) -> LLMEngine:
+        """The scenario's engine on `model` (None: the default model); engine_args
+        (EngineConfig's fields) override the scenario's. Raises what EngineConfig /
         LLMEngine raise."""
         from ..config import EngineConfig
         from ..engine.llm_engine import LLMEngine
-        return LLMEngine(EngineConfig(
-            model=model, block_size=block_size or self.block_size,
-            num_gpu_blocks=num_gpu_blocks or self.num_gpu_blocks, num_cpu_blocks=self.num_cpu_blocks,
-            preemption_mode=self.preemption_mode, enable_prefix_caching=self.enable_prefix_caching,
-            dtype=self.dtype, speculative_config=speculative_config or self.speculative_config))
+        own = dict(num_gpu_blocks=self.num_gpu_blocks, num_cpu_blocks=self.num_cpu_blocks,
+                   block_size=self.block_size, preemption_mode=self.preemption_mode,
+                   enable_prefix_caching=self.enable_prefix_caching, dtype=self.dtype,
+                   speculative_config=self.speculative_config)
+        return LLMEngine(EngineConfig(model=model, **{**own, **engine_args}))
 
     def shown_at(self, history: History) -> int | None:
         """The step at which this run made the scenario's point (None: it did not)."""

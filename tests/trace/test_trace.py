@@ -152,13 +152,10 @@ def test_requests_arrive_at_their_step_and_an_idle_engine_does_not_wait(tiny_mod
 # -- the command line (tiny model, in process) ------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
-    (["--block-size", "0"], "--block-size must be an integer >= 1, got 0"),
-    (["--num-gpu-blocks", "many"], "--num-gpu-blocks must be an integer >= 1, got 'many'"),
+    (["--num-gpu-blocks", "many"], "argument --num-gpu-blocks: invalid int value: 'many'"),
+    (["--enable-prefix-caching", "maybe"], "expected true or false, got 'maybe'"),
     (["--steps", "-3"], "--steps must be an integer >= 1, got -3"),
     (["--scenario", "fig8"], "unknown scenario 'fig8': choose one of fig6, fig7, cow, prefix, preempt, speculative"),
-    (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be an integer >= 1, got 0"),
-    (["--num-speculative-tokens", "3"], "--draft-model need --speculative-method"),
-    (["--speculative-method", "eagle"], "invalid choice: 'eagle'"),
     (["--scenario", "fig6", "--prompt", "hi"], "not allowed with argument"),
     (["--prompt", " "], "--prompt must be non-empty text, got [' ']"),
     (["--export", "trace.png"], "--export must name a .svg or .html file, got 'trace.png'"),
@@ -168,6 +165,18 @@ def test_bad_arguments_are_named_with_their_value(capsys, args, message):
     with pytest.raises(SystemExit) as exit_:
         main(args)
     assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--block-size", "0"], "block_size must be a positive integer, got 0"),
+    (["--speculative-config", '{"method": "eagle"}'], "speculative_config.method must be one of"),
+    (["--speculative-config", '{"num_speculative_tokens": 0}'],
+     "speculative_config.num_speculative_tokens must be a positive integer, got 0"),
+])
+def test_bad_engine_values_are_errors_naming_the_field(capsys, args, message):
+    """The engine's flags are checked where LLM(...)'s arguments are: EngineConfig."""
+    assert main(["--prompt", "Hello", *args]) == 1
     assert message in capsys.readouterr().err
 
 
@@ -190,16 +199,16 @@ def test_without_a_terminal_every_step_is_printed(capsys, tiny_model_dir):
     assert "A/seq 0 prefill" in out and "B/seq 1 decode: 1 token" in out and "device pool: 16 blocks" in out
 
 
-def test_speculative_flags_turn_speculation_on(capsys, tiny_model_dir):
+def test_speculative_config_turns_speculation_on(capsys, tiny_model_dir):
     assert main(["--model", str(tiny_model_dir), "--prompt", "Hello", "--max-tokens", "3",
-                 "--speculative-method", "ngram", "--num-speculative-tokens", "2", "--prompt-lookup-min", "1"]) == 0
+                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}']) == 0
     out = capsys.readouterr().out
     assert "speculative decoding: ngram, 2 drafts a step, n-grams of 1-1" in " ".join(out.split())
     assert "all requests finished" in out
 
 
 def test_a_bad_speculative_config_is_an_error_not_a_traceback(capsys, tiny_model_dir):
-    assert main(["--model", str(tiny_model_dir), "--prompt", "Hello", "--speculative-method", "draft_model"]) == 1
+    assert main(["--model", str(tiny_model_dir), "--prompt", "Hello", "--speculative-config", '{"method": "draft_model"}']) == 1
     assert "speculative_config.model is required" in capsys.readouterr().err
 
 
