@@ -1,9 +1,8 @@
 """BlockManager: the KV-cache policy: who gets which blocks, shares them, copies them, swaps them.
 
-PagedAttention (Kwon et al., SOSP'23, §4.2-4.5) gives each sequence blocks on demand;
-its BlockTable (block_table.py) records them, the scheduler decides when to ask, and
-two BlockPools (block_pool.py) hold the blocks: the device ("GPU") pool and the CPU
-swap pool. This file decides what to take and give back:
+PagedAttention (Kwon et al., SOSP'23, §4.2-4.5) gives each sequence blocks on demand: its
+BlockTable (block_table.py) records them, the scheduler decides when to ask, and two
+BlockPools (block_pool.py) hold them, the device ("GPU") pool and the CPU swap pool.
 - n > 1 and beams *fork*: the child shares the parent's blocks, and a write into a shared
   block first copies it (copy-on-write, §4.4): `append_slots` returns the (src, dst) pairs.
 - automatic prefix caching (vLLM v1): a full block is named by sha256(parent's name,
@@ -290,19 +289,14 @@ class BlockManager:
                                          {s.seq_id: tuple(s.block_table.block_ids) for s in seqs}))
         return list(mapping.items())
 
-    # -- giving back ------------------------------------------------------------------------
-
     def free(self, seq: Sequence) -> None:
         """Drop seq's hold on its blocks, tail first, so the cache evicts a sequence's last
         blocks before the prefix others share. A swapped-out sequence (seq.is_swapped)
         holds CPU blocks: free a sequence before its status changes."""
-        if seq.is_swapped:
-            for block_id in reversed(seq.block_table.clear()):
-                self.cpu_block_pool.free_block(block_id)
-            return
+        pool = self.cpu_block_pool if seq.is_swapped else self.block_pool
         for block_id in reversed(seq.block_table.clear()):
-            ref_count = self.block_pool.free_block(block_id)
-            if self.observers:
+            ref_count = pool.free_block(block_id)
+            if self.observers and pool is self.block_pool:     # events follow the device pool
                 self.observers.publish(BlockFreed(seq.seq_id, block_id, ref_count))
 
     def free_slots_past_computed(self, seq: Sequence) -> None:

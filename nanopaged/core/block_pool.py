@@ -93,7 +93,10 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[bytes, int] = {}
 
     def block(self, block_id: int) -> KVCacheBlock:
-        """block_id's record (made on first use: a fresh block is free and unnamed)."""
+        """block_id's record (made on first use: a fresh block is free and unnamed).
+        Raises IndexError for an id outside [0, num_blocks)."""
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block_id {block_id} is not in a pool of {self.num_blocks} blocks")
         while len(self.blocks) <= block_id:
             self.blocks.append(KVCacheBlock(len(self.blocks)))
         return self.blocks[block_id]

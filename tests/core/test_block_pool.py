@@ -74,3 +74,10 @@ def test_a_name_lasts_until_the_block_is_handed_out_again():
     assert pool.get_cached_block(b"h0", [1, 2]) is None and pool.blocks[b].token_ids is None
     with pytest.raises(ValueError, match="no free block in a pool of 2"):
         pool.get_new_block()
+
+
+def test_a_block_id_outside_the_pool_is_refused():
+    pool = BlockPool(4)
+    with pytest.raises(IndexError, match="block_id 4 is not in a pool of 4 blocks"):
+        pool.touch(4)
+    assert pool.get_num_free_blocks() == 4 and list(pool.free_block_queue) == [0, 1, 2, 3]
