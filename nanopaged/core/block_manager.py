@@ -74,8 +74,7 @@ class BlockManager:
     cpu_ref_count = property(lambda self: self.cpu_block_pool.field("ref_count"))
     free_cpu_block_ids = property(lambda self: self.cpu_block_pool.free_block_queue)
 
-    def get_num_free_gpu_blocks(self) -> int:
-        """Free blocks in the device pool (cached-but-unused blocks count as free)."""
+    def get_num_free_gpu_blocks(self) -> int:        # cached-but-unused blocks count as free
         return self.block_pool.get_num_free_blocks()
 
     def get_num_free_cpu_blocks(self) -> int:
@@ -84,11 +83,9 @@ class BlockManager:
     # -- prefix cache ------------------------------------------------------------------------
 
     def _full_block_hashes(self, seq: Sequence) -> list[bytes]:
-        """seq.block_hashes, extended with the names of its full blocks that have none yet.
-
-        Block i holds positions [i * block_size, (i + 1) * block_size); its name is
-        hash_block_tokens(name of block i - 1, or None for block 0; its tokens). A partly
-        filled last block has no name. The list survives preemption."""
+        """seq.block_hashes (kept across preemption), extended with the names of its full
+        blocks: block i, positions [i * block_size, (i + 1) * block_size), is named
+        hash_block_tokens(name of block i - 1 or None, its tokens); a partial block has none."""
         bs, hashes = self.block_size, seq.block_hashes
         while len(hashes) < seq.num_tokens // bs:
             i = len(hashes)
@@ -97,9 +94,8 @@ class BlockManager:
         return hashes
 
     def _cached_prefix(self, seq_group: SequenceGroup, seq: Sequence) -> list[int]:
-        """Cached blocks holding seq's longest cached prefix, of at most num_tokens - 1
-        tokens (the last one is computed, for its logits). [] for a request that wants
-        prompt logprobs (a cached token has no logits), as in vLLM v1."""
+        """Cached blocks of seq's longest cached prefix, at most num_tokens - 1 tokens (the last
+        is computed, for its logits); none for prompt logprobs (a hit has no logits), as vLLM v1."""
         if not self.enable_prefix_caching or seq_group.sampling_params.prompt_logprobs is not None:
             return []
         bs, blocks = self.block_size, []
@@ -122,9 +118,8 @@ class BlockManager:
                               need > self.num_gpu_blocks)
 
     def cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
-        """Name the blocks that became full when seq's positions [start, end) were computed.
-        Called only after the forward that wrote their K/V: a failed forward must not leave
-        a named block holding garbage (field case C39)."""
+        """Name the blocks filled by computing seq's positions [start, end); only after the forward
+        that wrote their K/V, or a failed forward leaves a named block of garbage (case C39)."""
         if not self.enable_prefix_caching:
             return
         bs, table = self.block_size, seq.block_table
@@ -168,12 +163,10 @@ class BlockManager:
                  first_end: int | None = None) -> list[int] | None:
         """Give a waiting request its blocks, reusing `computed` (get_computed_blocks, same step).
 
-        The first sequence gets slots for positions < first_end (default: all its tokens).
-        A fresh n > 1 request is computed by its first sequence; the others fork it after
-        its prefill. Sequences recomputed after a preemption share the first one's full
-        prompt blocks. Returns each sequence's num_computed_tokens (seqs_to_compute order)
-        for the scheduler to set, or None, changing nothing, when the blocks do not fit.
-        """
+        The first sequence gets slots for positions < first_end (default: all its tokens); a
+        fresh n > 1 request's others fork it after its prefill, recomputed ones share its full
+        prompt blocks. Returns each sequence's num_computed_tokens (seqs_to_compute order) for
+        the scheduler to set, or None, changing nothing, when the blocks do not fit."""
         first, *rest = seq_group.seqs_to_compute()
         first_end = first.num_tokens if first_end is None else first_end
         if self._blocks_to_take(seq_group, computed, first_end) > self.get_num_free_gpu_blocks():
@@ -201,13 +194,10 @@ class BlockManager:
 
     def append_slots(self, seqs: list[Sequence], ends: list[int] | None = None) -> list[tuple[int, int]] | None:
         """Give one request's running seqs slots for positions < ends[i] (default: all their
-        tokens), all of them or none.
-
-        A write into a partly filled block another table holds first copies it to a fresh
-        block (its last holder writes in place); otherwise a block is added only when the
-        last one is full (§4.3's one-block waste bound). Returns the copy-on-write
-        (src, dst) pairs, or None, changing nothing, when the blocks do not fit (vLLM v1's
-        allocate_slots; the scheduler then preempts)."""
+        tokens), all or none. A write into a partly filled block another table holds first
+        copies it (its last holder writes in place); a new block comes only when the last is
+        full (§4.3). Returns the copy-on-write (src, dst) pairs, or None, changing nothing,
+        when the blocks do not fit (vLLM v1's allocate_slots; the scheduler then preempts)."""
         ends = [s.num_tokens for s in seqs] if ends is None else ends
         if self._blocks_to_append(seqs, ends) > self.get_num_free_gpu_blocks():
             return None
@@ -247,18 +237,17 @@ class BlockManager:
     # -- swapping (preemption by swap, §4.5) -------------------------------------------------
 
     @staticmethod
-    def _distinct_blocks(seqs: list[Sequence]) -> list[int]:
-        return list(dict.fromkeys(b for s in seqs for b in s.block_table.block_ids))
+    def _num_distinct_blocks(seq_group: SequenceGroup, status: SequenceStatus) -> int:
+        return len({b for s in seq_group.get_seqs(status) for b in s.block_table.block_ids})
 
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
-        seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
-        return len(self._distinct_blocks(seqs)) <= self.get_num_free_cpu_blocks()
+        return self._num_distinct_blocks(seq_group, SequenceStatus.RUNNING) <= self.get_num_free_cpu_blocks()
 
     def can_swap_in(self, seq_group: SequenceGroup, headroom: int) -> bool:
         """Room for the request's blocks plus `headroom` more (one per sequence keeps it
         from being preempted again at once; 0 when the pool has nobody else)."""
-        seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
-        return len(self._distinct_blocks(seqs)) + headroom <= self.get_num_free_gpu_blocks()
+        return (self._num_distinct_blocks(seq_group, SequenceStatus.SWAPPED) + headroom
+                <= self.get_num_free_gpu_blocks())
 
     def swap_out(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
         """Move a RUNNING request's blocks to the CPU pool; returns the (gpu, cpu) pairs to copy.
@@ -272,8 +261,8 @@ class BlockManager:
 
     def _move(self, seq_group: SequenceGroup, status: SequenceStatus, dst: BlockPool,
               event: type[SwapIn | SwapOut]) -> list[tuple[int, int]]:
-        """Give the blocks of seq_group's `status` sequences new ones in dst (a shared block
-        stays one shared block) and free the old ones; returns the (old, new) pairs."""
+        """New blocks in dst for seq_group's `status` sequences (a shared block stays shared),
+        the old ones freed; returns the (old, new) pairs."""
         seqs, mapping = seq_group.get_seqs(status), {}
         for seq in seqs:
             old = list(seq.block_table.block_ids)
