@@ -110,12 +110,15 @@ class BlockPool:
     def get_new_block(self) -> int:
         """The least recently freed block, for one holder (ref_count 1); a name it
         still had is evicted. Raises ValueError when no block is free (callers check first)."""
-        if not self.free_block_queue:
-            raise ValueError(f"no free block in a pool of {self.num_blocks}")
-        block = self.block(self.free_block_queue.popleft())
-        self._maybe_evict_cached_block(block)
+        try:
+            block_id = self.free_block_queue.popleft()
+        except KeyError:                                  # the queue is empty
+            raise ValueError(f"no free block in a pool of {self.num_blocks}") from None
+        block = self.blocks[block_id] if block_id < len(self.blocks) else self.block(block_id)
+        if block.block_hash is not None:
+            self._evict_cached_block(block)
         block.ref_count = 1
-        return block.block_id
+        return block_id
 
     def touch(self, block_id: int) -> None:
         """One more holder; a free block (a cache hit) leaves the free queue."""
@@ -130,7 +133,10 @@ class BlockPool:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
-            (self.free_block_queue.appendleft if front else self.free_block_queue.append)(block_id)
+            if front:
+                self.free_block_queue.appendleft(block_id)
+            else:
+                self.free_block_queue.append(block_id)
         return block.ref_count
 
     # -- the prefix-hash map ------------------------------------------------------------------
@@ -152,12 +158,11 @@ class BlockPool:
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         return True
 
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None:
-            del self.cached_block_hash_to_block[block.block_hash]
-            block.block_hash = block.token_ids = None
-            if self.observers:
-                self.observers.publish(BlockEvicted(block.block_id))
+    def _evict_cached_block(self, block: KVCacheBlock) -> None:
+        del self.cached_block_hash_to_block[block.block_hash]
+        block.block_hash = block.token_ids = None
+        if self.observers:
+            self.observers.publish(BlockEvicted(block.block_id))
 
     def field(self, name: str) -> BlockField:
         """A read-only list view of one field of every block: pool.field("ref_count")[b]."""

@@ -18,11 +18,12 @@ HINT = """
 Each block has a record, self.block(b) (a KVCacheBlock: ref_count, block_hash, token_ids).
 self.free_block_queue is the free queue: popleft() takes the least recently freed id,
 append(b) puts b at the back, appendleft(b) at the front. get_new_block: raise
-ValueError when the queue is empty; else pop, forget a prefix-cache name the block may
-still carry (self._maybe_evict_cached_block(block), chapter 08), set ref_count to 1 and
-return the id. free_block(b, front=False): lower ref_count; at 0 the block goes back to
-the queue; return the new ref_count. BlockManager.free calls it for a table's blocks,
-last block first.
+ValueError when the queue is empty; else pop an id, and if its block still has a
+prefix-cache name (block.block_hash is not None) forget it with
+self._evict_cached_block(block) (chapter 08); set ref_count to 1 and return the id.
+free_block(b, front=False): lower ref_count; at 0 the block goes back to the queue
+(append, or appendleft when front); return the new ref_count. BlockManager.free calls
+it for a table's blocks, last block first.
 """
 
 
@@ -141,8 +142,8 @@ def check_cache_kept_until_reused():
     assert got == [2, 3, 1], f"free queue [2, 3, 1, 0]: three allocations gave {got}, want [2, 3, 1]"
     left = sorted(bm.cached_blocks.values())
     assert left == [0], (f"block 1 was handed out again, so its cache name must go "
-                         f"(self._maybe_evict_cached_block); the cache still names blocks {left}, want [0]")
-    assert bm.block_hash[1] is None, "the reused block 1 still has a block_hash (_maybe_evict_cached_block clears it)"
+                         f"(self._evict_cached_block); the cache still names blocks {left}, want [0]")
+    assert bm.block_hash[1] is None, "the reused block 1 still has a block_hash (_evict_cached_block clears it)"
 
 
 def check_engine_runs_on_it():
