@@ -37,15 +37,13 @@ SWAPS: list[tuple[object, str, object, object]] = []
 
 def holding_sequence(bm, seq_id: int, num_tokens: int, block_ids: list[int], num_computed: int | None = None):
     """A Sequence of num_tokens tokens whose table holds block_ids of the BlockManager bm
-    (taken off its free queue, ref_count + 1 each) and whose first num_computed (default
+    (block_pool.touch: ref_count + 1 each, off the free queue) and whose first num_computed (default
     all) positions are computed: the hand-made states the block checks start from."""
     from nanopaged.core.sequence import Sequence
 
     seq = Sequence(seq_id, seq_id, list(range(1, num_tokens + 1)), bm.block_size)
     for b in block_ids:
-        if bm.ref_count[b] == 0:
-            del bm.free_block_ids[b]
-        bm.ref_count[b] += 1
+        bm.block_pool.touch(b)
         seq.block_table.append_block(b)
     seq.num_computed_tokens = num_tokens if num_computed is None else num_computed
     return seq

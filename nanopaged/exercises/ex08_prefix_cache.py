@@ -13,8 +13,8 @@ an earlier request computed (vLLM v1's automatic prefix caching). A full block i
 by a hash of its tokens chained with its parent block's name, so a name stands for the
 whole prefix up to the block's end; a sequence's names are computed once and kept in
 seq.block_hashes; a waiting request's cached prefix is the run of its first blocks whose
-names are in bm.cached_blocks (a dict: name -> block id), each confirmed by the block's
-stored tokens (bm.block_token_ids), and never including the prompt's last token.
+names the block pool knows (bm.block_pool.get_cached_block(name, tokens): the block id,
+confirmed by the block's stored tokens, or None), never including the prompt's last token.
 The scheduler calls _cached_prefix for every request it admits, so every prefill of
 the engine goes through your code.
 """
@@ -24,8 +24,9 @@ bytes (array("q", token_ids).tobytes()), then .digest().
 _full_block_hashes: while len(hashes) < seq.num_tokens // bs, name block len(hashes)
 from hashes[-1] (or None) and seq.token_ids_slice(i * bs, (i + 1) * bs); return the list.
 _cached_prefix: return [] when caching is off or sampling_params.prompt_logprobs is not
-None; else walk the first (seq.num_tokens - 1) // bs names, stop at the first that is not
-in self.cached_blocks or whose block holds other tokens, and return the block ids found.
+None; else walk the first (seq.num_tokens - 1) // bs names, look each up with
+self.block_pool.get_cached_block(name, seq.token_ids_slice(i * bs, (i + 1) * bs)), stop
+at the first None, and return the block ids found.
 """
 
 
@@ -53,8 +54,7 @@ def _pool_with(tokens, block_ids):
     bm = BlockManager(num_gpu_blocks=16, block_size=4)
     seq = _seq(tokens, seq_id=99)
     for b in block_ids:
-        bm.free_block_ids.pop(b)
-        bm.ref_count[b] = 1
+        bm.block_pool.touch(b)
         seq.block_table.append_block(b)
     seq.num_computed_tokens = len(tokens)
     bm.cache_full_blocks(seq, 0, len(tokens))
@@ -117,7 +117,7 @@ def check_cached_prefix():
     for tokens, want, what in cases:
         got = bm._cached_prefix(_group(_seq(tokens)), _seq(tokens))
         assert got == want, f"a prompt with {what}: you returned blocks {got}, expected {want}"
-    bm.block_token_ids[9] = (0, 0, 0, 0)                 # as if block 9's name collided
+    bm.block_pool.blocks[9].token_ids = (0, 0, 0, 0)     # as if block 9's name collided
     got = bm._cached_prefix(_group(_seq(cached)), _seq(cached))
     assert got == [5], (f"block 9's name matches but it holds other tokens (a hash collision): the hit must "
                         f"stop before it; you returned {got}, expected [5]")

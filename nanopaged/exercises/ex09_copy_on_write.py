@@ -19,7 +19,8 @@ Every step of the engine gets its slots from append_slots, and every n > 1 reque
 beam search forks.
 """
 HINT = """
-fork: self.free(child) first; then ref_count[b] += 1 for each of the parent's block ids;
+fork: self.free(child) first; then self.block_pool.touch(b) (ref_count + 1) for each of
+the parent's block ids;
 the child's table gets list(parent's block_ids) (its own list); copy list(block_hashes).
 Leave num_computed_tokens alone: the scheduler alone writes it (Scheduler._fork copies
 the parent's after calling fork).
@@ -27,8 +28,8 @@ append_slots: ends defaults to [s.num_tokens for s in seqs]. Ask first: if
 self._blocks_to_append(seqs, ends) > self.get_num_free_gpu_blocks(), return None (and
 change nothing). Then for each seq and its end: its next write goes to position
 seq.num_computed_tokens; when that % block_size != 0 and its last block's ref_count > 1
-(self._writes_shared_block(seq)), take dst = self._allocate_block(), lower the old
-block's ref_count, put dst in the table's last place, count self.num_copy_on_write and
+(self._writes_shared_block(seq)), take dst = self.block_pool.get_new_block(), lower the
+old block's ref_count (self.block_pool.free_block(src)), put dst in the table's last place, count self.num_copy_on_write and
 remember (src, dst). Then append table.num_new_blocks_for(end) fresh blocks
 (self._append_blocks(seq, end) does it). Return the pairs. Never write
 num_computed_tokens: the scheduler advances it once the step has run.

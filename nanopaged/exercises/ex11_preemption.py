@@ -65,9 +65,7 @@ def _world(mode, num_cpu_blocks=8, costs=None):
         seq.output_token_ids = list(out)
         seq.status = SequenceStatus.RUNNING
         for block_id in (2, own):
-            if bm.ref_count[block_id] == 0:
-                del bm.free_block_ids[block_id]
-            bm.ref_count[block_id] += 1
+            bm.block_pool.touch(block_id)
             seq.block_table.append_block(block_id)
         seq.num_computed_tokens = 6
         sched.runner_view.known[seq.seq_id] = 7

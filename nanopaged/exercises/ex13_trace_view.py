@@ -63,7 +63,7 @@ def _seq(view, prompt, output, blocks, computed, swapped=False):
     seq.num_computed_tokens = computed
     if not swapped:
         for b in blocks:
-            view.engine.block_manager.ref_count[b] += 1
+            view.engine.block_manager.block_pool.touch(b)
     return seq
 
 

@@ -22,10 +22,10 @@ also holds (ref_count > 1) only loses this sequence's hold: it is not free yet.
 """
 HINT = """
 With table = seq.block_table, keep = table.num_blocks_for(seq.num_computed_tokens) blocks stay. For each block id of
-table.block_ids[keep:], last first (reversed): ref_count -= 1; when it reaches 0, put it
-in self.free_block_ids (an OrderedDict used as a queue: d[b] = None adds b at the end)
-and move it to the front with self.free_block_ids.move_to_end(b, last=False). If
-self.observers, publish BlockFreed(seq.seq_id, b, ref_count after). Then cut the table:
+table.block_ids[keep:], last first (reversed): self.block_pool.free_block(b, front=True)
+lowers its ref_count, puts it at the FRONT of the free queue when that reaches 0, and
+returns the new ref_count. If self.observers, publish BlockFreed(seq.seq_id, b, that
+ref_count). Then cut the table:
 del table.block_ids[keep:]. A block somebody else still holds (ref_count > 1 before)
 only loses this sequence's hold. Never touch num_computed_tokens: the scheduler set it.
 """

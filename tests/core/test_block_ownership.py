@@ -132,3 +132,34 @@ def test_the_samples_fork_before_the_first_one_can_finish():
     so, _ = h.step({"A/1": 202})
     assert h.scheduled(so) == {"A/1": 1} and so.blocks_to_copy == []
     assert a1.block_table.block_ids == [0, 1] and a1.num_computed_tokens == 7
+
+
+def test_a_swapped_out_n2_request_shares_cpu_blocks_counted_by_the_same_block_pool():
+    """Swap mode: A (n=2, 8-token prompt) forks after its prefill, so its samples share
+    device blocks 0 and 1 (ref_count 2). When A is preempted by swap, the two blocks
+    move once and stay shared: both samples' tables hold CPU blocks [0, 1], whose
+    ref_count 2 lives in the CPU pool's own BlockPool records, the same class that
+    counts the device pool. Aborting A frees them to 0 and the CPU pool is whole again."""
+    from nanopaged.core.block_pool import BlockPool
+
+    h = Harness(num_gpu_blocks=4, preemption_mode="swap", num_cpu_blocks=4, max_model_len=64)
+    bm = h.block_manager
+    assert type(bm.cpu_block_pool) is type(bm.block_pool) is BlockPool
+    h.add("B", tokens(50, 4), max_tokens=4)
+    h.add("A", tokens(10, 8), max_tokens=4, n=2)
+    h.step({"B": 60, "A": 20, "A/1": 21})
+    a0, a1 = h.seq("A", 0), h.seq("A", 1)
+    assert a0.block_table.block_ids == a1.block_table.block_ids == [1, 2]
+    assert [bm.block_pool.blocks[b].ref_count for b in (1, 2)] == [2, 2]
+    so = h.schedule()                                   # B and both samples each need a block: 1 is free
+    assert h.preempted == [("A", "swap")] and so.blocks_to_swap_out == [(1, 0), (2, 1)]
+    assert a0.block_table.block_ids == a1.block_table.block_ids == [0, 1]
+    assert [bm.cpu_block_pool.blocks[b].ref_count for b in (0, 1)] == [2, 2]
+    assert bm.cpu_ref_count == [2, 2, 0, 0] and bm.get_num_free_cpu_blocks() == 2
+    h.finish(so, {"B": 61})
+
+    h.scheduler.abort_requests(["A"])
+    assert a0.block_table.block_ids == a1.block_table.block_ids == []
+    assert [bm.cpu_block_pool.ref_count(b) for b in range(4)] == [0, 0, 0, 0]
+    assert bm.get_num_free_cpu_blocks() == 4 and sorted(bm.free_cpu_block_ids) == [0, 1, 2, 3]
+    h.check()

@@ -271,7 +271,7 @@ def test_block_table_and_manager_basics():
     bm = BlockManager(num_gpu_blocks=5, block_size=4)
     table = BlockTable(4)
     for _ in range(table.num_new_blocks_for(9)):
-        table.append_block(bm._allocate_block())
+        table.append_block(bm.block_pool.get_new_block())
     assert len(table) == 3
     assert table.slots(7, 9) == [table.block_ids[1] * 4 + 3, table.block_ids[2] * 4]
     assert bm.get_num_free_gpu_blocks() == 2 and bm.ref_count[table.block_ids[0]] == 1
