@@ -27,7 +27,8 @@ class StructuredOutputModelRunner(ModelRunner):
         self._pending = None
         return super().execute_model(so)
 
-    def _sample_step(self, so, inp, hidden, out):
+    def _sample_step(self, so: SchedulerOutput, inp: ModelInput, hidden: torch.Tensor,
+                     out: ModelRunnerOutput) -> ModelRunnerOutput | None:
         if not so.structured_output_seq_ids:
             return super()._sample_step(so, inp, hidden, out)
         self._pending = (so, inp, hidden, out)

@@ -68,7 +68,8 @@ class SpecDecodeModelRunner(ModelRunner):
         drafts = so.scheduled_spec_decode_tokens.get(state.seq_id, [])
         return state.token_ids(start, end - len(drafts)) + drafts
 
-    def _sampled_rows(self, so, state, end, next_row, forks):
+    def _sampled_rows(self, so: SchedulerOutput, state: SeqState, end: int, next_row: int,
+                      forks: list[int]) -> list[tuple[int, int]]:
         drafts = so.scheduled_spec_decode_tokens.get(state.seq_id)
         if not drafts:
             return super()._sampled_rows(so, state, end, next_row, forks)
