@@ -12,9 +12,9 @@ from .common import decode_batch, run_nanopaged, seconds_per_call, workload
 
 def bench_kernels(model, args) -> None:
     """Compiled decode attention vs the reference, then end to end with each backend."""
-    from nanopaged.layers.backends import TorchBackend, get_attn_backend
+    from nanopaged.layers.backends import TorchOps, get_ops
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kernel, ref = get_attn_backend(device, device), TorchBackend()
+    kernel, ref = get_ops(device, device), TorchOps()
     heads, kv_heads, head = 9, 3, 64                          # SmolLM2-135M
     print(f"decode attention, 64 sequences x 1024 tokens, {heads} heads / {kv_heads} KV heads x {head}, "
           f"block_size 16, {device}, torch threads {torch.get_num_threads()}:")

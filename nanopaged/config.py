@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 # LLM(attention_backend=...): "auto" picks the compiled kernels where they build, else the
-# PyTorch reference (nanopaged/layers/backends.py, get_attn_backend)
+# PyTorch reference (nanopaged/layers/backends.py, get_ops)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,

@@ -32,7 +32,11 @@ PER_REQUEST = {"beam_search", "structured_outputs"}
 
 # part -> extension name -> "module:Class", the subclass of that part's base class
 SCHEDULER: dict[str, str] = {}
-MODEL_RUNNER: dict[str, str] = {}
+MODEL_RUNNER: dict[str, str] = {
+    "async_scheduling": "nanopaged.worker.async_model_runner:AsyncModelRunner",
+    "speculative_decoding": "nanopaged.worker.spec_decode.spec_model_runner:SpecDecodeModelRunner",
+    "structured_outputs": "nanopaged.worker.structured_output_runner:StructuredOutputModelRunner",
+}
 ENGINE_CORE: dict[str, str] = {}
 PARTS = {"scheduler": SCHEDULER, "model_runner": MODEL_RUNNER, "engine_core": ENGINE_CORE}
 

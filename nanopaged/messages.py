@@ -140,6 +140,9 @@ class SchedulerOutput:
             1 + len(drafts), its last token and then the drafts, and the step samples
             one row per position (k + 1 rows). Structured-output sequences have k + 1
             rows in the GrammarOutput too, one per position, in order.
+        num_blocks_taken_back: seq_id -> how many trailing block ids the runner drops from
+            its record before appending this step's new block ids (blocks the scheduler
+            took back: rejected drafts, lookahead).
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -153,6 +156,7 @@ class SchedulerOutput:
     finished_seq_ids: set[int] = field(default_factory=set)
     structured_output_seq_ids: list[int] = field(default_factory=list)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
+    num_blocks_taken_back: dict[int, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

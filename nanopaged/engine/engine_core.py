@@ -45,7 +45,7 @@ from ..core.scheduler import Scheduler
 from ..core.structured_output import StructuredOutputManager
 from ..model.config import ModelConfig
 from ..worker.executor import Executor
-from ..layers.backends import get_attn_backend
+from ..layers.backends import get_ops
 from ..worker.model_runner import ModelRunner
 from ..config import EngineConfig
 from ..events import Observers
@@ -82,7 +82,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model_path, model_config: ModelConfig,
                  observers: Observers | None = None) -> None:
         self.config = config
-        self.attn_backend = get_attn_backend(config.attention_backend, config.torch_device)
+        self.attn_backend = get_ops(config.attention_backend, config.torch_device)
         # the workers load their weights first; only then is the KV pool sized
         self.executor = Executor.create(config, model_path, model_config, self.attn_backend)
         try:

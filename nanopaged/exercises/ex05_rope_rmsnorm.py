@@ -4,8 +4,8 @@ from __future__ import annotations
 NUMBER = 5
 CHAPTER = "05-llama.md"
 TITLE = "The Llama layer's own math: RoPE and RMSNorm"
-TARGETS = ["nanopaged.layers.backends:TorchBackend.rotary_embedding",
-           "nanopaged.layers.backends:TorchBackend.rms_norm"]
+TARGETS = ["nanopaged.layers.backends:TorchOps.rotary_embedding",
+           "nanopaged.layers.backends:TorchOps.rms_norm"]
 TASK = """
 Write the two pieces of a Llama layer that are neither a matmul nor attention, as the
 reference backend computes them. `rotary_embedding` rotates each query and key head by
@@ -39,9 +39,9 @@ def _tables(max_positions=32, head_size=8, theta=10000.0):
 
 
 def _backend():
-    from nanopaged.layers.backends import TorchBackend
+    from nanopaged.layers.backends import TorchOps
 
-    return TorchBackend()
+    return TorchOps()
 
 
 def check_rope_rotates_pairs():

@@ -26,8 +26,8 @@ list(blocks) if replaced else state.block_ids.extend(blocks); set
 state.num_computed_tokens. Collect the (seq_id, token) pairs of every new token and give
 them to self.input_batch.append_output_tokens once (it appends and counts them).
 With speculative decoding (chapter 19) the scheduler may have taken back blocks that
-the runner's table still holds: before extending a table, cut it to
-cdiv(num_computed_tokens, self.block_size) blocks (cdiv is imported).
+the runner's table still holds: before extending a table, drop its last
+so.num_blocks_taken_back.get(seq_id, 0) block ids.
 """
 
 
@@ -41,7 +41,6 @@ def _runner():
     runner = ModelRunner.__new__(ModelRunner)
     runner.device = torch.device("cpu")
     runner.input_batch = InputBatch(320, runner.device)
-    runner.async_scheduling = False
     runner.block_size = 4
     return runner
 

@@ -118,7 +118,7 @@ def scripted_drafts(full_token_ids: list[int], wrong_positions: set[int]):
     drafts are rejected, e.g. at a block's first slot. Other sequences get no drafts."""
     from nanopaged.worker.spec_decode.ngram_proposer import NgramProposer
 
-    original = NgramProposer.propose_text       # the runner hands it the tokens as a str
+    original = NgramProposer.propose_text       # propose hands it the tokens as a str
 
     def propose_text(self, text):
         token_ids = [ord(c) for c in text]

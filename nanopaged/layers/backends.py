@@ -1,30 +1,20 @@
-"""Attention backends: the PyTorch reference, or the compiled kernels of `kernels/`.
+"""The kernels' ops: the PyTorch reference, or the compiled kernels of `kernels/`.
 
-An attention backend is the four KV-cache operations the engine needs:
+One object holds every op a Llama layer runs through a kernel: the KV-cache ops
+(`write_kv`, paged attention `forward`, `copy_blocks`, `swap_blocks`) and `linear`,
+`rms_norm` (optionally fused with the residual add), `silu_and_mul` and
+`rotary_embedding` (vLLM keeps these as CustomOps with per-device forwards).
 
-    write_kv(key, value, key_cache, value_cache, slot_mapping)    this step's K/V -> slots
-    forward(query, key_cache, value_cache, meta, scale)           paged attention
-    copy_blocks(kv_cache, pairs)                                  copy-on-write
-    swap_blocks(src_cache, dst_cache, pairs)                      swap out / swap in
+`TorchOps` is plain PyTorch (attention.py); `KernelOps` calls `kernels/paged_attention.cu`
+on a GPU and its C++ twin `kernels/paged_attention_cpu.cpp` on the CPU, compiled on
+first use (build.py). The CPU kernel takes every row of a step; the CUDA kernel decode
+rows only, and the layer ops are CPU-only so far (CUDA runs the reference's).
 
-and, since the same compiled module is the natural home for them, the other ops of a
-Llama layer that a kernel speeds up (vLLM keeps these as CustomOps with per-device
-forwards): `linear`, `rms_norm` (optionally fused with the residual add),
-`silu_and_mul`, `rotary_embedding`.
-
-`TorchBackend` is plain PyTorch (attention.py); `KernelBackend` calls the hand-written
-kernels, `kernels/paged_attention.cu` on a GPU and its C++ twin
-`kernels/paged_attention_cpu.cpp` on the CPU, compiled on first use (build.py). The CPU
-kernel takes every row of a step, prefill and decode; the CUDA kernel decode rows
-(prefill rows stay on the reference path there), and the layer ops are CPU-only so far
-(CUDA runs the reference's).
-
-`get_attn_backend("auto" | "torch" | "cpu" | "cuda", device)` picks one; "auto" takes the
-kernel of the device when it builds and otherwise warns (once per process, at the user's
-line that made the engine) and falls back to the reference. A process tries each build once.
-Each model layer holds its backend (`LlamaForCausalLM.set_attention_backend`), as vLLM's
-Attention layer holds its `impl`. vLLM: `vllm/attention/selector.py`,
-`vllm/attention/backends/abstract.py`, `csrc/attention/`, `csrc/cpu/attention.cpp`.
+`get_ops(attention_backend, device)` picks them (config's "auto" | "torch" | "cpu" |
+"cuda"); "auto" takes the device's kernel when it builds, else warns once per process
+and falls back to the reference. Every layer holds them as `ops`
+(`LlamaForCausalLM.set_ops`). vLLM: `vllm/attention/selector.py`, `csrc/attention/`,
+`csrc/cpu/attention.cpp`.
 """
 from __future__ import annotations
 
@@ -55,7 +45,7 @@ def forget_kernel_builds() -> None:
     _warned_kinds.clear()
 
 
-class TorchBackend:
+class TorchOps:
     """The plain-PyTorch reference (attention.py): every kernel is checked against it."""
 
     name = "torch"
@@ -83,10 +73,10 @@ class TorchBackend:
         src, dst = _pair_tensors(pairs, src_cache.device, dst_cache.device)
         dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)
 
-    # -- the Llama layer's other ops (the reference math; KernelBackend has kernels) --
+    # -- the Llama layer's other ops (the reference math; KernelOps has kernels) --
 
     def pack_weight(self, weight: torch.Tensor) -> None:
-        """A kernel's own layout of a weight, made once (KernelBackend: AMX tiles); none here."""
+        """A kernel's own layout of a weight, made once (KernelOps: AMX tiles); none here."""
         return None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -134,7 +124,7 @@ class TorchBackend:
         return rotate(query), rotate(key)
 
 
-class KernelBackend(TorchBackend):
+class KernelOps(TorchOps):
     """The compiled kernels: attention, the three cache ops and (CPU) the layer ops.
 
     Args:
@@ -242,8 +232,8 @@ def _pair_tensors(pairs, src_device, dst_device) -> tuple[torch.Tensor, torch.Te
     return src, dst
 
 
-def get_attn_backend(name: str, device: torch.device | str) -> TorchBackend:
-    """The attention backend called `name` for a model on `device`.
+def get_ops(name: str, device: torch.device | str) -> TorchOps:
+    """The ops config.attention_backend `name` picks for a model on `device`.
 
     "torch": the reference. "cpu" / "cuda": that compiled kernel (it must match the
     device). "auto": the device's kernel if it builds, else the reference with a warning
@@ -257,14 +247,14 @@ def get_attn_backend(name: str, device: torch.device | str) -> TorchBackend:
         raise ValueError(f"attention_backend={name!r}: expected one of {ATTENTION_BACKENDS}")
     device = torch.device(device)
     if name == "torch":
-        return TorchBackend()
+        return TorchOps()
     kind = device.type if name == "auto" else name
     if kind != device.type:
         raise ValueError(f"attention_backend={name!r} cannot run a model on device {str(device)!r}")
     if kind not in ("cpu", "cuda"):
-        return TorchBackend()
+        return TorchOps()
     try:
-        return KernelBackend(load_kernels(kind), kind)
+        return KernelOps(load_kernels(kind), kind)
     except KernelBuildError as e:
         if name != "auto":
             raise
@@ -274,7 +264,7 @@ def get_attn_backend(name: str, device: torch.device | str) -> TorchBackend:
                           "using the PyTorch reference instead (the same math, slower, and not "
                           "batch-invariant).",
                           stacklevel=_user_stacklevel())
-        return TorchBackend()
+        return TorchOps()
 
 
 def _user_stacklevel() -> int:

@@ -40,14 +40,14 @@ from torch import nn
 
 from ..utils.checks import check_int
 from ..utils.math_utils import cdiv
-from .backends import TorchBackend
+from .backends import TorchOps
 
-_REFERENCE = TorchBackend()     # plain F.linear until the model is given its kernel backend
+_REFERENCE = TorchOps()     # plain F.linear until the model is given its kernel backend
 
 
 def _linear(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x @ layer.weight^T by the layer's backend (`layer.ops`), with the weight in the
-    layout that backend wants (AMX tiles: backends.KernelBackend.pack_weight), packed on
+    layout that backend wants (AMX tiles: backends.KernelOps.pack_weight), packed on
     first use and again after a new backend or a change to the weight (its version
     counter moves, or `load` clears `_packed_for`)."""
     w = layer.weight
@@ -186,7 +186,7 @@ class ColumnParallelLinear(nn.Module):
             self.offsets[name], rows = rows, rows + n
         self.weight = nn.Parameter(torch.empty(rows, input_size))
         self.bias = nn.Parameter(torch.empty(rows)) if bias else None
-        self.ops = _REFERENCE          # the model's set_attention_backend gives the kernels
+        self.ops = _REFERENCE          # the model's set_ops gives the kernels
         self._packed = self._packed_for = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..layers.attention import AttentionMetadata
-from ..layers.backends import TorchBackend
+from ..layers.backends import TorchOps
 from ..layers.parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
                               _check_shape, shard_heads, valid_tp_size)
 from .config import ModelConfig
@@ -74,14 +74,14 @@ class RMSNorm(nn.Module):
     forward(x [num_tokens, hidden]) -> normalized rows; forward(x, residual) -> (the
     normalized rows of x + residual, x + residual): the skip connection's add is done
     by the norm that follows it (vLLM's fused_add_rms_norm), in one pass with the
-    compiled kernels. The math is in the kernel backend (`ops`: layers/backends.py).
+    compiled kernels. The math is in the kernels' ops (`ops`: layers/backends.py).
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.ops = TorchBackend()      # set_attention_backend gives the kernels
+        self.ops = TorchOps()      # set_ops gives the kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
@@ -110,7 +110,7 @@ class LlamaAttention(nn.Module):
             "v_proj": (kv_rows, shard.first_kv_head * d, self.kv_size)}, tp, bias=self.qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, tp)
         self.scale = d ** -0.5
-        self.attn_backend = TorchBackend()     # the reference; see set_attention_backend
+        self.ops = TorchOps()          # set_ops gives the kernels
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -121,8 +121,8 @@ class LlamaAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_size)       # [num_tokens, kv_heads, head_size]
         v = v.view(n, self.num_kv_heads, self.head_size)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        self.attn_backend.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-        o = self.attn_backend.forward(q, key_cache, value_cache, meta, self.scale)
+        self.ops.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        o = self.ops.forward(q, key_cache, value_cache, meta, self.scale)
         return self.o_proj(o.reshape(n, self.q_size))
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -130,7 +130,7 @@ class LlamaAttention(nn.Module):
         """RoPE on q [num_tokens, heads * head_size] and k [num_tokens, kv_heads *
         head_size] (rope: the cos and sin tables, [max_positions, head_size]); in place
         on the views of qkv_proj's output with the kernels."""
-        return self.attn_backend.rotary_embedding(positions, q, k, *rope, self.head_size)
+        return self.ops.rotary_embedding(positions, q, k, *rope, self.head_size)
 
 
 class LlamaMLP(nn.Module):
@@ -143,7 +143,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, {
             "gate_proj": (inter, tp.rank * n, n), "up_proj": (inter, tp.rank * n, n)}, tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
-        self.ops = TorchBackend()      # set_attention_backend gives the kernels
+        self.ops = TorchOps()      # set_ops gives the kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -240,15 +240,13 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, rope, kv_cache, meta)
         return self.norm(x, residual)[0]
 
-    def set_attention_backend(self, backend: TorchBackend) -> None:
-        """Give every layer this kernel backend (backends.get_attn_backend picks one): its
-        attention, the fused RMSNorm, RoPE and SiLU-and-mul ops, and the linear layers'
-        matmuls (batch-invariant: one order of additions for every batch size)."""
+    def set_ops(self, ops: TorchOps) -> None:
+        """Give every layer these kernels (backends.get_ops picks them): attention, the
+        fused RMSNorm, RoPE and SiLU-and-mul, and the linear layers' matmuls
+        (batch-invariant: one order of additions for every batch size)."""
         for module in self.modules():
-            if hasattr(module, "ops"):          # norms, MLPs, the linear layers
-                module.ops = backend
-        for layer in self.layers:
-            layer.self_attn.attn_backend = backend
+            if hasattr(module, "ops"):          # attention, norms, MLPs, the linear layers
+                module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32, summed in float32

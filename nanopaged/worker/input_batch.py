@@ -44,8 +44,6 @@ class SeqState:
         generator: its own random stream when its request has a seed, else None.
         counts_row: its row of InputBatch.prompt_mask / output_counts when it has a
             penalty, else None.
-        lookup_text: speculative decoding's n-gram proposer: its first len(lookup_text)
-            tokens as a str (token id i -> chr(i)), extended as tokens come.
     """
 
     seq_id: int
@@ -57,7 +55,6 @@ class SeqState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     counts_row: int | None = None
-    lookup_text: str = ""
 
     @property
     def num_tokens(self) -> int:

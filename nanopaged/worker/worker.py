@@ -1,20 +1,11 @@
-"""Worker: one tensor-parallel rank. Its device, its place in the process group, its
-shard of the model, its KV cache (only its own KV heads) and its model runner.
+"""Worker: one tensor-parallel rank: its device, shard of the model, KV cache (its own
+KV heads) and model runner.
 
-Every rank gets the same SchedulerOutput each step and runs the same code on it: the
-same tokens, the same block tables, the same slot_mapping. What differs is only which
-heads (and which MLP rows and vocabulary rows) its matrices hold, so each rank's KV
-cache holds K/V of its own KV heads, in the same blocks the central scheduler chose.
-The ranks meet only in the model's collectives (layers/parallel.py): two all-reduces
-per layer, one all-reduce for the embedding, one all-gather for the logits. Every rank
-then samples with the same generators from the same gathered logits, so every rank
-knows the sampled tokens without another message (chapter 17 says why we chose this).
-
-The worker decides nothing: block copies and swaps come from the EngineCore
-(executor.py carries them here). At start it loads its shard, then measures what memory
-is left for its KV pool (`determine_available_memory`, with its weights on the device);
-the EngineCore takes the smallest answer over the ranks and tells every rank the pool
-size (`initialize_kv_cache`), as vLLM v1's EngineCore._initialize_kv_caches does.
+Every rank gets the same SchedulerOutput and runs the same step; the ranks meet only in
+the model's collectives (layers/parallel.py), and every rank samples the same tokens
+from the same gathered logits (chapter 17). At start a rank loads its shard and measures
+the memory left for its KV pool (`determine_available_memory`); the EngineCore takes
+the smallest answer and sizes every pool (`initialize_kv_cache`).
 vLLM: `vllm/v1/worker/gpu_worker.py`, `cpu_worker.py`.
 """
 from __future__ import annotations
@@ -26,11 +17,12 @@ from datetime import timedelta
 
 import torch
 
+from .. import extensions
 from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
 from ..model.config import ModelConfig
 from ..model.model_loader import load_model
 from ..layers.parallel import TPGroup
-from ..layers.backends import TorchBackend, get_attn_backend
+from ..layers.backends import TorchOps
 from .model_runner import ModelRunner
 
 # Seconds a collective may wait for the other ranks before it raises (gloo and NCCL):
@@ -63,6 +55,7 @@ class Worker:
     Args:
         config: the resolved EngineConfig.
         model_path, model_config: the model folder and its ModelConfig.
+        ops: the kernels the engine chose (layers/backends.get_ops).
         rank, world_size: this rank of tensor_parallel_size ranks.
         process_group: the group's torch.distributed ProcessGroup (None at world_size 1).
 
@@ -70,9 +63,9 @@ class Worker:
         ValueError: the model does not split over world_size ranks.
     """
 
-    def __init__(self, config, model_path, model_config: ModelConfig, rank: int = 0,
+    def __init__(self, config, model_path, model_config: ModelConfig, *, ops: TorchOps, rank: int = 0,
                  world_size: int = 1, process_group=None) -> None:
-        self.config, self.rank, self.world_size = config, rank, world_size
+        self.config, self.ops, self.rank, self.world_size = config, ops, rank, world_size
         device = config.torch_device
         if device.type == "cuda" and world_size > 1:
             device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -116,18 +109,14 @@ class Worker:
             return int(free * _CUDA_KV_FRACTION)
         return min(_DEFAULT_CPU_KV_BYTES, _free_host_memory() // 4)
 
-    def initialize_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int,
-                            attn_backend: TorchBackend | str) -> None:
-        """Allocate this rank's KV cache (num_gpu_blocks blocks, the size the EngineCore
-        chose from every rank's determine_available_memory) and swap pool, and build its
-        ModelRunner. `attn_backend`: a backend object, or the name of one the engine
-        resolved."""
-        if isinstance(attn_backend, str):
-            attn_backend = get_attn_backend(attn_backend, self.device)
-        self.model_runner = ModelRunner(self.model, num_gpu_blocks, self.config.block_size, self.config.seed,
-                                        num_cpu_blocks, attn_backend, self.config.async_scheduling,
-                                        self.config.speculative_config, self.draft_model, self.config.max_model_len,
-                                        self.config.max_logits_bytes)
+    def initialize_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Build this rank's model runner, with its KV pool of num_gpu_blocks blocks (the
+        EngineCore's choice) and swap pool of num_cpu_blocks; the class is the base with
+        the config's extensions (extensions.py)."""
+        runner_class = extensions.build_class(ModelRunner, "model_runner", self.config)
+        extra = {} if self.draft_model is None else {"draft_model": self.draft_model}
+        self.model_runner = runner_class(self.config, self.model, num_gpu_blocks=num_gpu_blocks,
+                                         num_cpu_blocks=num_cpu_blocks, ops=self.ops, **extra)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step on this rank (every rank computes the same ModelRunnerOutput);

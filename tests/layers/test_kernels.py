@@ -28,7 +28,7 @@ from torch.utils import cpp_extension
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.layers import attention, backends, build
-from nanopaged.layers.backends import KernelBackend, TorchBackend, get_attn_backend
+from nanopaged.layers.backends import KernelOps, TorchOps, get_ops
 from nanopaged.layers.build import KernelBuildError
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -163,7 +163,7 @@ def test_fused_layer_ops_match_the_reference(ops, dtype):
     """RMSNorm (alone and with the residual add), SiLU-and-mul and RoPE: within one ulp of
     the dtype of the PyTorch reference (the same math in another summation order)."""
     g = torch.Generator().manual_seed(0)
-    kernel, ref = KernelBackend(ops, "cpu"), TorchBackend()
+    kernel, ref = KernelOps(ops, "cpu"), TorchOps()
     ulp = {torch.float32: 2e-6, torch.bfloat16: 8e-3}[dtype]     # relative
 
     def close(a, b):
@@ -215,7 +215,7 @@ def test_cpu_reshape_and_cache_matches_write_kv_with_strided_rows(ops):
 def test_cpu_copy_and_swap_blocks_match_the_reference(ops):
     kv = torch.randn(3, 2, 10, 4, 2, 8)
     cpu_pool = torch.zeros(3, 2, 6, 4, 2, 8)
-    backend, ref = KernelBackend(ops, "cpu"), TorchBackend()
+    backend, ref = KernelOps(ops, "cpu"), TorchOps()
     kv_ref, pool_ref = kv.clone(), cpu_pool.clone()
     for b, c, p in ((backend, kv, cpu_pool), (ref, kv_ref, pool_ref)):
         b.copy_blocks(c, [(1, 7), (2, 8)])
@@ -243,11 +243,11 @@ def test_cpu_kernel_errors_name_the_argument(ops):
 
 def test_backend_names_are_checked():
     with pytest.raises(ValueError, match="attention_backend='triton'"):
-        get_attn_backend("triton", "cpu")
+        get_ops("triton", "cpu")
     with pytest.raises(ValueError, match="attention_backend='cuda' cannot run a model on device 'cpu'"):
-        get_attn_backend("cuda", "cpu")
-    assert isinstance(get_attn_backend("torch", "cpu"), TorchBackend)
-    assert get_attn_backend("cpu", "cpu").name == "cpu"
+        get_ops("cuda", "cpu")
+    assert isinstance(get_ops("torch", "cpu"), TorchOps)
+    assert get_ops("cpu", "cpu").name == "cpu"
 
 
 def test_auto_falls_back_to_the_reference_with_a_warning(monkeypatch):
@@ -255,10 +255,10 @@ def test_auto_falls_back_to_the_reference_with_a_warning(monkeypatch):
         raise KernelBuildError("no C++ compiler ('nope' is not on PATH)")
     monkeypatch.setattr(backends, "load_kernels", broken)
     with pytest.warns(UserWarning, match="not available .*no C\\+\\+ compiler.*PyTorch reference"):
-        backend = get_attn_backend("auto", "cpu")
+        backend = get_ops("auto", "cpu")
     assert backend.name == "torch"
     with pytest.raises(KernelBuildError, match="no C\\+\\+ compiler"):
-        get_attn_backend("cpu", "cpu")
+        get_ops("cpu", "cpu")
 
 
 def test_a_missing_compiler_is_a_clear_build_error(monkeypatch, tmp_path):
@@ -276,7 +276,7 @@ def test_a_cached_build_loads_without_compiler_or_ninja(ops, monkeypatch):
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("cpp_extension.load was called"))
     loaded = build.load_kernels("cpu")
-    assert get_attn_backend("auto", "cpu").name == "cpu"
+    assert get_ops("auto", "cpu").name == "cpu"
     kc, vc, tables = random_paged_kv([5], 2, 64, 4, torch.float32)
     query, out = torch.randn(1, 4, 64), torch.empty(1, 4, 64)
     loaded.paged_attention_decode(out, query, kc, vc, tables, torch.tensor([5]), 0.125)
@@ -347,13 +347,13 @@ def test_a_failed_build_is_tried_once_and_auto_warns_once_at_the_callers_line(mo
     monkeypatch.setattr(build, "build_extension", failing_build)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        backends = [get_attn_backend("auto", "cpu"), get_attn_backend("auto", "cpu")]
+        backends = [get_ops("auto", "cpu"), get_ops("auto", "cpu")]
     assert [b.name for b in backends] == ["torch", "torch"]
     assert builds == ["nanopaged_cpu"]
     assert len(caught) == 1 and "PyTorch reference" in str(caught[0].message)
     assert caught[0].filename == __file__                      # this file, not nanopaged's
     with pytest.raises(KernelBuildError, match="'nope' is not on PATH"):
-        get_attn_backend("cpu", "cpu")                          # the same error, no new build
+        get_ops("cpu", "cpu")                          # the same error, no new build
     assert builds == ["nanopaged_cpu"]
 
 

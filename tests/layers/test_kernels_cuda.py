@@ -409,7 +409,7 @@ def test_reshape_and_cache_writes_slots_and_skips_padding(ops, dtype):
 
 
 def test_copy_blocks_copies_every_layer_k_and_v(ops):
-    """model_runner.copy_blocks: kv_cache[:, :, dst] = kv_cache[:, :, src]."""
+    """KernelOps.copy_blocks: kv_cache[:, :, dst] = kv_cache[:, :, src]."""
     g = torch.Generator().manual_seed(2)
     kv_cache = torch.randn(3, 2, 10, 4, 2, 64, generator=g).to(torch.bfloat16)
     src, dst = torch.tensor([0, 3, 5, 5]), torch.tensor([7, 8, 9, 1])
@@ -423,7 +423,7 @@ def test_copy_blocks_copies_every_layer_k_and_v(ops):
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")
 @pytest.mark.parametrize("direction", ["gpu_to_cpu", "cpu_to_gpu", "gpu_to_gpu"])
 def test_swap_blocks_between_pools(cuda_ops, direction):
-    """model_runner.swap_blocks: dst_cache[:, :, dst] = src_cache[:, :, src]; the pools
+    """KernelOps.swap_blocks: dst_cache[:, :, dst] = src_cache[:, :, src]; the pools
     differ in num_blocks, the CPU one is pinned."""
     g = torch.Generator().manual_seed(3)
     gpu = torch.randn(2, 2, 10, 16, 3, 64, generator=g).to(torch.float16).cuda()

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from nanopaged import LLM, SamplingParams
-from nanopaged.layers.backends import KernelBackend, get_attn_backend
+from nanopaged.layers.backends import KernelOps, get_ops
 
 from conftest import make_tiny_llama
 
@@ -123,8 +123,8 @@ def test_seeded_sampling_gives_the_same_text_on_a_cache_hit(model_dir, dtype):
 
 @pytest.fixture(scope="module")
 def kernels():
-    backend = get_attn_backend("cpu", "cpu")
-    assert isinstance(backend, KernelBackend)
+    backend = get_ops("cpu", "cpu")
+    assert isinstance(backend, KernelOps)
     return backend
 
 

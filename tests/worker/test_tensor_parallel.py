@@ -28,7 +28,7 @@ from nanopaged import LLM, SamplingParams, StructuredOutputsParams
 from nanopaged.utils.proc import EngineDeadError
 from nanopaged.model.llama import LlamaMLP
 from nanopaged.model.model_loader import load_model
-from nanopaged.layers.backends import TorchBackend
+from nanopaged.layers.backends import TorchOps
 from nanopaged.layers.parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
                                       shard_heads)
 
@@ -115,7 +115,7 @@ def gamma(n: int) -> float:
     return n * U / (1 - n * U)
 
 
-class _Record(TorchBackend):
+class _Record(TorchOps):
     """A rank's backend for one linear layer or MLP: the reference ops, each call's
     inputs and result kept (`reduced`: a row-parallel layer's outputs after its
     all-reduce, which a forward hook appends)."""
@@ -146,7 +146,7 @@ def _place_rows(layer, shards, tensors, dim: int) -> torch.Tensor:
     return out
 
 
-class _Replay(TorchBackend):
+class _Replay(TorchOps):
     """A linear layer or MLP of the tp=1 model in the replay: it computes its own
     result, checks that the ranks were given the same input (and weights) and that
     their result is within rounding of its own, and returns theirs.

@@ -1,48 +1,43 @@
 """DraftModelProposer: a small model with the target's tokenizer proposes the drafts.
 
-Speculative decoding with a draft model (Leviathan et al. 2023, §3; Chen et al. 2023):
-a model many times cheaper than the target guesses the next k tokens one at a time, and
-the target checks all of them in its next forward. Here the draft is any local Hugging
-Face folder of a supported family (model/registry.py) with the target's vocabulary (checked when the engine is configured:
-engine/arg_utils.py); `make_layer_draft` below makes one from the target's first layers,
-which needs no second download (the tests and chapter 19 use it).
+A model many times cheaper than the target guesses the next k tokens one at a time; the
+target checks them in its next forward (Leviathan et al. 2023, §3; Chen et al. 2023).
+The draft is any local folder of a supported family with the target's vocabulary
+(checked in engine/arg_utils.py); `make_layer_draft` makes one from the target's first
+layers (the tests and chapter 19 use it).
 
-The draft keeps its own paged KV cache under the *same* block tables as the target:
-block b of the draft's cache holds the draft's K/V of the tokens whose target K/V are in
-block b of the target's. So the scheduler allocates once for both, copy-on-write and
-swaps copy both, a prefix-cache hit reuses both, and the draft needs no bookkeeping of
-its own. Each step, after the target has sampled:
+The draft's paged KV cache uses the target's block tables: block b of its cache holds
+the draft's K/V of the tokens in block b of the target's, so one allocation serves both,
+and swaps and copies move both (`move_blocks`). Each step, after the target sampled:
 
-1. the draft runs over the step's input (the same tokens, positions and slots as the
-   target's forward), so it has K/V wherever the target has: for prompts, accepted
-   drafts, and (overwritten later) rejected ones;
-2. from each sequence's newest token it decodes k tokens greedily, one batched forward
-   per token, writing its K/V into the slots just past the sequence's tokens (the
-   scheduler's lookahead slots: SpeculativeConfig.num_lookahead_tokens). Those slots
-   are scratch: the next step's target forward writes them again, or the scheduler
-   takes them back.
+1. the draft runs over the step's input (same tokens, positions, slots), so it has K/V
+   wherever the target has;
+2. from each sequence's newest token it decodes k tokens greedily, one batched forward a
+   token, writing K/V into the lookahead slots past the sequence's tokens
+   (SpeculativeConfig.num_lookahead_tokens), scratch that the next step overwrites or
+   the scheduler takes back.
 
-Proposals are greedy (argmax), so q is one-hot and the rejection sampler keeps the
-target's distribution exactly; vLLM v1's EAGLE and draft-model proposers draw greedy
-drafts too (`vllm/v1/spec_decode/eagle.py`, `draft_model.py`).
+Greedy proposals make q one-hot, so the rejection sampler keeps the target's
+distribution exactly. vLLM: `vllm/v1/spec_decode/eagle.py`, `draft_model.py`.
 """
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from ...layers.attention import AttentionMetadata
+from ...layers.backends import TorchOps
+from ...messages import SchedulerOutput
+from ..input_batch import SeqState
+from ..model_input import ModelInput
+from ..model_runner import move_blocks
+from .proposer import Proposer
 
-if TYPE_CHECKING:
-    from ..input_batch import SeqState
-    from ..model_runner import ModelInput
 
-
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """Greedy k-token proposals from a draft model with its own KV cache (module doc).
 
     Args:
@@ -68,6 +63,10 @@ class DraftModelProposer:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.cpu_kv_cache = torch.empty((shape[0], 2, num_cpu_blocks, *shape[3:]), dtype=dtype,
                                         pin_memory=self.device.type == "cuda")
+
+    def move_blocks(self, ops: TorchOps, so: SchedulerOutput) -> None:
+        """The draft's K/V move with the target's (its blocks are the target's)."""
+        move_blocks(ops, self.kv_cache, self.cpu_kv_cache, so)
 
     def propose(self, inp: ModelInput, seqs: list[tuple[SeqState, list[int]]]) -> dict[int, list[int]]:
         """Run the draft over `inp` (the step's input, step 1 of the module doc), then

@@ -1,0 +1,76 @@
+"""ModelRunner: the base runner and its extensions (issue 35).
+
+The base file names no later feature; each feature is a subclass built by
+extensions.build_class; the runner drops exactly the blocks a message says were taken
+back (SchedulerOutput.num_blocks_taken_back), not a number it derives itself.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from nanopaged import SamplingParams, extensions
+from nanopaged.config import EngineConfig, SpeculativeConfig
+from nanopaged.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from nanopaged.model.config import ModelConfig
+from nanopaged.model.llama import LlamaForCausalLM
+from nanopaged.worker.async_model_runner import AsyncModelRunner
+from nanopaged.worker.model_runner import ModelRunner
+from nanopaged.worker.spec_decode.spec_model_runner import SpecDecodeModelRunner
+from nanopaged.worker.structured_output_runner import StructuredOutputModelRunner
+
+BASE = Path(__file__).resolve().parents[2] / "nanopaged" / "worker" / "model_runner.py"
+
+
+def tiny_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
+                         tie_word_embeddings=True, eos_token_id=[0])
+    model = LlamaForCausalLM(config)
+    model.init_rope(64)
+    return model
+
+
+def delta(seq_id, blocks, computed, replaced=False, taken_back=None) -> SchedulerOutput:
+    """A step that computes nothing: only the record's update."""
+    c = CachedRequestData([seq_id], [[]], [list(blocks)], [replaced], [computed])
+    return SchedulerOutput(scheduled_cached_reqs=c,
+                           num_blocks_taken_back={} if taken_back is None else {seq_id: taken_back})
+
+
+def test_the_runner_drops_the_blocks_the_message_says_were_taken_back():
+    runner = ModelRunner(EngineConfig(block_size=4), tiny_model(), num_gpu_blocks=16)
+    new = NewRequestData(0, 0, list(range(1, 11)), [], SamplingParams(), [0, 1, 2, 3], 0)
+    runner.execute_model(SchedulerOutput(scheduled_new_reqs=[new]))
+    record = runner.input_batch.seqs[0]
+    # 5 computed tokens fill 2 blocks of 4, but the message says 1 block was taken back:
+    # the message decides, not the runner (which would drop 2)
+    runner.execute_model(delta(0, [9], computed=5, taken_back=1))
+    assert record.block_ids == [0, 1, 2, 9]
+    runner.execute_model(delta(0, [10], computed=6, taken_back=0))
+    assert record.block_ids == [0, 1, 2, 9, 10]
+    runner.execute_model(delta(0, [4, 5], computed=6, replaced=True, taken_back=1))   # a whole new table
+    assert record.block_ids == [4, 5]
+
+
+def test_the_base_runner_names_no_later_feature():
+    source = BASE.read_text()
+    assert len(source.splitlines()) <= 300
+    named = re.findall(r"draft|spec_|speculative|placeholder|grammar|beam|async|propos|isinstance", source, re.I)
+    assert named == []
+
+
+def test_the_runner_class_is_the_base_with_the_configs_extensions():
+    def mro(**kwargs):
+        cls = extensions.build_class(ModelRunner, "model_runner", EngineConfig(**kwargs))
+        return [c for c in cls.__mro__ if c not in (object,)][1:]
+
+    assert mro() == [StructuredOutputModelRunner, ModelRunner]
+    assert mro(async_scheduling=True) == [AsyncModelRunner, StructuredOutputModelRunner, ModelRunner]
+    assert mro(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1,
+                                                    prompt_lookup_max=2)) == [
+        SpecDecodeModelRunner, StructuredOutputModelRunner, ModelRunner]
