@@ -31,9 +31,18 @@ ENABLED: dict[str, Callable] = {
 PER_REQUEST = {"beam_search", "structured_outputs"}
 
 # part -> extension name -> "module:Class", the subclass of that part's base class
-SCHEDULER: dict[str, str] = {}
+SCHEDULER: dict[str, str] = {
+    "async_scheduling": "nanopaged.core.async_scheduler:AsyncScheduler",
+    "speculative_decoding": "nanopaged.core.spec_decode:SpecDecodeScheduler",
+    "beam_search": "nanopaged.core.beam_search:BeamSearchScheduler",
+    "structured_outputs": "nanopaged.core.structured_output_scheduler:StructuredOutputScheduler",
+}
 MODEL_RUNNER: dict[str, str] = {}
-ENGINE_CORE: dict[str, str] = {}
+ENGINE_CORE: dict[str, str] = {
+    "async_scheduling": "nanopaged.engine.async_engine_core:AsyncEngineCore",
+    "speculative_decoding": "nanopaged.engine.spec_decode_core:SpecDecodeEngineCore",
+    "structured_outputs": "nanopaged.engine.structured_output_core:StructuredOutputEngineCore",
+}
 PARTS = {"scheduler": SCHEDULER, "model_runner": MODEL_RUNNER, "engine_core": ENGINE_CORE}
 
 
