@@ -6,7 +6,7 @@ num_computed_tokens), built from the messages alone; each SchedulerOutput (messa
 sends a sequence as NewRequestData (no current record: everything), as a
 CachedRequestData delta (tokens and blocks added since), or names it in
 finished_seq_ids (drop it). A sequence whose tokens or blocks changed other than by
-growing (preempted, swapped in, a forked beam) is forgotten here and sent in full.
+growing (preempted, swapped in, replaced by a fork) is forgotten here and sent in full.
 vLLM v1: `vllm/v1/core/sched/output.py` and its scheduler's cached-request bookkeeping.
 """
 from __future__ import annotations

@@ -1,17 +1,15 @@
-"""Speculative decoding, the scheduler's side: which drafts a step verifies, the slots
-they take, and the counts of what was accepted.
+"""Speculative decoding, the scheduler's side: SpecDecodeScheduler and its helpers.
 
-The runner proposes drafts after each step (worker/spec_decode/); they come back in the
-ModelRunnerOutput and wait on the sequence (Sequence.spec_token_ids). The scheduler's
-next schedule() then gives a decoding sequence 1 + k positions instead of 1: its last
-token and the k drafts (`take_drafts`), with slots for all of them (and for the draft
-model's own K/V of its next proposals: the lookahead), or fewer when the pool is short
-(`slot_plans`: drafts are never worth a preemption). After the forward,
-update_from_output rolls num_computed_tokens back past the rejected drafts and takes
-back the blocks that held only their slots (Scheduler._verified,
-BlockManager.free_slots_past_computed).
-vLLM v1: the spec-token half of `vllm/v1/core/sched/scheduler.py` (schedule,
-update_from_output, update_draft_token_ids) and `vllm/v1/spec_decode/metrics.py`.
+The runner proposes drafts after each step (worker/spec_decode/); they wait on the
+sequence (Sequence.spec_token_ids). The next schedule() gives a decoding sequence 1 + k
+positions: its last token and the k drafts (`take_drafts`), with slots for them and for
+the draft model's lookahead, or fewer when the pool is short (`slot_plans`: drafts are
+never worth a preemption). After the forward, update_from_output rolls
+num_computed_tokens back past the rejected drafts and takes back the blocks that held
+only their slots (`_verified`); the next message tells the runner how many
+(SchedulerOutput.num_blocks_taken_back).
+vLLM v1: the spec-token half of `vllm/v1/core/sched/scheduler.py` and
+`vllm/v1/spec_decode/metrics.py`.
 """
 from __future__ import annotations
 
