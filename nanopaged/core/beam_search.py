@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, Logprobs, ModelRunnerOutput, SchedulerOutput
-from ..outputs import BeamSearchOutput, BeamSearchSequence   # noqa: F401 (the results' shapes, re-exported)
+from ..outputs import BeamSearchSequence
 from ..sampling_params import BeamSearchParams
 from .scheduler import Scheduler
 from .scheduler_output import ScheduledSequence
