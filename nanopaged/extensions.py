@@ -5,7 +5,7 @@ runner, sampler, models, engine core, LLM) runs alone. A later feature is a subc
 a base part that overrides some of its hooks, in a file of its own, e.g.
 
     class AsyncScheduler(Scheduler):        # core/async_scheduler.py
-        def _after_schedule(self, step): ...
+        def _after_schedule(self, step, samples, out): ...
 
 The engine builds each part once, from the config, as the base class with the enabled
 extensions' subclasses in front of it (Python's method order, each override calling
