@@ -8,11 +8,10 @@ from .utils.log import configure_logging
 
 configure_logging()           # progress lines on stderr, as vLLM's (utils/log.py)
 
-from .core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .config import EngineConfig
 from .engine.llm_engine import LLMEngine
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams, StructuredOutputsParams
+from .outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from .sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from .entrypoints.llm import LLM
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",

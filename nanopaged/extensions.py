@@ -5,7 +5,7 @@ runner, sampler, models, engine core, LLM) runs alone. A later feature is a subc
 a base part that overrides some of its hooks, in a file of its own, e.g.
 
     class AsyncScheduler(Scheduler):        # core/async_scheduler.py
-        def _after_schedule(self, step): ...
+        def _after_schedule(self, step, samples, out): ...
 
 The engine builds each part once, from the config, as the base class with the enabled
 extensions' subclasses in front of it (Python's method order, each override calling
@@ -31,13 +31,22 @@ ENABLED: dict[str, Callable] = {
 PER_REQUEST = {"beam_search", "structured_outputs"}
 
 # part -> extension name -> "module:Class", the subclass of that part's base class
-SCHEDULER: dict[str, str] = {}
+SCHEDULER: dict[str, str] = {
+    "async_scheduling": "nanopaged.core.async_scheduler:AsyncScheduler",
+    "speculative_decoding": "nanopaged.core.spec_decode:SpecDecodeScheduler",
+    "beam_search": "nanopaged.core.beam_search:BeamSearchScheduler",
+    "structured_outputs": "nanopaged.core.structured_output_scheduler:StructuredOutputScheduler",
+}
 MODEL_RUNNER: dict[str, str] = {
     "async_scheduling": "nanopaged.worker.async_model_runner:AsyncModelRunner",
     "speculative_decoding": "nanopaged.worker.spec_decode.spec_model_runner:SpecDecodeModelRunner",
     "structured_outputs": "nanopaged.worker.structured_output_runner:StructuredOutputModelRunner",
 }
-ENGINE_CORE: dict[str, str] = {}
+ENGINE_CORE: dict[str, str] = {
+    "async_scheduling": "nanopaged.engine.async_engine_core:AsyncEngineCore",
+    "speculative_decoding": "nanopaged.engine.spec_decode_core:SpecDecodeEngineCore",
+    "structured_outputs": "nanopaged.engine.structured_output_core:StructuredOutputEngineCore",
+}
 PARTS = {"scheduler": SCHEDULER, "model_runner": MODEL_RUNNER, "engine_core": ENGINE_CORE}
 
 

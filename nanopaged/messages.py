@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 
 
 class FinishReason(enum.Enum):
@@ -62,7 +62,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     arrival_time: float
-    beam_search: object | None = None
+    beam_search: BeamSearchParams | None = None
 
 
 # -- Scheduler -> ModelRunner ------------------------------------------------------------
@@ -140,9 +140,10 @@ class SchedulerOutput:
             1 + len(drafts), its last token and then the drafts, and the step samples
             one row per position (k + 1 rows). Structured-output sequences have k + 1
             rows in the GrammarOutput too, one per position, in order.
-        num_blocks_taken_back: seq_id -> how many trailing block ids the runner drops from
-            its record before appending this step's new block ids (blocks the scheduler
-            took back: rejected drafts, lookahead).
+        num_blocks_taken_back: seq_id -> how many trailing block ids the runner drops
+            from its record of that sequence before appending this step's new block
+            ids (speculative decoding's rollback of rejected drafts and lookahead);
+            only for cached deltas that append (block_ids_replaced False), absent when 0.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -162,6 +163,13 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """True when the step computes no token (copies and swaps may still be due)."""
         return self.total_num_scheduled_tokens == 0
+
+    def start_positions(self) -> dict[int, int]:
+        """seq_id -> its num_computed_tokens when the step starts, for every sequence sent."""
+        c = self.scheduled_cached_reqs
+        starts = dict(zip(c.seq_ids, c.num_computed_tokens))
+        starts.update((r.seq_id, r.num_computed_tokens) for r in self.scheduled_new_reqs)
+        return starts
 
 
 @dataclass
@@ -199,6 +207,10 @@ class Logprobs:
 
     def row(self, i: int) -> "Logprobs":
         return Logprobs([self.token_ids[i]], [self.logprobs[i]], [self.ranks[i]])
+
+    def __getitem__(self, rows: slice) -> "Logprobs":
+        """The rows `rows` (a slice), as a Logprobs."""
+        return Logprobs(self.token_ids[rows], self.logprobs[rows], self.ranks[rows])
 
 
 @dataclass

@@ -86,3 +86,21 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class BeamSearchSequence:
+    """A finished hypothesis: tokens = prompt + generated ids."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str = ""
+    score: float = 0.0           # cum_logprob / generated_len ** length_penalty
+    finish_reason: str = "stop"  # "stop" (EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """One prompt's result: its best hypotheses, best first."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)

@@ -337,3 +337,29 @@ class SamplingParams:
         """True when a penalty is on, so the sampler must count this sequence's tokens."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam-search settings (vLLM's name and fields).
+
+    Args:
+        beam_width: beams kept each step (>= 1).
+        max_tokens: most tokens generated (>= 1).
+        ignore_eos: do not end hypotheses at EOS.
+        length_penalty: hypothesis score = cum_logprob / generated_len ** length_penalty.
+
+    Raises:
+        ValueError: a value out of range, naming the field.
+    """
+
+    beam_width: int = 4
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            check_int(f"BeamSearchParams.{name}", getattr(self, name), minimum=1)
+        if not is_real(self.length_penalty, finite=False):
+            raise invalid("BeamSearchParams.length_penalty", self.length_penalty, "a number")

@@ -85,10 +85,11 @@ def check_runner_state(engine) -> None:
             state = runner.input_batch.seqs[seq.seq_id]
             table = seq.block_table.block_ids
             # speculative decoding: the blocks the scheduler took back after a verify step
-            # are dropped by the runner when the next message comes (its num_computed_tokens)
-            spec = sched.speculative_config
+            # are dropped by the runner when the next message comes (num_blocks_taken_back)
+            spec = sched.config.speculative_config
             extra = state.block_ids[len(table):] if spec is not None else []
             assert state.block_ids == table + extra, (seq, state.block_ids)
+            assert len(extra) == (sched._taken_back.get(seq.seq_id, 0) if spec is not None else 0), (seq, extra)
             tokens = state.prompt_token_ids + state.output_token_ids
             # ... and the drafts a verify step accepted reach it then too (as the sampled token)
             lag = spec.num_speculative_tokens if spec is not None else 0

@@ -20,8 +20,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "nanopaged"
 
 VOCABULARY = {"config", "sampling_params", "outputs", "messages", "dashboard_messages", "events"}
-RANKS = {"utils": 0, "extensions": 0, **{name: 0 for name in VOCABULARY}, "layers": 1, "model": 2, "core": 3, "worker": 3,
-         "engine": 4, "entrypoints": 5, "trace": 5, "exercises": 5}
+# extensions: the table of later features, named by strings (it imports them by name only)
+RANKS = {"utils": 0, **{name: 0 for name in VOCABULARY}, "extensions": 0, "layers": 1, "model": 2, "core": 3,
+         "worker": 3, "engine": 4, "entrypoints": 5, "trace": 5, "exercises": 5}
 SHIMS = {"chat", "serve", "exercise", "__main__"}       # `python -m nanopaged.X` doors: the top
 
 

@@ -24,7 +24,8 @@ append their next tokens the shared, partly filled last block is copied (copy-on
 A beam that is not chosen frees its blocks. This is the paper's §4.4 use case, and
 where sharing saves the most memory (its Fig. 15).
 
-The rules follow transformers' `generate(num_beams=k, early_stopping=True)`
+BeamSearchScheduler joins the scheduler at its hooks (extensions.py). The rules follow
+transformers' `generate(num_beams=k, early_stopping=True)`
 (`GenerationMixin._beam_search`), so the two agree token for token: the search ends when
 beam_width hypotheses have finished, when no candidate can continue, or at max_tokens.
 vLLM's `LLM.beam_search` returns the same shapes (`vllm/beam_search.py`).
@@ -33,53 +34,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..messages import EngineCoreOutput, FinishReason, Logprobs
-from ..utils.checks import check_int, invalid, is_real
+from ..messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, Logprobs, ModelRunnerOutput, SchedulerOutput
+from ..outputs import BeamSearchSequence
+from ..sampling_params import BeamSearchParams
+from .scheduler import Scheduler
+from .scheduler_output import ScheduledSequence
 from .sequence import Sequence, SequenceGroup, SequenceStatus
-
-
-@dataclass
-class BeamSearchParams:
-    """Beam-search settings (vLLM's name and fields).
-
-    Args:
-        beam_width: beams kept each step (>= 1).
-        max_tokens: most tokens generated (>= 1).
-        ignore_eos: do not end hypotheses at EOS.
-        length_penalty: hypothesis score = cum_logprob / generated_len ** length_penalty.
-
-    Raises:
-        ValueError: a value out of range, naming the field.
-    """
-
-    beam_width: int = 4
-    max_tokens: int = 16
-    ignore_eos: bool = False
-    length_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("beam_width", "max_tokens"):
-            check_int(f"BeamSearchParams.{name}", getattr(self, name), minimum=1)
-        if not is_real(self.length_penalty, finite=False):
-            raise invalid("BeamSearchParams.length_penalty", self.length_penalty, "a number")
-
-
-@dataclass
-class BeamSearchSequence:
-    """A finished hypothesis: tokens = prompt + generated ids."""
-
-    tokens: list[int]
-    cum_logprob: float
-    text: str = ""
-    score: float = 0.0           # cum_logprob / generated_len ** length_penalty
-    finish_reason: str = "stop"  # "stop" (EOS) or "length"
-
-
-@dataclass
-class BeamSearchOutput:
-    """One prompt's result: its best hypotheses, best first."""
-
-    sequences: list[BeamSearchSequence] = field(default_factory=list)
 
 
 @dataclass
@@ -225,3 +185,55 @@ def finished_outputs(group: SequenceGroup) -> list[EngineCoreOutput]:
     return [EngineCoreOutput(group.request_id, i, h.tokens[n:], finish_reason=FinishReason(h.finish_reason),
                              cumulative_logprob=h.cum_logprob, score=h.score)
             for i, h in enumerate(group.beam_state.finished)]
+
+
+class BeamSearchScheduler(Scheduler):
+    """The scheduler for beam-search requests: their beams advance together, after the
+    step's tokens are in (_beam_step); other requests are the base's."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._beam_groups: dict[str, SequenceGroup] = {}      # sampled this step
+
+    def _make_group(self, request) -> SequenceGroup:
+        group = super()._make_group(request)
+        if request.beam_search is not None:
+            group.beam_state = BeamState(request.beam_search)
+        return group
+
+    def _needs_output_first(self, s: ScheduledSequence) -> bool:
+        # which tokens the beams keep, and which blocks they share, is decided on the output
+        return s.seq_group.beam_state is not None or super()._needs_output_first(s)
+
+    def _append_tokens(self, seq: Sequence, group: SequenceGroup, tokens: list[int], scheduler_output: SchedulerOutput,
+                       runner_output: ModelRunnerOutput, result: EngineCoreOutputs) -> None:
+        if group.beam_state is None or seq.status.is_finished:
+            super()._append_tokens(seq, group, tokens, scheduler_output, runner_output, result)
+        else:
+            self._beam_groups[group.request_id] = group     # beams advance together, below
+
+    def _after_update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                      starts: dict[int, int], result: EngineCoreOutputs) -> None:
+        super()._after_update(scheduler_output, runner_output, starts, result)
+        groups, self._beam_groups = self._beam_groups, {}
+        for group in groups.values():
+            self._beam_step(group, runner_output, result)
+
+    def _beam_step(self, group: SequenceGroup, runner_output: ModelRunnerOutput, result: EngineCoreOutputs) -> None:
+        """Extend a beam-search request by one token per beam (beam_search_step), from the
+        top logprobs the runner returned for each beam."""
+        beams = group.get_seqs(SequenceStatus.RUNNING)
+        if not all(b.seq_id in runner_output.logprobs for b in beams):
+            return                       # not sampled this step (e.g. mid-recompute)
+        candidates = {b.seq_id: runner_output.logprobs[b.seq_id] for b in beams}
+        forked = beam_search_step(group, candidates, group.request.eos_token_ids, self.max_model_len, self._fork)
+        for seq_id in forked:
+            self.runner_view.forget(seq_id)
+        if self.runner_view.runner_appends_samples:     # it appended the token it sampled,
+            for seq in beams:                          # which a beam may not have kept
+                self.runner_view.forget(seq.seq_id)
+        self.num_generated_tokens += len(beams)
+        if group.beam_state.done:
+            for seq in beams:
+                self.queues.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+            result.outputs += finished_outputs(group)

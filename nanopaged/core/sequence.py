@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 
-from ..messages import EngineCoreRequest
+from ..messages import EngineCoreRequest, Logprobs
 from ..sampling_params import SamplingParams
 from .block_table import BlockTable
 
@@ -129,6 +129,15 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+    def new_prompt_logprobs(self, start: int, logprobs: Logprobs) -> Logprobs | None:
+        """The rows of `logprobs` (row j: the prompt token at start + 1 + j) not reported
+        before (a recompute repeats rows), or None; they count as reported now."""
+        skip = max(0, self.num_prompt_logprobs - start)
+        if not logprobs.ranks[skip:]:
+            return None
+        self.num_prompt_logprobs = start + len(logprobs.ranks)
+        return logprobs[skip:]
 
 
 class SequenceGroup:

@@ -4,18 +4,13 @@ After each forward pass the scheduler appends every sampled token (update_from_o
 and asks this file whether the sequence is done, by vLLM's rules and in vLLM's order:
 an eos or a stop token id (once min_tokens are out), then max_tokens, then
 max_model_len. It only answers; the scheduler finishes the sequence and frees its
-blocks. A structured output also stops once its grammar is complete
-(`check_grammar_stop`). Stop *strings* need text, so the OutputProcessor checks them.
+blocks. Stop *strings* need text, so the OutputProcessor checks them.
 vLLM: `vllm/v1/core/sched/utils.py` (`check_stop`); v0's
 `vllm/engine/output_processor/stop_checker.py` (`StopChecker`).
 """
 from __future__ import annotations
 
-import logging
-
 from .sequence import Sequence, SequenceGroup, SequenceStatus
-
-logger = logging.getLogger(__name__)
 
 
 def check_stop(seq: Sequence, group: SequenceGroup, max_model_len: int) -> SequenceStatus | None:
@@ -40,21 +35,3 @@ def check_stop(seq: Sequence, group: SequenceGroup, max_model_len: int) -> Seque
     if num_out >= params.max_tokens or seq.num_tokens >= max_model_len:
         return SequenceStatus.FINISHED_LENGTH
     return None
-
-
-def check_grammar_stop(seq: Sequence, request_id: str, token: int) -> SequenceStatus | None:
-    """Feed the token seq just got to its structured-output matcher (structured_output.py);
-    the finished status that gives it, or None (also when it has no grammar).
-
-    FINISHED_STOPPED when the language allows nothing more ("stop", even on the
-    max_tokens-th token). FINISHED_ABORTED, logged as an error, when the token breaks
-    the grammar: that cannot happen when the step's mask was applied, and if it does,
-    the output has left the language and no mask can bring it back.
-    """
-    if seq.grammar is None:
-        return None
-    if not seq.grammar.accept_token(token):
-        logger.error("request %r: token %d breaks its structured output (%s); aborting it",
-                     request_id, token, seq.grammar.error())
-        return SequenceStatus.FINISHED_ABORTED
-    return SequenceStatus.FINISHED_STOPPED if seq.grammar.terminated else None

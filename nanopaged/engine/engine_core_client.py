@@ -197,9 +197,11 @@ class EngineCoreProc:
 
         def start():
             from ..model.config import ModelConfig
+            from ..extensions import build_class
             from .engine_core import EngineCore
 
-            core = EngineCore(config, model_path, ModelConfig.from_pretrained(model_path))
+            core = build_class(EngineCore, "engine_core", config)(config, model_path,
+                                                                 ModelConfig.from_pretrained(model_path))
             return (core, EngineCoreProc(core, input_address, output_address, parent_pid)), core.get_stats()
 
         core, proc = report_ready(ready_fd, start)

@@ -25,6 +25,7 @@ from typing import Iterable
 
 from ..config import EngineConfig
 from ..events import Observer, Observers
+from ..extensions import build_class
 from ..outputs import RequestOutput
 from .arg_utils import create_engine_config
 from .engine_core import EngineCore
@@ -51,7 +52,8 @@ class LLMEngine:
         self.processor = Processor.from_config(self.config, self.model_path, self.model_config)
         self.tokenizer, self.eos_token_ids = self.processor.tokenizer, self.processor.eos_token_ids
         self.observers = Observers()
-        self.engine_core = EngineCore(self.config, self.model_path, self.model_config, self.observers)
+        core_cls = build_class(EngineCore, "engine_core", self.config)    # the base and its enabled extensions
+        self.engine_core = core_cls(self.config, self.model_path, self.model_config, self.observers)
         self.core_client = InprocClient(self.engine_core)     # AsyncLLM's runs it in a process
         self.output_processor = OutputProcessor(self.tokenizer)
 

@@ -16,10 +16,9 @@ import json
 import os
 import time
 
-from ..core import structured_output
-from ..core.beam_search import BeamSearchParams, num_candidates
+from .. import extensions
 from ..messages import EngineCoreRequest
-from ..sampling_params import SamplingParams
+from ..sampling_params import BeamSearchParams, SamplingParams
 from ..utils.checks import check_text, is_int, is_list_of
 from ..worker.logits_chunks import LOGIT_BYTES
 
@@ -91,6 +90,9 @@ class Processor:
         params = SamplingParams() if params is None else params
         beam = None
         if isinstance(params, BeamSearchParams):      # beams: greedy rows with top logprobs
+            require_extension("beam_search", "BeamSearchParams")
+            from ..core.beam_search import num_candidates
+
             beam = params
             self._check_num_seqs("BeamSearchParams.beam_width", beam.beam_width)
             params = SamplingParams(n=beam.beam_width, temperature=0, max_tokens=beam.max_tokens,
@@ -162,7 +164,18 @@ class Processor:
                 raise ValueError(f"SamplingParams.{name}={k} is more than max_logprobs={self.max_logprobs}, "
                                  f"the most top logprobs per token this engine returns")
         if params.structured_outputs is not None:
+            require_extension("structured_outputs", "SamplingParams.structured_outputs")
+            from ..core import structured_output
+
             structured_output.validate(params.structured_outputs)   # compiles? (a few ms)
+
+
+def require_extension(name: str, field: str) -> None:
+    """Raises ValueError when extension `name`, which a request's `field` asks for, cannot be
+    imported (extensions.py: the base engine runs without it)."""
+    if not extensions.available(name):
+        raise ValueError(f"{field} needs the {name} extension, which is not available in this "
+                         f"installation (its modules cannot be imported)")
 
 
 # apply_chat_template's own arguments: the engine sets them, or they change what the call

@@ -15,12 +15,11 @@ import itertools
 import sys
 from typing import Sequence as Seq
 
-from ..core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
 from ..engine.processor import apply_chat_template
-from ..outputs import RequestOutput
-from ..sampling_params import RequestOutputKind, SamplingParams
+from ..outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from ..sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from ..utils.checks import is_int
 
 

@@ -21,10 +21,10 @@ and never below 0 (step.budget can go negative: a request alone in a step may ex
 _schedule_waiting, in a loop over self.waiting[0] (look at the head, pop it only once it
 is admitted; `break` at the first one that does not fit: FCFS never skips the head):
 - stop when the queue is empty, when step.preempted, when self.swapped is not empty, or
-  when len(self.running) reaches self.max_num_seqs;
+  when len(self.running) reaches self.config.max_num_seqs;
 - ask the block manager once what it already has: computed =
   self.block_manager.get_computed_blocks(group); if computed.never_fits (the whole pool
-  could not hold it), pop it and self._finish_too_long(group);
+  could not hold it), pop it and self.queues.finish_too_long(group);
 - first, *rest = group.seqs_to_compute(). The first sequence computes
   first_tokens = first.num_tokens - computed.num_computed_tokens (cache hits excluded),
   each other one s.num_tokens - computed.num_shared_tokens (rest_tokens, their sum);
@@ -32,7 +32,7 @@ is admitted; `break` at the first one that does not fit: FCFS never skips the he
 - it does not fit if n_first == 0, or if n_first + rest_tokens > step.budget while the
   step already has work (step.scheduled): a request alone may take a whole step;
 - its first sequence computes up to first_end = computed.num_computed_tokens + n_first;
-  starts = self.block_manager.allocate(group, computed, first_end) takes the blocks, or
+  starts = self._allocate(group, computed, first_end) (block_manager.allocate) takes the blocks, or
   says None (changing nothing) when too few are free: then it does not fit;
 - admit it: pop it, then self._admit(step, group, first_end, starts) does the rest (it
   sets each sequence's num_computed_tokens to its start: the scheduler is their writer).
@@ -40,11 +40,13 @@ is admitted; `break` at the first one that does not fit: FCFS never skips the he
 
 
 def _scheduler(num_blocks=6, budget=16, max_num_seqs=3, chunked=True):
+    from nanopaged.config import EngineConfig
     from nanopaged.core.block_manager import BlockManager
     from nanopaged.core.scheduler import Scheduler
 
-    return Scheduler(BlockManager(num_blocks, 4), max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                     max_model_len=64, enable_chunked_prefill=chunked)
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
+                          enable_chunked_prefill=chunked, preemption_mode="recompute")
+    return Scheduler(config, BlockManager(num_blocks, 4))
 
 
 def _add(sched, request_id, first_token, num_prompt_tokens, max_tokens=4):
@@ -136,7 +138,7 @@ def check_when_nobody_joins():
         logger.setLevel(level)
     assert seq.status == SequenceStatus.FINISHED_LENGTH, (
         f"a waiting request of 9 tokens in a pool of 8 slots can never run; its status is {seq.status.name}, "
-        "want FINISHED_LENGTH (self._finish_too_long)")
+        "want FINISHED_LENGTH (self.queues.finish_too_long)")
     assert got == {"next": 2}, f"the request behind it should then run: step 1 scheduled {got}, want {{'next': 2}}"
 
 

@@ -46,6 +46,7 @@ def _world(mode, num_cpu_blocks=8, costs=None):
     as schedule() does before it preempts: three sequences of one prompt (n=3), two
     running (7 tokens each, 6 computed, sharing block 2: tables [2, 5] and [2, 6]) and
     one finished. Request "C" waits, "D" is swapped out already (in the queues only)."""
+    from nanopaged.config import EngineConfig
     from nanopaged.core.block_manager import BlockManager
     from nanopaged.core.scheduler import Scheduler
     from nanopaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -53,8 +54,8 @@ def _world(mode, num_cpu_blocks=8, costs=None):
     from nanopaged.sampling_params import SamplingParams
 
     bm = BlockManager(num_gpu_blocks=8, block_size=4, num_cpu_blocks=num_cpu_blocks)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, preemption_mode=mode,
-                      costs=costs)
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, preemption_mode=mode)
+    sched = Scheduler(config, bm, costs=costs)
 
     def group(rid, prompt):
         request = EngineCoreRequest(rid, prompt, SamplingParams(n=3, max_tokens=10), frozenset(), 1.0)

@@ -56,9 +56,11 @@ class _CoreHere:
 
     def __init__(self, config, model_path) -> None:
         from nanopaged.engine.engine_core import EngineCore
+        from nanopaged.extensions import build_class
         from nanopaged.model.config import ModelConfig
 
-        self.core = EngineCore(config, model_path, ModelConfig.from_pretrained(model_path))
+        self.core = build_class(EngineCore, "engine_core", config)(config, model_path,
+                                                                  ModelConfig.from_pretrained(model_path))
         self.initial_stats = self.core.get_stats()
         self.dead_reason: str | None = None
         self._closed = False

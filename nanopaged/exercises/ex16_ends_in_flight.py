@@ -5,8 +5,8 @@ import functools
 
 NUMBER = 16
 CHAPTER = "16-async-scheduling.md"
-TITLE = "Scheduler._ends_in_flight: no step for a sequence that is surely done"
-TARGETS = ["nanopaged.core.scheduler:Scheduler._ends_in_flight"]
+TITLE = "AsyncScheduler._ends_in_flight: no step for a sequence that is surely done"
+TARGETS = ["nanopaged.core.async_scheduler:AsyncScheduler._ends_in_flight"]
 TASK = """
 With async scheduling the scheduler plans step t+1 while step t runs, counting the
 token t is sampling for each sequence as a placeholder (seq.num_output_placeholders)
@@ -45,11 +45,13 @@ def _sequence(num_prompt, num_output, placeholders, max_tokens):
 
 
 def _scheduler(max_model_len=256):
+    from nanopaged.config import EngineConfig
+    from nanopaged.core.async_scheduler import AsyncScheduler
     from nanopaged.core.block_manager import BlockManager
-    from nanopaged.core.scheduler import Scheduler
 
-    return Scheduler(BlockManager(16, _BLOCK), max_num_seqs=8, max_num_batched_tokens=512,
-                     max_model_len=max_model_len, async_scheduling=True)
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=max_model_len,
+                          async_scheduling=True)
+    return AsyncScheduler(config, BlockManager(16, _BLOCK))
 
 
 def _ask(scheduler, num_prompt, num_output, placeholders, max_tokens):

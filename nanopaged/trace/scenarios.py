@@ -161,7 +161,7 @@ def taken_back(events: list[ev.Event]) -> list[int]:
     """Speculative decoding's rollback in one step's events: the indices of the
     BlockFreed events that give back blocks past a sequence's accepted tokens. The
     scheduler publishes them right after the sequence's DraftsVerified, with only the
-    BlockCached of the blocks its accepted tokens filled in between (Scheduler._verified)."""
+    BlockCached of the blocks its accepted tokens filled in between (SpecDecodeScheduler._verified)."""
     found, verified = [], None
     for i, e in enumerate(events):
         if isinstance(e, ev.DraftsVerified):

@@ -104,10 +104,8 @@ class ModelRunner:
             if replaced:
                 state.block_ids = list(blocks)
             else:
-                taken = so.num_blocks_taken_back.get(seq_id)
-                if taken is None:        # until the scheduler fills num_blocks_taken_back
-                    taken = len(state.block_ids) - cdiv(computed, self.block_size)
-                del state.block_ids[len(state.block_ids) - max(taken, 0):]
+                taken = so.num_blocks_taken_back.get(seq_id, 0)     # blocks the scheduler freed
+                del state.block_ids[len(state.block_ids) - taken:]
                 state.block_ids.extend(blocks)
             state.num_computed_tokens = computed
             appended_seqs += [seq_id] * len(tokens)

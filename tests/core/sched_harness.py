@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 from invariants import EventReplay, check_block_invariants
 from nanopaged.core.block_manager import BlockManager
+from nanopaged.config import EngineConfig
 from nanopaged.core.scheduler import Scheduler
 from nanopaged.events import Preempted
 from nanopaged.messages import (EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput,
@@ -82,8 +83,10 @@ class Harness:
                  chunked: bool = True, prefix_caching: bool = True, preemption_mode: str = "recompute",
                  num_cpu_blocks: int = 0, max_model_len: int = 256) -> None:
         self.block_manager = BlockManager(num_gpu_blocks, block_size, prefix_caching, num_cpu_blocks)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, budget, max_model_len, chunked,
-                                   preemption_mode)
+        config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                              max_model_len=max_model_len, enable_chunked_prefill=chunked,
+                              preemption_mode=preemption_mode)
+        self.scheduler = Scheduler(config, self.block_manager)
         self.model_runner = RunnerRecord()
         self.preempted: list[tuple[str, str]] = []
         self._names: dict[int, str] = {}

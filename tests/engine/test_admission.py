@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from nanopaged import LLM, SamplingParams
+from nanopaged import LLM, SamplingParams, StructuredOutputsParams
 from nanopaged.core.beam_search import BeamSearchParams
 
 from conftest import TINY_VOCAB
@@ -156,3 +156,27 @@ def test_the_repl_refuses_max_tokens_past_the_context(tiny_model_dir):
     r = subprocess.run([sys.executable, "-m", "nanopaged.chat", "--model", str(tiny_model_dir),
                         "--max-tokens", "300"], input="Hello\n", capture_output=True, text=True, timeout=600)
     assert r.returncode == 1 and "--max-tokens 300 leaves no room" in r.stderr, r.stderr
+
+
+FEATURE_MODULES = {"beam_search": ["nanopaged.core.beam_search"],
+                   "structured_outputs": ["nanopaged.core.structured_output", "nanopaged.core.structured_output_scheduler",
+                                          "nanopaged.engine.structured_output_core"]}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURE_MODULES))
+def test_a_request_for_a_feature_whose_module_cannot_be_imported_is_refused_by_name(tiny_model_dir, monkeypatch,
+                                                                                      feature):
+    """extensions.py: the base engine runs without a per-request feature's modules; a
+    request that asks for it is a ValueError naming the feature, and the engine serves on."""
+    for module in FEATURE_MODULES[feature]:
+        monkeypatch.setitem(sys.modules, module, None)          # `import` of it now fails
+    llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4)
+    with pytest.raises(ValueError, match=f"needs the {feature} extension"):
+        if feature == "beam_search":
+            llm.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=2))
+        else:
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[0-9]+")),
+                         use_tqdm=False)
+    assert_untouched(llm)
+    out = llm.generate([[1, 2, 3]], SamplingParams(n=2, max_tokens=3, **GREEDY), use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [3, 3]
