@@ -49,6 +49,20 @@ ENGINE_CORE: dict[str, str] = {
 }
 PARTS = {"scheduler": SCHEDULER, "model_runner": MODEL_RUNNER, "engine_core": ENGINE_CORE}
 
+# every module of each later feature, the classes above and what they use: the base
+# engine imports none of them (tests/engine/test_base_engine.py blocks them all)
+MODULES: dict[str, list[str]] = {
+    "async_scheduling": ["nanopaged.core.async_scheduler", "nanopaged.engine.async_engine_core",
+                         "nanopaged.worker.async_model_runner"],
+    "speculative_decoding": ["nanopaged.core.spec_decode", "nanopaged.engine.spec_decode_core",
+                             "nanopaged.worker.spec_decode"],
+    "beam_search": ["nanopaged.core.beam_search"],
+    "structured_outputs": ["nanopaged.core.structured_output", "nanopaged.core.structured_output_scheduler",
+                           "nanopaged.engine.structured_output_core", "nanopaged.worker.structured_output_runner"],
+    "dashboard": ["nanopaged.engine.dashboard", "nanopaged.dashboard_messages"],
+    "worker_processes": ["nanopaged.worker.multiproc_executor"],
+}
+
 
 def _import(path: str) -> type:
     module, _, name = path.partition(":")

@@ -51,7 +51,9 @@ def imports(module: str) -> list[tuple[str, int, bool]]:
     path = MODULES[module]
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    # module level: the body, and inside a module-level `if` (`if TYPE_CHECKING:` too)
     top_level = {id(node) for node in tree.body}
+    top_level |= {id(n) for node in tree.body if isinstance(node, ast.If) for n in ast.walk(node)}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -156,3 +158,34 @@ def test_tests_mirror_the_package():
     assert top == REPOSITORY_TESTS, f"tests at the top level that belong in a layer's folder: {top - REPOSITORY_TESTS}"
     for folder in folders:
         assert list((TESTS / folder).rglob("test_*.py")), f"tests/{folder} holds no tests"
+
+
+# -- sizes (issue 35): the base a student reads first stays small and feature-free --------------
+
+BASE_PARTS = {"core/scheduler.py": 300, "worker/model_runner.py": 300}
+FEATURE_WORDS = ["draft", "spec_", "speculative", "placeholder", "grammar", "structured_output", "beam",
+                 "async_scheduling", "proposer"]
+MAX_MODULE_LINES = 400
+
+
+@pytest.mark.parametrize("path", sorted(BASE_PARTS))
+def test_the_base_scheduler_and_runner_are_short_and_name_no_later_feature(path):
+    text = (PACKAGE / path).read_text()
+    assert len(text.splitlines()) <= BASE_PARTS[path], f"{path}: {len(text.splitlines())} lines"
+    named = [f"{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1)
+             if any(w in line.lower() for w in FEATURE_WORDS)]
+    assert named == [], f"{path} names a later feature:\n" + "\n".join(named)
+
+
+def test_no_isinstance_on_a_proposer_class():
+    found = [f"{p.relative_to(PACKAGE.parent)}:{i}" for p in PACKAGE.rglob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if "isinstance(" in line and "proposer" in line.lower()]
+    assert found == []
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+

@@ -1,0 +1,107 @@
+"""The base engine runs alone (issue 35; DESIGN.md "The base engine and its extensions").
+
+In a subprocess whose import system refuses every extension module (speculative
+decoding, structured outputs, beam search, the dashboard, async scheduling, the worker
+processes), the engine serves greedy and seeded sampling, n > 1, prefix-cache hits,
+chunked prefill, and preemption by swap and by recompute; the same script in a plain
+subprocess (the full engine) gives the same ids.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nanopaged import extensions
+
+pytestmark = pytest.mark.timeout(300)
+
+# Module names (and their submodules) the base engine must never import: every
+# extension's modules, and the grammar library
+BLOCKED = [m for modules in extensions.MODULES.values() for m in modules] + ["llguidance"]
+
+SCRIPT = r'''
+import importlib.abc, json, sys
+BLOCKED, model, block = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3] == "block"
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            raise ImportError(f"{name} is an extension: blocked in this test")
+        return None
+
+if block:
+    sys.meta_path.insert(0, Refuse())
+from nanopaged import LLM, SamplingParams
+from nanopaged import extensions
+
+# the extension tables name modules that exist and that this test blocks
+for table in extensions.PARTS.values():
+    for path in table.values():
+        module = path.partition(":")[0]
+        assert any(module == b or module.startswith(b + ".") for b in BLOCKED), module
+
+def run(**kw):
+    llm = LLM(model, attention_backend="torch", block_size=4, seed=0, **kw)
+    return llm
+
+result, stats = {}, {}
+prompts = [list(range(1, 12)), list(range(20, 27)), list(range(40, 61))]
+greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
+fork = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8, ignore_eos=True)
+
+llm = run(num_gpu_blocks=64, max_num_batched_tokens=8, max_num_seqs=4)   # chunked prefill: 21 tokens in 8s
+outs = llm.generate(prompts, [greedy, seeded, fork], use_tqdm=False)
+result["plain"] = [[c.token_ids for c in o.outputs] for o in outs]
+shared = list(range(100, 125))                                     # 25 tokens: 6 full blocks shared
+outs = [llm.generate([shared + [i]], greedy, use_tqdm=False)[0] for i in (1, 2)]
+result["prefix"] = [o.outputs[0].token_ids for o in outs]
+stats["prefix"] = llm.engine.get_stats()
+llm.shutdown()
+
+for mode in ("swap", "recompute"):
+    llm = run(num_gpu_blocks=14, num_cpu_blocks=64, preemption_mode=mode)
+    params = [SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=16, ignore_eos=True) for i in range(4)]
+    outs = llm.generate([list(range(10 * i + 1, 10 * i + 10)) for i in range(4)], params, use_tqdm=False)
+    result[mode] = [[c.token_ids for c in o.outputs] for o in outs]
+    stats[mode] = llm.engine.get_stats()
+    llm.shutdown()
+
+loaded = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
+print(json.dumps({"result": result, "stats": stats, "loaded": loaded}))
+'''
+
+
+def _run(model_dir, block: bool) -> dict:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(BLOCKED), str(model_dir),
+                           "block" if block else "full"],
+                          capture_output=True, text=True, timeout=240, env=None)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_base_engine_serves_alone_and_gives_the_full_engines_ids(tiny_model_dir):
+    import importlib.util
+    assert all(importlib.util.find_spec(m) is not None for m in BLOCKED), "a listed module does not exist"
+    base = _run(tiny_model_dir, block=True)
+    assert base["loaded"] == []
+    stats = base["stats"]
+    assert stats["prefix"]["prefix_cache_hits"] > 0
+    assert stats["swap"]["num_preemptions_swap"] > 0 and stats["recompute"]["num_preemptions_recompute"] > 0
+    full = _run(tiny_model_dir, block=False)
+    assert base["result"] == full["result"]
+
+
+def test_the_block_can_see_an_extension(tiny_model_dir):
+    """The refusal works: blocked, a beam search (an extension) cannot run."""
+    script = SCRIPT.split("from nanopaged import extensions")[0] + (
+        "from nanopaged.entrypoints.llm import LLM\n"
+        "from nanopaged.sampling_params import BeamSearchParams\n"
+        "llm = LLM(model, attention_backend='torch', block_size=4)\n"
+        "llm.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=3))\n")
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(BLOCKED), str(tiny_model_dir), "block"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "beam" in proc.stderr.lower()
