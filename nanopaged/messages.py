@@ -70,7 +70,9 @@ class EngineCoreRequest:
 @dataclass
 class NewRequestData:
     """A sequence the runner must (re)learn in full: first scheduled, resumed after a
-    preemption, or a fork whose tokens and blocks were just replaced. The runner drops
+    preemption, or a fork whose tokens and blocks were just replaced. vLLM's name, one
+    per *sequence* here: vLLM v1 runs each of n samples as a child request of its own,
+    so its "request" is our sequence (the same holds for CachedRequestData). The runner drops
     what it knew of `seq_id` and keeps this instead (its generator excepted: a seeded
     stream goes on where it was, so preemption does not change samples).
 
