@@ -1,8 +1,8 @@
 """Engine events: what happened in a step, as data, for the tracer and for tests.
 
 The engine publishes one small frozen dataclass per fact, from the place where the fact
-happens: the scheduler for requests coming and going and for its decisions,
-the block manager for every change to a physical block. Anyone can listen:
+happens: the scheduler for requests coming and going and for its decisions, the block
+manager and its pools (block_pool.py) for every change to a physical block. Anyone can listen:
 
     engine.add_observer(events.append)          # any callable taking one event
     engine.step()                               # events now holds what this step did
@@ -158,7 +158,7 @@ class Preempted:
         return f"request {self.request_id} preempted by {self.mode}"
 
 
-# -- the device pool (published by the block manager) ---------------------------------------
+# -- the device pool (published by the block manager; BlockEvicted by block_pool.py) --------
 
 @dataclass(frozen=True)
 class BlockAllocated:

@@ -62,7 +62,7 @@ class EngineCore:
         costs = self.executor.measure_preemption_costs() if config.preemption_mode == "auto" else None
         self.scheduler = build_class(Scheduler, "scheduler", config)(config, self.block_manager, costs=costs)
         self.num_steps = 0
-        self.start_time = time.monotonic()        # the dashboard's clock starts here
+        self.start_time = time.monotonic()        # when the core started: an observer's time origin
 
     @property
     def model_runner(self) -> ModelRunner:

@@ -7,7 +7,9 @@ block (nothing but blank lines between them) is that block's expected output: wh
 block printed must equal it (trailing spaces ignored). A failure names the chapter, the
 block number and the line of the chapter it starts on.
 
-A second test checks that every module of nanopaged/ is explained in some chapter.
+Other tests check that every module of nanopaged/ is explained in some chapter, and that
+the chapters follow the split of issue 35: a base chapter lists only base files, and a
+feature's chapter names its extension's files and shows the hook it overrides.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from nanopaged import extensions
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = sorted((ROOT / "chapters").glob("*.md"))
@@ -96,3 +100,75 @@ def test_python_blocks_parser():
     text = ("intro\n```python\nprint(1)\n```\n\n```\n1\n```\n"
             "```python\nx = 2\n```\ntext between\n```\nnot output\n```\n")
     assert python_blocks(text) == [(2, "print(1)\n", "1\n"), (9, "x = 2\n", None)]
+
+
+# The chapters of the base engine, and each extension's chapter (extensions.MODULES' keys).
+BASE_CHAPTERS = [p for p in CHAPTERS if re.match(r"(0[1-9]|11)[a-z]?-", p.name)]
+EXTENSION_CHAPTERS = {"10": "beam_search", "16": "async_scheduling", "17": "worker_processes",
+                      "18": "structured_outputs", "19": "speculative_decoding"}
+
+
+def files_paragraph(text: str) -> str:
+    """A chapter's opening "Files:" (or "File:") paragraph: from that line to the first
+    blank line; "" when there is none."""
+    m = re.search(r"^Files?:.*?(?=\n[ \t]*\n|\Z)", text, re.S | re.M)
+    return m.group(0) if m else ""
+
+
+def module_pattern(module: str) -> re.Pattern:
+    """Where a text names `module` (dotted) as a path: nanopaged.core.beam_search as
+    `nanopaged/core/beam_search.py`, `core/beam_search.py` or `beam_search.py`; a package
+    as its folder (`nanopaged/worker/spec_decode/`, ..., `spec_decode/`)."""
+    parts = module.split(".")
+    leaf = "/" if (ROOT / Path(*parts)).is_dir() else ".py"
+    tails = ["/".join(parts[i:]) + leaf for i in range(len(parts))]
+    return re.compile(r"(?<![\w/])(?:" + "|".join(map(re.escape, tails)) + r")")
+
+
+def named_modules(text: str, modules) -> list[str]:
+    return [m for m in modules if module_pattern(m).search(text)]
+
+
+def hook_section(text: str) -> str:
+    """The "## The hook" (or "## The hooks") section of a chapter, heading to next heading."""
+    m = re.search(r"^## The hooks?[ \t]*\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    return m.group(1) if m else ""
+
+
+def test_module_pattern():
+    p = module_pattern("nanopaged.core.beam_search")
+    assert p.search("`nanopaged/core/beam_search.py` (x)") and p.search("see `beam_search.py`")
+    assert p.search("core/beam_search.py") and not p.search("worker/beam_search.py")
+    assert not p.search("my_beam_search.py") and not p.search("nanopaged.core.beam_search")
+    assert module_pattern("nanopaged.worker.spec_decode").search("`nanopaged/worker/spec_decode/` (")
+    assert not module_pattern("nanopaged.worker.spec_decode").search("core/spec_decode.py")
+    assert files_paragraph("# t\n\nFiles: a,\nb.\n\nprose") == "Files: a,\nb."
+
+
+@pytest.mark.parametrize("chapter", BASE_CHAPTERS, ids=lambda p: p.name)
+def test_base_chapter_lists_only_base_files(chapter):
+    """Chapters 01-09 and 11 read the base engine: their Files paragraph names no module
+    of a later feature (extensions.MODULES)."""
+    files = files_paragraph(chapter.read_text())
+    assert files, f"{chapter.name} has no Files: paragraph"
+    every = [m for modules in extensions.MODULES.values() for m in modules]
+    assert not named_modules(files, every), \
+        f"{chapter.name}'s Files paragraph names extension modules {named_modules(files, every)}"
+
+
+@pytest.mark.parametrize("number", sorted(EXTENSION_CHAPTERS))
+def test_extension_chapter_shows_its_hook(number):
+    """A feature's chapter names its extension's files in its Files paragraph and has a
+    "## The hook(s)" section whose python snippet imports the extension and prints what
+    it overrides (checked against the block under it, by test_chapter_snippets_run)."""
+    (chapter,) = [p for p in CHAPTERS if p.name.startswith(number + "-")]
+    modules = extensions.MODULES[EXTENSION_CHAPTERS[number]]
+    text = chapter.read_text()
+    assert named_modules(files_paragraph(text), modules), \
+        f"{chapter.name}'s Files paragraph names none of {modules}"
+    section = hook_section(text)
+    assert section, f"{chapter.name} has no '## The hook' section"
+    blocks = python_blocks(section)
+    assert any(expected is not None and any(m in code for m in modules) for _, code, expected in blocks), \
+        f"{chapter.name}'s hook section has no python snippet importing one of {modules} with its output"
+    assert "build_class" in section, f"{chapter.name}'s hook section does not say how the class is built"
