@@ -253,9 +253,12 @@ def test_dashboard_shows_text_only_with_the_flag(tiny_model_dir):
         async def main():
             viewer = asyncio.create_task(_watch(server.url + "/dashboard/events", snapshots))
             assert await _until(lambda: snapshots, 30)
-            for _ in range(20):      # at 5 snapshots a second a short round can fall between two
-                await _load(server.url, 1, 4, 48)
-                if any(r["status"] == "running" for s in snapshots for r in s["requests"]):
+            # a round's first step is shown at once (after a rest), its later ones at most
+            # 5 times a second: long rounds, until a running request shows text (the first
+            # token alone may decode to nothing yet: a partial character)
+            for _ in range(20):
+                await _load(server.url, 1, 4, 160)
+                if any(r["status"] == "running" and r["output"] for s in snapshots for r in s["requests"]):
                     break
             assert await _until(lambda: _all_free(snapshots[-1]), 10)
             viewer.cancel()
