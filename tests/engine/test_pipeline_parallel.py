@@ -18,7 +18,9 @@ import pytest
 from nanopaged import LLM, BeamSearchParams, EngineConfig, SamplingParams, StructuredOutputsParams
 from nanopaged.engine.arg_utils import add_cli_args, engine_kwargs
 from nanopaged.exercises.tiny_model import make_tiny_llama
+from nanopaged.messages import PreemptionCosts
 from nanopaged.utils.proc import EngineDeadError
+from nanopaged.worker.executor import combine_stage_costs
 from nanopaged.worker import executor as executor_module
 
 from invariants import check_block_invariants
@@ -273,6 +275,32 @@ def wait_gone(pids, timeout: float = 15.0) -> set[int]:
     return {p for p in pids if alive(p)}
 
 
+class InterruptOnce:
+    """A socket whose first poll raises KeyboardInterrupt (a Ctrl-C mid-step)."""
+
+    def __init__(self, sock):
+        self.sock, self.fired = sock, False
+
+    def poll(self, timeout):
+        if not self.fired:
+            self.fired = True
+            time.sleep(0.2)               # the ranks' answers are on their way
+            raise KeyboardInterrupt
+        return self.sock.poll(timeout)
+
+    def recv(self):
+        return self.sock.recv()
+
+
+def test_preemption_costs_add_up_over_stages():
+    """Recomputing runs every stage's layers one after another (seconds add up); a swap
+    copies each stage's blocks at once (the slowest stage). One stage: rank 0's own."""
+    costs = [PreemptionCosts(1e-3, 2e-4), PreemptionCosts(9e-3, 9e-4),     # stage 0: tp ranks 0, 1
+             PreemptionCosts(3e-3, 5e-4), PreemptionCosts(7e-3, 7e-4)]     # stage 1
+    assert combine_stage_costs(costs, 2) == PreemptionCosts(3e-3, 2e-4 + 5e-4)
+    assert combine_stage_costs(costs, 4) is costs[0]
+
+
 @pytest.fixture(scope="module")
 def pp1_reference(four_layers):
     return reference(four_layers)
@@ -316,6 +344,15 @@ def test_worker_grid_gives_pp1_ids_logprobs_and_samples(four_layers, pp1_referen
         assert [[t for t, _ in b] for b in beams] == [[t for t, _ in b] for b in ref_beams]
         assert all(abs(x - y) <= 1e-5 for b, rb in zip(beams, ref_beams) for (_, x), (_, y) in zip(b, rb))
         assert_same(sampled, ref_sampled)
+        # Ctrl-C while waiting for the oldest batch: the batches in flight are waited
+        # for, their requests sent back, and the engine goes on with the same ids
+        executor = llm.engine.engine_core.executor
+        executor.output = InterruptOnce(executor.output)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, MIXED, use_tqdm=False)
+        executor.output = executor.output.sock
+        assert llm.engine.engine_core.num_batches_in_flight == 0
+        assert_same(llm.generate(PROMPTS, MIXED, use_tqdm=False), ref)
     llm.shutdown()
     assert not wait_gone(pids) and not os.path.exists(folder)
 
