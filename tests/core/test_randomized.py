@@ -62,7 +62,7 @@ _engines = {}
 
 
 def get_engine(folder, block_size, num_blocks, limits, caching, async_scheduling=False, spec=None):
-    key = (block_size, num_blocks, limits, caching, async_scheduling, spec)
+    key = (str(folder), block_size, num_blocks, limits, caching, async_scheduling, spec)
     max_num_seqs, budget, (mode, num_cpu_blocks) = limits
     if key not in _engines:
         _engines[key] = LLMEngine(EngineConfig(model=str(folder), block_size=block_size,
@@ -198,7 +198,7 @@ def _pipeline_engine(folder, block_size, num_blocks, limits, caching, pp):
 
     from nanopaged.worker import executor as em
 
-    key = (block_size, num_blocks, limits, caching, "pp", pp)
+    key = (str(folder), block_size, num_blocks, limits, caching, "pp", pp)
     if key not in _engines:
         max_num_seqs, budget, (mode, num_cpu_blocks) = limits
 
