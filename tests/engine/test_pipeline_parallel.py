@@ -357,11 +357,19 @@ def test_worker_grid_gives_pp1_ids_logprobs_and_samples(four_layers, pp1_referen
     assert not wait_gone(pids) and not os.path.exists(folder)
 
 
-def test_pp2_in_bf16_is_batch_invariant(four_layers):
+@pytest.fixture(scope="module")
+def pp2_bf16(four_layers):
+    """A pp=2 bf16 engine: the batch-invariance test uses it, then the last test kills it."""
+    llm = LLM(str(four_layers), num_gpu_blocks=64, block_size=4, pipeline_parallel_size=2, dtype="bfloat16",
+              enable_prefix_caching=False, max_num_batched_tokens=16, max_num_seqs=8, preemption_mode="recompute")
+    yield llm
+    llm.shutdown()
+
+
+def test_pp2_in_bf16_is_batch_invariant(pp2_bf16):
     """In bfloat16, a prompt's per-step logprobs at pp=2 are the same floats alone, in a
     batch and again (the stages hand on hidden states as they are: no new rounding)."""
-    llm = LLM(str(four_layers), num_gpu_blocks=64, block_size=4, pipeline_parallel_size=2, dtype="bfloat16",
-              enable_prefix_caching=False, max_num_batched_tokens=32, max_num_seqs=8)
+    llm = pp2_bf16
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
 
     def target(prompts):
@@ -371,16 +379,13 @@ def test_pp2_in_bf16_is_batch_invariant(four_layers):
     assert target(PROMPTS) == alone
     assert target([PROMPTS[4], PROMPTS[0]]) == alone
     assert target([PROMPTS[4]]) == alone
-    llm.shutdown()
 
 
-def test_a_stage_that_dies_mid_run_ends_the_engine_naming_it(four_layers):
+def test_a_stage_that_dies_mid_run_ends_the_engine_naming_it(pp2_bf16):
     """The last stage's worker is killed while batches are in flight: a step raises
     EngineDeadError within seconds naming its rank and stage, every worker is gone, and
-    the engine stays dead."""
-    llm = LLM(str(four_layers), num_gpu_blocks=64, block_size=4, pipeline_parallel_size=2,
-              preemption_mode="recompute", max_num_batched_tokens=16, max_num_seqs=8)
-    eng, pids = llm.engine, worker_pids(llm)
+    the engine stays dead. (Last in this file: it ends the module's bf16 engine.)"""
+    eng, pids = pp2_bf16.engine, worker_pids(pp2_bf16)
     for i, p in enumerate(PROMPTS):
         eng.add_request(str(i), p, SamplingParams(max_tokens=200, ignore_eos=True))
     for _ in range(4):
