@@ -56,14 +56,20 @@ def node_timeout_s() -> float:
 
 def grid(config) -> dict[str, int]:
     """The settings every node must share: nnodes and every *_parallel_size."""
-    return {f.name: getattr(config, f.name) for f in fields(config)
-            if f.name == "nnodes" or f.name.endswith("_parallel_size")}
+    sizes = {f.name: getattr(config, f.name) for f in fields(config) if f.name.endswith("_parallel_size")}
+    return {"nnodes": config.nnodes, **sizes}
 
 
 def local_ranks(world_size: int, nnodes: int, node_rank: int) -> range:
     """The global ranks node `node_rank` holds (vLLM's layout: consecutive blocks)."""
     k = world_size // nnodes
     return range(node_rank * k, (node_rank + 1) * k)
+
+
+def node_name(r: int, ranks: range, host: str | None = None) -> str:
+    """"node 1 (host pid 7, rank 1)", for messages."""
+    held = f"ranks {ranks.start}-{ranks.stop - 1}" if len(ranks) > 1 else f"rank {ranks.start}"
+    return f"node {r} ({host + ', ' if host else ''}{held})"
 
 
 def rank_store(master_addr: str, master_port: int, timeout_s: float):
@@ -136,10 +142,7 @@ class RemoteNodes:
         self._thread.start()
 
     def name(self, r: int) -> str:
-        ranks = local_ranks(self.world_size, self.nnodes, r)
-        where = f"{self.joined[r]}, " if r in self.joined else ""
-        return f"node {r} ({where}ranks {ranks.start}-{ranks.stop - 1})" if len(ranks) > 1 else \
-            f"node {r} ({where}rank {ranks.start})"
+        return node_name(r, local_ranks(self.world_size, self.nnodes, r), self.joined.get(r))
 
     def publish(self, plan: NodePlan) -> None:
         self.store.set(_KEY + "plan", pickle.dumps(plan))
@@ -239,18 +242,26 @@ def run_headless(config, model_path, model_config) -> int:
         RuntimeError: node 0 not found within NANOPAGED_JOIN_TIMEOUT_S, or a rank failed
             to start (node 0 is told).
     """
-    import torch.distributed as dist
-
-    r, addr, port = config.node_rank, config.master_addr, config.master_port
-    if r == 0:
+    if config.node_rank == 0:
         raise ValueError("--headless runs a node other than node 0 (node 0 runs the engine): "
                          "give --node-rank between 1 and --nnodes - 1")
     stop_signal: list[str] = []
 
     def on_signal(signum, frame):
         stop_signal.append(signal.Signals(signum).name)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    before = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _join(config, model_path, model_config, stop_signal)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _join(config, model_path, model_config, stop_signal: list[str]) -> int:
+    """run_headless once its signal handlers are set."""
+    import torch.distributed as dist
+
+    r, addr, port = config.node_rank, config.master_addr, config.master_port
     deadline = time.monotonic() + join_timeout_s()
     try:
         _wait_for_port(addr, port, deadline, stop_signal)      # quietly: torch logs each failed try
@@ -274,7 +285,8 @@ def run_headless(config, model_path, model_config) -> int:
     elif store.add(_KEY + f"node{r}", 1) > 1:
         problem = f"another node already joined as node_rank={r}"
     if problem:
-        store.set(_KEY + "refused", f"node {r} ({host}) refused to join: {problem}")
+        me = node_name(r, local_ranks(plan.world_size, config.nnodes, r), host)
+        store.set(_KEY + "refused", f"{me} refused to join: {problem}")
         raise ValueError(problem)
     return _HeadlessNode(config, plan, model_path, host, stop_signal).run()
 
@@ -309,6 +321,7 @@ class _HeadlessNode:
         self.last_ping = time.monotonic()
         self.ready = False
         self.ranks = local_ranks(plan.world_size, config.nnodes, self.r)
+        self.me = node_name(self.r, self.ranks, host)
         self.procs = []
         self.plan, self.model_path = plan, model_path
 
@@ -329,7 +342,7 @@ class _HeadlessNode:
             if proc.poll() == 0:            # node 0 told it to shut down
                 raise _Stop(None)
             if proc.poll() is not None:
-                raise RuntimeError(f"rank {rank} (pid {proc.pid}) on node {self.r} ({self.host}) died: "
+                raise RuntimeError(f"rank {rank} (pid {proc.pid}) on {self.me} died: "
                                    f"{exit_reason(proc.returncode)}")
         if self.monitor.poll(0) and recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
             raise _NodeZeroLost("node 0 disconnected: its engine process is gone")
@@ -346,7 +359,7 @@ class _HeadlessNode:
                                 model_path=str(self.model_path), num_threads=threads)
                 proc, fd = spawn_child("nanopaged.worker.multiproc_executor:WorkerProc", settings)
                 self.procs.append(proc)
-                ready[fd] = (f"rank {rank} (pid {proc.pid}) on node {self.r} ({self.host})", proc)
+                ready[fd] = (f"rank {rank} (pid {proc.pid}) on {self.me}", proc)
             wait_ready(ready, 600.0, check=self.check)
         finally:
             for fd in ready:
@@ -373,7 +386,7 @@ class _HeadlessNode:
                 print(f"nanopaged.worker.multinode: error: node 0's engine died: {stop.reason}", flush=True)
         except _Signalled as sig:
             status = 0
-            self._send("left", f"node {self.r} ({self.host}) was stopped ({sig})")
+            self._send("left", f"{self.me} was stopped ({sig})")
         except _NodeZeroLost as e:
             print(f"nanopaged.worker.multinode: error: {e}", flush=True)
         except RuntimeError as e:         # a rank died or failed to start: node 0 ends the engine
