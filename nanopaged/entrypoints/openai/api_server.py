@@ -108,12 +108,12 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def serve_headless(args: argparse.Namespace) -> int:
-    """`--headless`: this node's ranks for node 0's engine, no API (worker/multinode.py).
+    """`--headless`: this node's ranks for node 0's engine, no API (worker/headless.py).
     Returns their exit status. Raises ValueError / RuntimeError as run_headless."""
     from ...config import EngineConfig
     from ...model.config import ModelConfig
     from ...model.model_loader import resolve_model
-    from ...worker.multinode import run_headless
+    from ...worker.headless import run_headless
 
     config = EngineConfig(**engine_kwargs(args))
     if config.nnodes == 1:
