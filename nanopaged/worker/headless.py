@@ -122,7 +122,7 @@ class _HeadlessNode:
 
     def check(self) -> None:
         """Raise _Stop when node 0 stops the engine (or a rank ended as told by it),
-        _Signalled on SIGTERM / SIGINT, _NodeZeroLost, or RuntimeError for a dead rank."""
+        _Signalled on SIGTERM / SIGINT, _NodeZeroLost, or _RankDied."""
         if self.stop_signal:
             raise _Signalled(self.stop_signal[0])
         while self.pings.poll(0):
@@ -134,7 +134,7 @@ class _HeadlessNode:
             if proc.poll() == 0:            # node 0 told it to shut down
                 raise _Stop(None)
             if proc.poll() is not None:
-                raise RuntimeError(f"rank {rank} (pid {proc.pid}) on {self.me} died: "
+                raise _RankDied(rank, f"rank {rank} (pid {proc.pid}) on {self.me} died: "
                                    f"{exit_reason(proc.returncode)}")
         if self.monitor.poll(0) and recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
             raise _NodeZeroLost("node 0 disconnected: its engine process is gone")
@@ -178,11 +178,11 @@ class _HeadlessNode:
                 print(f"nanopaged.worker.multinode: error: node 0's engine died: {stop.reason}", flush=True)
         except _Signalled as sig:
             status = 0
-            self._send("left", f"{self.me} was stopped ({sig})")
+            self._send("left", (None, f"{self.me} was stopped ({sig})"))
         except _NodeZeroLost as e:
             print(f"nanopaged.worker.multinode: error: {e}", flush=True)
         except RuntimeError as e:         # a rank died or failed to start: node 0 ends the engine
-            self._send("died", str(e))
+            self._send("died", (getattr(e, "rank", None), str(e)))
             print(f"nanopaged.worker.multinode: error: {e}", flush=True)
         finally:
             self._end(normal)
@@ -202,6 +202,14 @@ class _HeadlessNode:
 
 class _Signalled(Exception):
     """SIGTERM or SIGINT reached the headless node."""
+
+
+class _RankDied(RuntimeError):
+    """A rank of this node ended by itself."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class _NodeZeroLost(Exception):

@@ -134,6 +134,7 @@ class RemoteNodes:
         self.ready: set[int] = set()
         self.last_heard: dict[int, float] = {}
         self.dead_reason: str | None = None       # set by the thread, read by the executor
+        self.dead_rank: int | None = None         # the rank it names, if one
         self._stop_reason: str | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="RemoteNodes", daemon=True)
@@ -187,9 +188,9 @@ class RemoteNodes:
 
     # -- the watching thread (it alone uses the zmq sockets) --------------------------------
 
-    def _died(self, reason: str) -> None:
+    def _died(self, reason: str, rank: int | None = None) -> None:
         if self.dead_reason is None:
-            self.dead_reason = reason
+            self.dead_reason, self.dead_rank = reason, rank
 
     def _watch(self) -> None:
         poller = zmq.Poller()
@@ -209,8 +210,8 @@ class RemoteNodes:
                         self.joined[r] = payload
                     elif kind == "ready":
                         self.ready.add(r)
-                    elif kind != "alive":            # "died", "left": a sentence
-                        self._died(payload)
+                    elif kind != "alive":            # "died", "left": (the rank or None, why)
+                        self._died(payload[1], payload[0])
                 if self.monitors[r] in events:
                     event = recv_monitor_message(self.monitors[r])
                     if event["event"] == zmq.EVENT_DISCONNECTED and r in self.joined:

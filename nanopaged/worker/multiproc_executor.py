@@ -172,8 +172,9 @@ class MultiprocExecutor(Executor):
                    if dead else f"tensor-parallel worker rank {first} raised in {method}:\n{errors[first]}")
 
     def _dead_rank_reason(self, exclude=()) -> str | None:
-        if self.nodes is not None and self.nodes.dead_reason:     # another host's rank or node
-            return self.nodes.dead_reason
+        nodes = self.nodes
+        if nodes is not None and nodes.dead_reason and nodes.dead_rank not in exclude:   # another host's
+            return nodes.dead_reason
         for rank, proc in enumerate(self.procs):
             if rank not in exclude and proc.poll() is not None:
                 return f"tensor-parallel worker rank {rank} (pid {proc.pid}) died: {exit_reason(proc.returncode)}"

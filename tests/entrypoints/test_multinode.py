@@ -5,8 +5,10 @@ with tensor_parallel_size=2 split one rank per node.
 - They serve the OpenAI API with the same tokens as one process (float32); then node
   1's launcher killed (SIGKILL) mid-stream: node 0's server ends the stream with an
   error event, logs why (node 1 disconnected), exits 1; no process is left on either.
-- LLM(...) as node 0: one process's tokens; its shutdown ends node 1 with status 0; node
-  1 stopped by SIGTERM while idle: node 0's health check and next step name it.
+- LLM(...) as node 0: one process's tokens; its shutdown ends node 1 with status 0, its
+  death with 1; node
+  1 stopped (SIGTERM), its rank killed, or node 1 frozen (a lost host) while idle: node
+  0's health check and next step name the cause.
 - Bad settings are clear errors before anything starts, or on both hosts: ranks that do
   not split over nnodes, node_rank >= nnodes, no master_port, LLM as node 1, --headless
   on node 0, a node that never joins (how many did), node 0 not found, a mismatched
@@ -154,37 +156,61 @@ def _llm_and_node_1(model) -> tuple[LLM, Headless, list[psutil.Process]]:
     return llm, node1, procs
 
 
-def test_llm_on_node_0_equals_one_process_and_its_shutdown_ends_node_1(tiny_model_dir):
+@pytest.mark.parametrize("end", ["shutdown", "a rank raises"])
+def test_llm_on_node_0_equals_one_process_and_its_end_ends_node_1(tiny_model_dir, end):
+    """LLM(...) as node 0 gives one process's texts. Its shutdown ends node 1 with status
+    0; an engine that dies (a rank raises) ends it with status 1 and an error line. No
+    process is left, no traceback on node 1."""
     llm, node1, procs = _llm_and_node_1(tiny_model_dir)
     try:
         texts = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(
             temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)]
         assert texts == one_process(tiny_model_dir)
-        llm.shutdown()
-        assert node1.proc.wait(timeout=30) == 0, node1.output()
+        if end == "shutdown":
+            llm.shutdown()
+        else:
+            with pytest.raises(EngineDeadError, match="rank 0 (raised|then failed) in execute_model"):
+                llm.engine.engine_core.executor.execute_model("not a SchedulerOutput")
+        assert node1.proc.wait(timeout=30) == (0 if end == "shutdown" else 1), node1.output()
         assert not _gone(procs), "left behind"
-        assert "Traceback" not in node1.output(), node1.output()
+        out = node1.output()
+        assert "Traceback" not in out and ("error:" in out) == (end != "shutdown"), out
     finally:
+        llm.shutdown()
         node1.end()
 
 
-def test_node_1_stopped_while_idle_ends_node_0_naming_it(tiny_model_dir):
-    """SIGTERM to node 1 while the engine idles: node 1 ends its rank and exits 0; node
-    0's health check (the core process runs it while idle) and its next step raise
-    EngineDeadError naming node 1; no process is left."""
+@pytest.mark.parametrize("how, status, error", [
+    ("SIGTERM to node 1", 0, r"node 1 \(.*rank 1\) was stopped \(SIGTERM\)"),
+    ("SIGKILL to its rank", 1, r"rank 1 \(pid \d+\) on node 1 \(.*\) died: killed by SIGKILL"),
+    ("SIGSTOP to node 1", None, r"node 1 \(.*rank 1\) said nothing for \d+ s \(NANOPAGED_NODE_TIMEOUT_S\)"),
+], ids=["stopped", "rank-killed", "frozen"])
+def test_node_1_ending_while_idle_ends_node_0_naming_it(tiny_model_dir, monkeypatch, how, status, error):
+    """While the engine idles, node 1 is stopped (it ends its rank, exits 0), loses its
+    rank (it tells node 0, exits 1), or freezes (a lost host: silent past
+    NANOPAGED_NODE_TIMEOUT_S, 3 s here): node 0's health check (the core process runs it
+    while idle) and its next step raise EngineDeadError saying which; no process is left."""
+    monkeypatch.setenv("NANOPAGED_NODE_TIMEOUT_S", "3")
     llm, node1, procs = _llm_and_node_1(tiny_model_dir)
     try:
         llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
-        node1.proc.send_signal(signal.SIGTERM)
-        assert node1.proc.wait(timeout=30) == 0, node1.output()
+        if how == "SIGTERM to node 1":
+            node1.proc.send_signal(signal.SIGTERM)
+        elif how == "SIGKILL to its rank":
+            procs[1].kill()
+        else:
+            node1.proc.send_signal(signal.SIGSTOP)
+        if status is not None:
+            assert node1.proc.wait(timeout=30) == status, node1.output()
         executor = llm.engine.engine_core.executor
         deadline = time.monotonic() + 30
-        with pytest.raises(EngineDeadError, match=r"node 1 \(.*rank 1\) was stopped \(SIGTERM\)"):
+        with pytest.raises(EngineDeadError, match=error):
             while time.monotonic() < deadline:
                 executor.check_health()
                 time.sleep(0.1)
-        with pytest.raises(EngineDeadError, match="node 1 .* was stopped"):
+        with pytest.raises(EngineDeadError, match=error):
             llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+        node1.end()                                    # the frozen one (SIGKILL reaches it)
         assert not _gone(procs), "left behind"
         assert "Traceback" not in node1.output(), node1.output()
     finally:
