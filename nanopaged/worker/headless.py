@@ -20,6 +20,8 @@ from zmq.utils.monitor import recv_monitor_message
 from ..utils.proc import exit_reason, spawn_child, stop_processes, wait_ready
 from .multinode import HEARTBEAT_S, KEY, NodePlan, grid, join_timeout_s, local_ranks, node_name, node_timeout_s
 
+_STARTUP_TIMEOUT_S = 600.0      # loading a shard, at most (as multiproc_executor's)
+
 
 def run_headless(config, model_path, model_config) -> int:
     """Serve node config.node_rank: read node 0's plan, start this node's ranks with
@@ -152,7 +154,7 @@ class _HeadlessNode:
                 proc, fd = spawn_child("nanopaged.worker.multiproc_executor:WorkerProc", settings)
                 self.procs.append(proc)
                 ready[fd] = (f"rank {rank} (pid {proc.pid}) on {self.me}", proc)
-            wait_ready(ready, 600.0, check=self.check)
+            wait_ready(ready, _STARTUP_TIMEOUT_S, check=self.check)
         finally:
             for fd in ready:
                 os.close(fd)
@@ -175,15 +177,15 @@ class _HeadlessNode:
             normal = stop.reason is None
             status = 0 if normal else 1
             if not normal:
-                print(f"nanopaged.worker.multinode: error: node 0's engine died: {stop.reason}", flush=True)
+                print(f"nanopaged.worker.headless: error: node 0's engine died: {stop.reason}", flush=True)
         except _Signalled as sig:
             status = 0
             self._send("left", (None, f"{self.me} was stopped ({sig})"))
         except _NodeZeroLost as e:
-            print(f"nanopaged.worker.multinode: error: {e}", flush=True)
+            print(f"nanopaged.worker.headless: error: {e}", flush=True)
         except RuntimeError as e:         # a rank died or failed to start: node 0 ends the engine
             self._send("died", (getattr(e, "rank", None), str(e)))
-            print(f"nanopaged.worker.multinode: error: {e}", flush=True)
+            print(f"nanopaged.worker.headless: error: {e}", flush=True)
         finally:
             self._end(normal)
         return status
