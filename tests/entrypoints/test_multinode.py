@@ -5,6 +5,7 @@ with tensor_parallel_size=2 split one rank per node.
 - They serve the OpenAI API with the same tokens as one process (float32); then node
   1's launcher killed (SIGKILL) mid-stream: node 0's server ends the stream with an
   error event, logs why (node 1 disconnected), exits 1; no process is left on either.
+  node 0 killed: node 1 exits 1 at once, saying so.
 - LLM(...) as node 0: one process's tokens; its shutdown ends node 1 with status 0, its
   death with 1; node
   1 stopped (SIGTERM), its rank killed, or node 1 frozen (a lost host) while idle: node
@@ -125,6 +126,22 @@ def test_two_nodes_serve_as_one_process_and_node_1_killed_ends_node_0(tiny_model
         assert last.get("error", {}).get("message") == "the engine core has died", last
         cause = [line for line in node0.output().splitlines() if line.startswith("ERROR") and "exit status 1" in line]
         assert len(cause) == 1 and "node 1 (" in cause[0] and "disconnected" in cause[0], node0.output()
+        assert not _gone(procs), "left behind"
+    finally:
+        node0.stop()
+        node1.end()
+
+
+@pytest.mark.slow          # four processes start: ~30 s on a quiet 2-core machine
+def test_node_0_killed_ends_node_1(tiny_model_dir):
+    """node 0's server killed (SIGKILL): node 1 notices at once (its connection to node 0
+    drops), ends its rank, prints why and exits 1; nothing is left on either node."""
+    node0, node1 = _two_nodes(tiny_model_dir)
+    try:
+        procs = node0.children() + node1.children()
+        node0.proc.kill()                              # its core and rank 0 die with it
+        assert node1.proc.wait(timeout=30) == 1, node1.output()
+        assert "error: node 0 disconnected" in node1.output() and "Traceback" not in node1.output()
         assert not _gone(procs), "left behind"
     finally:
         node0.stop()
