@@ -201,6 +201,12 @@ class EngineConfig:
             gloo on the CPU or NCCL on CUDA) or "external_launcher" (the ranks are
             processes started by torchrun, each running the whole engine; tensor
             parallelism only).
+        nnodes, node_rank, master_addr, master_port: the ranks spread over nnodes hosts
+            (vLLM's flags; worker/multinode.py): node n holds ranks [n*k, (n+1)*k), k =
+            world size / nnodes. Node 0 runs the engine and serves the rendezvous (a
+            torch.distributed TCPStore) on master_addr:master_port; the others run
+            `python -m nanopaged.serve --headless` with the same four settings. nnodes > 1
+            needs master_port and the 'mp' executor.
         speculative_config: speculative decoding, off by default: a dict of
             SpeculativeConfig's fields (vLLM's form), or that dict as JSON text, as on
             the command line ('{"method": "ngram", "num_speculative_tokens": 4,
@@ -236,6 +242,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     speculative_config: SpeculativeConfig | dict | None = None
     max_logprobs: int = 20
     max_logits_bytes: int | None = None
@@ -275,6 +285,7 @@ class EngineConfig:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker, but "
                              f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp'")
         self._check_pipeline_parallel()
+        self._check_nodes()
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but torch sees no CUDA device")
 
@@ -298,6 +309,31 @@ class EngineConfig:
     def world_size(self) -> int:
         """Ranks in the grid: tensor_parallel_size x pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_nodes(self) -> None:
+        check_int("nnodes", self.nnodes, minimum=1, rule="a positive integer")
+        check_int("node_rank", self.node_rank, minimum=0)
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be less than nnodes={self.nnodes}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise invalid("master_addr", self.master_addr, "a host name or IP address")
+        if self.master_port is not None:
+            check_int("master_port", self.master_port, minimum=1, rule="a port number, 1 to 65535")
+            if self.master_port > 65535:
+                raise invalid("master_port", self.master_port, "a port number, 1 to 65535")
+        if self.nnodes == 1:
+            return
+        if self.world_size % self.nnodes:
+            raise ValueError(f"the {self.world_size} ranks (tensor_parallel_size={self.tensor_parallel_size} x "
+                             f"pipeline_parallel_size={self.pipeline_parallel_size}) do not split evenly over "
+                             f"nnodes={self.nnodes}")
+        if self.master_port is None:
+            raise ValueError(f"nnodes={self.nnodes} needs master_port: the port of node 0's rendezvous, "
+                             "the same on every node")
+        if self.distributed_executor_backend not in (None, "mp"):
+            raise ValueError(f"nnodes={self.nnodes} runs on the 'mp' executor, not "
+                             f"distributed_executor_backend={self.distributed_executor_backend!r} "
+                             "(torchrun's external_launcher spans hosts by itself)")
 
     @property
     def torch_device(self) -> torch.device:

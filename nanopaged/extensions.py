@@ -72,7 +72,8 @@ MODULES: dict[str, list[str]] = {
     "structured_outputs": ["nanopaged.core.structured_output", "nanopaged.core.structured_output_scheduler",
                            "nanopaged.engine.structured_output_core", "nanopaged.worker.structured_output_runner"],
     "dashboard": ["nanopaged.engine.dashboard", "nanopaged.dashboard_messages"],
-    "worker_processes": ["nanopaged.worker.multiproc_executor"],
+    "worker_processes": ["nanopaged.worker.multiproc_executor", "nanopaged.worker.multinode",
+                         "nanopaged.worker.headless"],
 }
 
 

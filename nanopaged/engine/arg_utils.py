@@ -28,8 +28,13 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
     Raises:
         ValueError: as EngineConfig.resolve, model_loader.resolve_model,
             max_model_len_limit, llama.check_tensor_parallel (a model that does not
-            split over tensor_parallel_size) and check_pipeline_parallel.
+            split over tensor_parallel_size) and check_pipeline_parallel; node_rank > 0
+            (that node runs headless).
     """
+    if config.node_rank > 0:
+        raise ValueError(f"node_rank={config.node_rank}: the engine runs on node 0; start node {config.node_rank} "
+                         "with `python -m nanopaged.serve --headless` and the same --nnodes, --master-addr, "
+                         "--master-port")
     model_path = resolve_model(config.model)
     model_config = ModelConfig.from_pretrained(model_path)
     resolved = config.resolve(max_model_len_limit(config, model_config), model_config.vocab_size)
@@ -134,6 +139,11 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "distributed_executor_backend": (str, "NAME", "uni (in this process), mp (a process per rank) or "
                                      "external_launcher (torchrun, tensor parallelism only) (not given: uni at one "
                                      "rank, else mp)"),
+    "nnodes": (int, "N", "hosts the ranks are spread over (each holds world size / N ranks; the others "
+               "run `python -m nanopaged.serve --headless`)"),
+    "node_rank": (int, "R", "this host's place among the --nnodes (0 runs the engine)"),
+    "master_addr": (str, "HOST", "node 0's address, where the other nodes meet it"),
+    "master_port": (int, "PORT", "node 0's rendezvous port (a torch.distributed TCPStore); needed with --nnodes > 1"),
     "speculative_config": (str, "JSON", "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                            "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
                            "or '{\"method\": \"draft_model\", \"model\": PATH}' (chapter 19; not given: off)"),

@@ -159,9 +159,11 @@ class EngineCoreProc:
         rejected: dict[str, str] = {}
         changed = False
         if block:
+            self.engine_core.executor.check_health()        # another node may be gone meanwhile
             while not self.input.poll(1000):
                 if os.getppid() != self.parent_pid:
                     return None, False
+                self.engine_core.executor.check_health()
                 if any(w.wants_wake() for w in self.watchers.values()):
                     return rejected, False
         while self.input.poll(0):

@@ -71,9 +71,11 @@ def spawn_child(entry: str, settings: object) -> tuple[subprocess.Popen, int]:
     return proc, ready_r
 
 
-def wait_ready(children: dict[int, tuple[str, subprocess.Popen]], timeout_s: float) -> dict[int, object]:
+def wait_ready(children: dict[int, tuple[str, subprocess.Popen]], timeout_s: float,
+               check=None) -> dict[int, object]:
     """Wait until every child (ready fd -> (its name for messages, its process)) said it
-    is ready; returns fd -> the payload it sent with "ready".
+    is ready; returns fd -> the payload it sent with "ready". check: called at least
+    each second while waiting; what it raises ends the wait (another host's failure).
 
     Raises:
         RuntimeError: one did not answer within timeout_s, exited first (how: its exit
@@ -82,7 +84,11 @@ def wait_ready(children: dict[int, tuple[str, subprocess.Popen]], timeout_s: flo
     deadline = time.monotonic() + timeout_s
     waiting, payloads = dict(children), {}
     while waiting:
-        ready, _, _ = select.select(list(waiting), [], [], max(0.0, deadline - time.monotonic()))
+        left = max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select(list(waiting), [], [], left if check is None else min(left, 1.0))
+        if not ready and check is not None and left > 1.0:
+            check()
+            continue
         if not ready:
             names = ", ".join(name for name, _ in waiting.values())
             raise RuntimeError(f"{names} did not start within {timeout_s:.0f} s")

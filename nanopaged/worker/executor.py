@@ -91,6 +91,10 @@ class Executor:
         seconds spent receiving control messages and executing steps)."""
         return self.collective_rpc("get_comm_stats")
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the workers can no longer step; the engine process
+        calls it while idle (vLLM's name). Here: nothing to check."""
+
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
 

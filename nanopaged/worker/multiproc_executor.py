@@ -15,6 +15,8 @@ NANOPAGED_EXECUTE_MODEL_TIMEOUT_S (300 s, vLLM's default), ends every worker and
 EngineDeadError naming the rank and why. A collective waiting on a dead rank raises
 after NANOPAGED_COLLECTIVE_TIMEOUT_S (worker.py). Workers also die with the engine
 process (PR_SET_PDEATHSIG, plus a parent check each second while idle).
+With nnodes > 1 some ranks live on other hosts: they are reached over tcp and watched
+through their node (multinode.py, RemoteNodes).
 vLLM: `vllm/v1/executor/multiproc_executor.py` (`non_blocking`, `output_rank`).
 """
 from __future__ import annotations
@@ -35,6 +37,8 @@ from ..layers.backends import TorchOps, get_ops
 from ..utils.proc import (EngineDeadError, exit_child, exit_reason, read_settings, report_ready, spawn_child,
                           stop_processes, wait_ready)
 from .executor import Executor, combine_stage_costs
+from .multinode import NodePlan, RemoteNodes, bind_tcp, join_timeout_s, rank_store
+from .multinode import grid as multinode_grid
 from .worker import Worker, init_process_group
 
 EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("NANOPAGED_EXECUTE_MODEL_TIMEOUT_S", "300"))
@@ -61,36 +65,53 @@ class MultiprocExecutor(Executor):
         self.pipeline_parallel_size = config.pipeline_parallel_size
         self.output_rank = output_rank(config)         # answers each step
         self.dead_reason: str | None = None
+        # ranks [0, local) are this host's; the rest are other nodes' (multinode.py)
+        self.nodes = RemoteNodes(config, n) if config.nnodes > 1 else None
+        local = n // config.nnodes
         self._dir = tempfile.mkdtemp(prefix="nanopaged-tp-")
         self.ctx = zmq.Context()
-        self.inputs = []
+        self.inputs, addresses = [], []
         for rank in range(n):
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-            sock.bind(f"ipc://{self._dir}/rank{rank}")
+            if rank < local:
+                addresses.append(f"ipc://{self._dir}/rank{rank}")
+                sock.bind(addresses[-1])
+            else:
+                addresses.append(bind_tcp(sock, self.nodes.ip))
             self.inputs.append(sock)
         self.output = self.ctx.socket(zmq.PULL)
         self.output.bind(f"ipc://{self._dir}/output")
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen] = []         # this host's ranks
         # Ends the workers on shutdown(), on `del llm` and at interpreter exit.
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.inputs, self.output,
-                                           self.ctx, self._dir)
+                                           self.ctx, self._dir, self.nodes)
         self.send_seconds = 0.0          # pickling + pushing control messages (the bench)
         self._call_id = 0
         self._answers: dict[int, tuple[str, dict]] = {}   # call_id -> (method, rank -> answer), while awaited
-        threads = None if "OMP_NUM_THREADS" in os.environ else max(1, len(os.sched_getaffinity(0)) // n)
+        threads = None if "OMP_NUM_THREADS" in os.environ else max(1, len(os.sched_getaffinity(0)) // local)
         settings = dict(config=config, model_path=str(model_path), world_size=n, ops=ops.name,
                         init_method=f"file://{self._dir}/rendezvous",
                         output_address=f"ipc://{self._dir}/output", num_threads=threads)
         ready = {}
         try:
-            for rank in range(n):
+            if self.nodes is not None:      # the others start their ranks from node 0's plan
+                settings.update(init_method=None, store=(config.master_addr, config.master_port))
+                plan = dict(settings, output_address=bind_tcp(self.output, self.nodes.ip))
+                self.nodes.publish(NodePlan(multinode_grid(config), n, model_config, plan, addresses,
+                                            self.nodes.report_addresses, self.nodes.ping_address))
+                self.nodes.wait("joined", join_timeout_s())
+            for rank in range(local):
                 proc, fd = spawn_child("nanopaged.worker.multiproc_executor:WorkerProc",
-                                       dict(settings, rank=rank, input_address=f"ipc://{self._dir}/rank{rank}"))
+                                       dict(settings, rank=rank, input_address=addresses[rank]))
                 self.procs.append(proc)
                 ready[fd] = (f"{self._rank_name(rank)} (pid {proc.pid})", proc)
-            wait_ready(ready, _STARTUP_TIMEOUT_S)
-        except BaseException:
+            wait_ready(ready, _STARTUP_TIMEOUT_S, check=self.nodes and self.nodes.check)
+            if self.nodes is not None:
+                self.nodes.wait("ready", _STARTUP_TIMEOUT_S)
+        except BaseException as e:
+            if self.nodes is not None:          # the other nodes end their ranks too
+                self.nodes.stop(f"node 0 failed to start: {e}")
             self.shutdown()
             raise
         finally:
@@ -205,13 +226,24 @@ class MultiprocExecutor(Executor):
                    if dead else f"{self._rank_name(first)} raised in {method}:\n{errors[first]}")
 
     def _dead_rank_reason(self, exclude=()) -> str | None:
+        nodes = self.nodes
+        if nodes is not None and nodes.dead_reason and nodes.dead_rank not in exclude:   # another host's
+            return nodes.dead_reason
         for rank, proc in enumerate(self.procs):
             if rank not in exclude and proc.poll() is not None:
                 return f"{self._rank_name(rank)} (pid {proc.pid}) died: {exit_reason(proc.returncode)}"
         return None
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError if another node is gone (checked while the engine idles;
+        a step finds a dead local rank itself). Every worker is ended."""
+        if self.dead_reason is None and self.nodes is not None and self.nodes.dead_reason:
+            self._fail(self.nodes.dead_reason)
+
     def _fail(self, reason: str) -> None:
         self.dead_reason = reason
+        if self.nodes is not None:
+            self.nodes.stop(reason)
         for proc in self.procs:          # a broken group cannot stop gracefully (a rank may be stuck)
             if proc.poll() is None:
                 proc.kill()
@@ -246,14 +278,16 @@ def output_rank(config) -> int:
     return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
 
 
-def _stop_workers(procs, inputs, output, ctx, folder) -> None:
-    for proc, sock in zip(procs, inputs):
-        if proc.poll() is None:
+def _stop_workers(procs, inputs, output, ctx, folder, nodes) -> None:
+    for rank, sock in enumerate(inputs):
+        if rank >= len(procs) or procs[rank].poll() is None:     # another host's ranks: always
             try:
                 sock.send(pickle.dumps((0, "shutdown", (), 0.0)), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
     stop_processes(procs)
+    if nodes is not None:
+        nodes.stop()
     for sock in [*inputs, output]:
         sock.close(linger=0)
     ctx.term()
@@ -319,7 +353,8 @@ class WorkerProc:
             from ..model.config import ModelConfig
 
             config = s["config"]
-            group = init_process_group(s["rank"], s["world_size"], s["init_method"], config.torch_device)
+            store = s.get("store") and rank_store(*s["store"], join_timeout_s())     # another host's rendezvous
+            group = init_process_group(s["rank"], s["world_size"], s["init_method"], config.torch_device, store)
             ops = get_ops(s["ops"], config.torch_device)     # the kind the engine chose, loaded here
             worker = Worker(config, s["model_path"], ModelConfig.from_pretrained(s["model_path"]), ops=ops,
                             rank=s["rank"], world_size=s["world_size"], process_group=group)

@@ -38,17 +38,19 @@ _DEFAULT_CPU_KV_BYTES = 1 << 30          # 1 GiB, at most 25% of free memory (se
 _CUDA_KV_FRACTION = 0.9                  # of the device memory left free by the weights
 
 
-def init_process_group(rank: int, world_size: int, init_method: str, device: torch.device):
+def init_process_group(rank: int, world_size: int, init_method: str | None, device: torch.device,
+                       store=None):
     """Join the torch.distributed group of all the ranks (gloo on the CPU,
     NCCL on CUDA) and return it. `init_method`: "env://" under torchrun, else a
-    "tcp://127.0.0.1:PORT" or "file://PATH" rendezvous the executor chose."""
+    "tcp://127.0.0.1:PORT" or "file://PATH" rendezvous the executor chose; or None and
+    a `store` (node 0's TCPStore: worker/multinode.py)."""
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "gloo" and init_method != "env://":
+    if backend == "gloo" and init_method not in ("env://", None):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")    # one machine: the loopback
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), store=store)
     return dist.group.WORLD
 
 

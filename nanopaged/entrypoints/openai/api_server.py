@@ -107,6 +107,23 @@ async def serve(args: argparse.Namespace) -> int:
         engine.shutdown()
 
 
+def serve_headless(args: argparse.Namespace) -> int:
+    """`--headless`: this node's ranks for node 0's engine, no API (worker/headless.py).
+    Returns their exit status. Raises ValueError / RuntimeError as run_headless."""
+    from ...config import EngineConfig
+    from ...model.config import ModelConfig
+    from ...model.model_loader import resolve_model
+    from ...worker.headless import run_headless
+
+    config = EngineConfig(**engine_kwargs(args))
+    if config.nnodes == 1:
+        raise ValueError("--headless is for a node of a multi-node engine: give --nnodes > 1")
+    model_path = resolve_model(config.model)
+    logger.info("node %d of %d: starting its ranks for node 0 at %s:%s", config.node_rank, config.nnodes,
+                config.master_addr, config.master_port)
+    return run_headless(config, model_path, ModelConfig.from_pretrained(model_path))
+
+
 class Terminated(BaseException):
     """SIGTERM while the engine starts, raised in the main thread so the half-started
     core is shut down. A BaseException, like KeyboardInterrupt, so no `except Exception`
@@ -120,7 +137,8 @@ def _raise_terminated(signum, frame) -> None:
 def main(argv=None) -> int:
     """`python -m nanopaged.serve` and `nanopaged-serve`. Returns 0 after SIGINT or
     SIGTERM (every request ended, the core stopped), 1 if the engine could not start
-    (the error printed) or died while serving, so that a supervisor restarts it."""
+    (the error printed) or died while serving, so that a supervisor restarts it.
+    With --headless: serve_headless's status."""
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     # nanopaged's own lines (utils/log.py) at the same level, here and in the core process
@@ -128,7 +146,7 @@ def main(argv=None) -> int:
     logging.getLogger("nanopaged").setLevel(args.log_level.upper())
     signal.signal(signal.SIGTERM, _raise_terminated)     # systemd, Docker and Kubernetes stop with it
     try:
-        return asyncio.run(serve(args))
+        return serve_headless(args) if args.headless else asyncio.run(serve(args))
     except (ValueError, TypeError, RuntimeError) as e:
         print(f"nanopaged.entrypoints.openai.api_server: error: {e}", file=sys.stderr)
         return 1

@@ -46,6 +46,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
                          "request ids and token counts only")
     ap.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                     help="turn GET /dashboard and /dashboard/events off (404)")
+    ap.add_argument("--headless", action="store_true",
+                    help="with --nnodes > 1 on a node other than 0: serve no API, start this node's "
+                         "ranks for node 0's engine and exit when it ends (give the same --model, "
+                         "sizes, --nnodes, --master-addr, --master-port, and this node's --node-rank)")
     add_cli_args(ap)
     return ap
 
