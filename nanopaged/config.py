@@ -188,25 +188,20 @@ class EngineConfig:
             1/tp of the heads and MLP rows, and KV blocks for its own KV heads). The
             heads must split by vLLM's GQA rules; checked against the model before any
             process starts. See chapters/17-tensor-parallelism.md.
-        pipeline_parallel_size: stages the layers are split over (vLLM's name): the
-            ranks form a grid of tensor_parallel_size x pipeline_parallel_size
-            (tp inner: rank = pp_rank * tp + tp_rank), each stage holds its share of
-            the layers (vLLM's get_pp_indices) and KV blocks for them only, and the
-            engine keeps up to pipeline_parallel_size batches in flight (vLLM v1's
-            batch queue). At most the model's num_hidden_layers; needs "mp"; not
-            with speculative decoding. Built on async scheduling, so the flag
-            async_scheduling changes nothing when it is > 1.
+        pipeline_parallel_size: stages the layers are split over (vLLM's name; its
+            get_pp_indices), a grid of tp x pp ranks, tp inner; each stage keeps KV for
+            its own layers, and up to pp batches are in flight (vLLM v1's batch queue,
+            built on async scheduling). At most num_hidden_layers; needs "mp"; not with
+            speculative decoding. See chapters/20-pipeline-parallelism.md.
         distributed_executor_backend: None (= "uni" at one rank, else "mp"), "uni" (one
             worker in this process), "mp" (one process per rank, torch.distributed
-            gloo on the CPU or NCCL on CUDA) or "external_launcher" (the ranks are
-            processes started by torchrun, each running the whole engine; tensor
-            parallelism only).
-        nnodes, node_rank, master_addr, master_port: the ranks spread over nnodes hosts
-            (vLLM's flags; worker/multinode.py): node n holds ranks [n*k, (n+1)*k), k =
-            world size / nnodes. Node 0 runs the engine and serves the rendezvous (a
-            torch.distributed TCPStore) on master_addr:master_port; the others run
-            `python -m nanopaged.serve --headless` with the same four settings. nnodes > 1
-            needs master_port and the 'mp' executor.
+            gloo on the CPU or NCCL on CUDA) or "external_launcher" (torchrun starts
+            the ranks, each running the whole engine; tensor parallelism only).
+        nnodes, node_rank, master_addr, master_port: ranks spread over nnodes hosts
+            (vLLM's flags; worker/multinode.py): node n holds ranks [n*k, (n+1)*k).
+            Node 0 runs the engine and the rendezvous (a TCPStore) on
+            master_addr:master_port; the others run `python -m nanopaged.serve
+            --headless` with the same settings. nnodes > 1 needs master_port and "mp".
         speculative_config: speculative decoding, off by default: a dict of
             SpeculativeConfig's fields (vLLM's form), or that dict as JSON text, as on
             the command line ('{"method": "ngram", "num_speculative_tokens": 4,
@@ -292,14 +287,12 @@ class EngineConfig:
     def _check_pipeline_parallel(self) -> None:
         pp = self.pipeline_parallel_size
         check_int("pipeline_parallel_size", pp, minimum=1, rule="a positive integer")
-        if pp == 1:
-            return
-        if self.distributed_executor_backend in ("uni", "external_launcher"):
+        if pp > 1 and self.distributed_executor_backend in ("uni", "external_launcher"):
             # torchrun runs a whole engine per rank; a stage only answers for its own layers
             raise ValueError(f"pipeline_parallel_size={pp} needs a process per rank: "
                              f"distributed_executor_backend={self.distributed_executor_backend!r} is not "
                              "supported with it; use 'mp' (on several hosts: --nnodes, --node-rank, --master-addr)")
-        if self.speculative_config is not None:
+        if pp > 1 and self.speculative_config is not None:
             # the proposer needs each step's sampled token on the first stage before the next step
             raise ValueError(f"speculative_config={self.speculative_config.method!r} is not supported with "
                              f"pipeline_parallel_size={pp}: the proposer needs every step's sampled token on "
@@ -317,10 +310,8 @@ class EngineConfig:
             raise ValueError(f"node_rank={self.node_rank} must be less than nnodes={self.nnodes}")
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise invalid("master_addr", self.master_addr, "a host name or IP address")
-        if self.master_port is not None:
-            check_int("master_port", self.master_port, minimum=1, rule="a port number, 1 to 65535")
-            if self.master_port > 65535:
-                raise invalid("master_port", self.master_port, "a port number, 1 to 65535")
+        if self.master_port is not None and not (type(self.master_port) is int and 0 < self.master_port < 65536):
+            raise invalid("master_port", self.master_port, "a port number, 1 to 65535")
         if self.nnodes == 1:
             return
         if self.world_size % self.nnodes:
@@ -360,9 +351,8 @@ class EngineConfig:
     def resolve(self, max_position_embeddings: int, vocab_size: int | None = None) -> EngineConfig:
         """This config with everything left to the engine filled in, as a new frozen
         EngineConfig: max_model_len and max_num_batched_tokens from the model,
-        max_logits_bytes from vocab_size (when given), dtype
-        (the name of torch_dtype), device ("cpu", "cuda" or "cuda:N") and
-        distributed_executor_backend from the machine and the grid (tp x pp).
+        max_logits_bytes from vocab_size (when given), dtype (torch_dtype's name), device
+        and distributed_executor_backend from the machine and the grid (tp x pp).
         Resolving a resolved config changes nothing.
 
         Raises:

@@ -1,6 +1,7 @@
 """Multi-node (worker/multinode.py): two launcher processes on 127.0.0.1 act as two
 hosts, `serve --nnodes 2 --node-rank 0` and `serve --nnodes 2 --node-rank 1 --headless`,
-with tensor_parallel_size=2 split one rank per node.
+with tensor_parallel_size=2 split one rank per node (the served test: pipeline_parallel_size=2,
+a stage per node).
 
 - They serve the OpenAI API with the same tokens as one process (float32); then node
   1's launcher killed (SIGKILL) mid-stream: node 0's server ends the stream with an
@@ -44,6 +45,7 @@ pytestmark = pytest.mark.timeout(300)
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "Paged attention splits"]
 GRID = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dtype", "float32"]
+PP_GRID = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--dtype", "float32"]     # a stage per node
 
 
 class Headless:
@@ -82,11 +84,11 @@ def _gone(procs: list[psutil.Process], timeout: float = 15.0) -> list[psutil.Pro
     return alive
 
 
-def _two_nodes(model, *extra: str) -> tuple[Server, Headless]:
+def _two_nodes(model, *extra: str, grid: list[str] = GRID) -> tuple[Server, Headless]:
     port = _free_port()
-    node1 = Headless(model, port, *GRID)
+    node1 = Headless(model, port, *grid)
     try:
-        node0 = Server(model, *TINY_ARGS, *GRID, "--node-rank", "0", "--master-port", str(port), *extra)
+        node0 = Server(model, *TINY_ARGS, *grid, "--node-rank", "0", "--master-port", str(port), *extra)
     except BaseException:
         node1.end()
         raise
@@ -95,11 +97,12 @@ def _two_nodes(model, *extra: str) -> tuple[Server, Headless]:
 
 @pytest.mark.slow          # four processes start: ~40 s on a quiet 2-core machine, 100 s on a busy one
 def test_two_nodes_serve_as_one_process_and_node_1_killed_ends_node_0(tiny_model_dir, monkeypatch):
-    """The API's tokens equal one process's (whole and streamed); then node 1's launcher
-    killed (SIGKILL) mid-stream: the stream's last event is an error, node 0 logs why
-    (node 1 disconnected) and exits 1, and no process is left on either node."""
+    """pipeline_parallel_size=2, a stage on each node: the API's tokens equal one
+    process's (whole and streamed); then node 1's launcher killed (SIGKILL) mid-stream:
+    the stream's last event is an error, node 0 logs why (node 1 disconnected) and exits
+    1, and no process is left on either node."""
     monkeypatch.setenv("NANOPAGED_COLLECTIVE_TIMEOUT_S", "20")      # a rank stuck in a collective
-    node0, node1 = _two_nodes(tiny_model_dir)
+    node0, node1 = _two_nodes(tiny_model_dir, grid=PP_GRID)
     try:
         procs = node0.children() + node1.children()
         assert len(node0.children()) == 2 and len(node1.children()) == 1     # core + rank 0 | rank 1
@@ -282,11 +285,12 @@ def test_a_mismatched_nnodes_is_an_error_on_both_hosts(tiny_model_dir):
     node1 = Headless(tiny_model_dir, port, "--tensor-parallel-size", "4", "--nnodes", "4")
     try:
         with pytest.raises(RuntimeError, match="node 1 .* refused to join: node 1 has nnodes=4, "
-                                               "tensor_parallel_size=4 but node 0 has nnodes=2"):
+                                               "tensor_parallel_size=4, pipeline_parallel_size=1 but node 0 has nnodes=2"):
             LLM(str(tiny_model_dir), tensor_parallel_size=4, nnodes=2, master_port=port, **TINY_ENGINE)
         assert node1.proc.wait(timeout=60) == 1
         out = node1.output()
-        assert "error: node 1 has nnodes=4, tensor_parallel_size=4 but node 0 has nnodes=2" in out, out
+        assert ("error: node 1 has nnodes=4, tensor_parallel_size=4, pipeline_parallel_size=1 but node 0 has "
+                "nnodes=2") in out, out
         assert "Traceback" not in out, out
     finally:
         node1.end()
