@@ -189,6 +189,8 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: the ModelConfig.
         tp: this rank's TPGroup (default: one rank, the whole model, no communication).
+        pp: this rank's PPGroup (layers/pipeline.py), kept as `pp`; this class holds the
+            whole model (one stage), model/pipeline_stage.py one stage of several.
 
     forward(input_ids [num_tokens] int64, positions [num_tokens] int64,
             kv_caches [num_layers, 2, num_blocks, block_size, num_local_kv_heads, head_size],
@@ -202,9 +204,9 @@ class LlamaForCausalLM(nn.Module):
 
     attention_cls: type = LlamaAttention      # what a family changes (qwen2.py, qwen3.py)
 
-    def __init__(self, config: ModelConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup | None = None, pp=None) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.pp = config, pp
         self.tp = tp = tp or TPGroup()
         check_tensor_parallel(config, tp.size)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
@@ -222,12 +224,18 @@ class LlamaForCausalLM(nn.Module):
         """KV heads this rank holds, so its KV cache holds (all of them at tp=1)."""
         return self.layers[0].self_attn.num_kv_heads
 
+    @property
+    def num_kv_cache_layers(self) -> int:
+        """Layers whose K/V this rank caches: the first dimension of its kv_caches."""
+        return len(self.layers)
+
     def init_rope(self, max_positions: int) -> None:
         """Precompute cos/sin for positions 0..max_positions-1: [max_positions, head_size]."""
         inv_freq = rope_inv_freq(self.config)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        weight = next(self.parameters())       # embed_tokens' (a pipeline stage: its first)
+        device, dtype = weight.device, weight.dtype
         self.rope_cos = emb.cos().to(device=device, dtype=dtype)
         self.rope_sin = emb.sin().to(device=device, dtype=dtype)
 

@@ -341,9 +341,13 @@ def _verify_sha256(path: Path, expected: str) -> None:
         )
 
 
-def load_model(folder: str | os.PathLike, dtype, device, max_positions: int, tp=None):
+def load_model(folder: str | os.PathLike, dtype, device, max_positions: int, tp=None, pp=None, *,
+               model_class=None):
     """Build the model the folder's config.json names (registry.get_model_class; this
-    rank's shard under the TPGroup `tp`), weights in `dtype` (a torch.dtype) on `device`.
+    rank's shard under the TPGroup `tp`, its stage under the PPGroup `pp`), weights in
+    `dtype` (a torch.dtype) on `device`. `model_class`: family class -> the class to
+    build (the Worker's: extensions.build_class(family, "model", config)); default the
+    family's class itself.
 
     The module is created on the meta device (no random init of 100M+ numbers), then
     materialized and filled from safetensors. RoPE tables cover `max_positions` tokens.
@@ -360,7 +364,8 @@ def load_model(folder: str | os.PathLike, dtype, device, max_positions: int, tp=
 
     config = ModelConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = get_model_class(config.architecture)(config, tp)
+        family = get_model_class(config.architecture)
+        model = (model_class or (lambda cls: cls))(family)(config, tp, pp)
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         model.load_weights(folder)
