@@ -9,13 +9,15 @@ tokens are all computed (`_sample`), in chunks of at most max_logits_bytes of fp
 logits (logits_chunks.py).
 
 Later features subclass it in files of their own and override the hooks
-(`_token_ids`, `_sampled_rows`, `prepare_inputs`, `_move_blocks`, `_sample_step`,
-`_sample`, `_compute_logits`, `_after_sample`); extensions.py builds the class.
+(`_token_ids`, `_sampled_rows`, `prepare_inputs`, `_move_blocks`, `_forward`,
+`_after_forward`, `_sample_step`, `_sample`, `_compute_logits`, `_after_sample`,
+`_profile_forward`); extensions.py builds the class.
 
 It owns the KV cache, zero-filled once (padded block-table entries are read, then
 masked, and 0 * NaN would still be NaN):
     kv_cache: [num_layers, 2 (K, V), num_gpu_blocks, block_size, num_kv_heads, head_size]
-with num_kv_heads this rank's share under tensor parallelism (worker.py).
+with num_kv_heads this rank's share under tensor parallelism (worker.py) and num_layers
+its stage's under pipeline parallelism (model.num_kv_cache_layers).
 
 vLLM: `vllm/v1/worker/gpu_model_runner.py`.
 """
@@ -65,9 +67,9 @@ class ModelRunner:
         self.ops = ops or TorchOps()
         model.set_ops(self.ops)
         self.block_size = bs = config.block_size
-        self.device = model.embed_tokens.weight.device
-        self.dtype = model.embed_tokens.weight.dtype
-        shape = (c.num_hidden_layers, 2, num_gpu_blocks, bs, model.num_local_kv_heads, c.head_dim)
+        weight = next(model.parameters())          # embed_tokens' (a pipeline stage: its first)
+        self.device, self.dtype = weight.device, weight.dtype
+        shape = (model.num_kv_cache_layers, 2, num_gpu_blocks, bs, model.num_local_kv_heads, c.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         # host memory (pinned on CUDA for fast copies); never read where not written
         self.cpu_kv_cache = torch.empty((*shape[:2], num_cpu_blocks, *shape[3:]), dtype=self.dtype,
@@ -79,10 +81,12 @@ class ModelRunner:
 
     @staticmethod
     def kv_cache_bytes_per_block(model_config, block_size: int, dtype: torch.dtype,
-                                 num_kv_heads: int | None = None) -> int:
-        """Bytes of one block, all layers, K and V, of num_kv_heads heads (default: all)."""
+                                 num_kv_heads: int | None = None, num_layers: int | None = None) -> int:
+        """Bytes of one block, K and V, of num_kv_heads heads (default: all) in
+        num_layers layers (default: all; a pipeline stage caches its own)."""
         num_kv_heads = model_config.num_key_value_heads if num_kv_heads is None else num_kv_heads
-        return (2 * model_config.num_hidden_layers * block_size * num_kv_heads
+        num_layers = model_config.num_hidden_layers if num_layers is None else num_layers
+        return (2 * num_layers * block_size * num_kv_heads
                 * model_config.head_dim * torch.empty((), dtype=dtype).element_size())
 
     # -- the runner's own record --------------------------------------------------------------
@@ -182,7 +186,14 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput()
         inp = self.prepare_inputs(so)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata)
+        return self._after_forward(so, inp, self._forward(inp))
+
+    def _forward(self, inp: ModelInput) -> torch.Tensor:
+        """The model's forward pass: hidden states [num_tokens, hidden_size]."""
+        return self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata)
+
+    def _after_forward(self, so: SchedulerOutput, inp: ModelInput, hidden: torch.Tensor) -> ModelRunnerOutput | None:
+        """Prompt logprobs, then sample (`_sample_step`): the step's output."""
         out = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, inp))
         if not inp.sampled_seq_ids:
             return out
@@ -255,7 +266,11 @@ class ModelRunner:
         with torch.inference_mode():
             for timed in (False, True):                                          # warm-up, then time
                 start = time.perf_counter()
-                self.model(ids % self.model.config.vocab_size, ids, self.kv_cache, meta)
+                self._profile_forward(ids % self.model.config.vocab_size, ids, meta)
             per_token = (time.perf_counter() - start) / tokens
             self.kv_cache[:, :, :max(n, len(blocks))].zero_()   # back to the zero state
         return PreemptionCosts(per_block, per_token)
+
+    def _profile_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """One forward pass of `input_ids` for measure_preemption_costs."""
+        self.model(input_ids, positions, self.kv_cache, meta)

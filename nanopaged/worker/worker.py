@@ -1,9 +1,11 @@
-"""Worker: one tensor-parallel rank: its device, shard of the model, KV cache (its own
-KV heads) and model runner.
+"""Worker: one rank of the tp x pp grid: its device, shard of the model (its KV heads
+under tensor parallelism, its layers under pipeline parallelism), KV cache and model
+runner.
 
-Every rank gets the same SchedulerOutput and runs the same step; the ranks meet only in
-the model's collectives (layers/parallel.py), and every rank samples the same tokens
-from the same gathered logits (chapter 17). At start a rank loads its shard and measures
+Every rank gets the same SchedulerOutput and runs the same step; the ranks of a stage
+meet only in the model's collectives (layers/parallel.py), and every rank samples the
+same tokens from the same gathered logits (chapter 17). The stages of a pipeline pass
+their hidden states on (layers/pipeline.py); only the last stage samples. At start a rank loads its shard and measures
 the memory left for its KV pool (`determine_available_memory`); the EngineCore takes
 the smallest answer and sizes every pool (`initialize_kv_cache`).
 vLLM: `vllm/v1/worker/gpu_worker.py`, `cpu_worker.py`.
@@ -21,8 +23,8 @@ from .. import extensions
 from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
 from ..model.config import ModelConfig
 from ..model.model_loader import load_model
-from ..layers.parallel import TPGroup
 from ..layers.backends import TorchOps
+from ..layers.pipeline import make_parallel_groups
 from .model_runner import ModelRunner
 
 # Seconds a collective may wait for the other ranks before it raises (gloo and NCCL):
@@ -36,7 +38,7 @@ _CUDA_KV_FRACTION = 0.9                  # of the device memory left free by the
 
 
 def init_process_group(rank: int, world_size: int, init_method: str, device: torch.device):
-    """Join the torch.distributed group of the tensor-parallel ranks (gloo on the CPU,
+    """Join the torch.distributed group of all the ranks (gloo on the CPU,
     NCCL on CUDA) and return it. `init_method`: "env://" under torchrun, else a
     "tcp://127.0.0.1:PORT" or "file://PATH" rendezvous the executor chose."""
     import torch.distributed as dist
@@ -56,11 +58,14 @@ class Worker:
         config: the resolved EngineConfig.
         model_path, model_config: the model folder and its ModelConfig.
         ops: the kernels the engine chose (layers/backends.get_ops).
-        rank, world_size: this rank of tensor_parallel_size ranks.
-        process_group: the group's torch.distributed ProcessGroup (None at world_size 1).
+        rank, world_size: this global rank (pp_rank * tp + tp_rank) of tp x pp ranks.
+        process_group: the ProcessGroup of all ranks (None at world_size 1); the
+            stage's TPGroup and the pipeline's PPGroup are made from it
+            (make_parallel_groups).
 
     Raises:
-        ValueError: the model does not split over world_size ranks.
+        ValueError: world_size is not tensor_parallel_size x pipeline_parallel_size, or
+            the model does not split over them.
     """
 
     def __init__(self, config, model_path, model_config: ModelConfig, *, ops: TorchOps, rank: int = 0,
@@ -71,12 +76,17 @@ class Worker:
             device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
         self.device = device
-        self.tp = TPGroup(rank, world_size, process_group)
+        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        if world_size != tp_size * pp_size:
+            raise ValueError(f"world_size={world_size} but tensor_parallel_size={tp_size} x "
+                             f"pipeline_parallel_size={pp_size} = {tp_size * pp_size}")
+        self.tp, self.pp = make_parallel_groups(rank, tp_size, pp_size, process_group, device=device)
         if rank == 0:
             logger.info("loading weights from %s (%s, %s%s)", model_path, config.dtype, device,
-                        f", {world_size} tensor-parallel ranks" if world_size > 1 else "")
+                        f", {tp_size} tensor-parallel x {pp_size} pipeline ranks" if world_size > 1 else "")
         start = time.perf_counter()
-        self.model = load_model(model_path, config.torch_dtype, device, config.max_model_len, self.tp)
+        self.model = load_model(model_path, config.torch_dtype, device, config.max_model_len, self.tp, self.pp,
+                                model_class=lambda family: extensions.build_class(family, "model", config))
         if rank == 0:
             logger.info("weights loaded in %.1f s", time.perf_counter() - start)
         self.draft_model = None                            # speculative decoding's draft
@@ -89,10 +99,10 @@ class Worker:
         self.model_runner: ModelRunner | None = None       # made by initialize_kv_cache
 
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes one KV block takes on this rank (its KV heads only), all layers, K and V;
-        with a draft model, its block of the same tokens too (it shares the tables)."""
+        """Bytes one KV block takes on this rank (its KV heads, its stage's layers), K
+        and V; with a draft model, its block of the same tokens too (it shares the tables)."""
         return sum(ModelRunner.kv_cache_bytes_per_block(m.config, self.config.block_size, self.config.torch_dtype,
-                                                        m.num_local_kv_heads)
+                                                        m.num_local_kv_heads, m.num_kv_cache_layers)
                    for m in (self.model, self.draft_model) if m is not None)
 
     def determine_available_memory(self) -> int:
@@ -119,8 +129,9 @@ class Worker:
                                          num_cpu_blocks=num_cpu_blocks, ops=self.ops, **extra)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step on this rank (every rank computes the same ModelRunnerOutput);
-        None when its structured-output rows wait for sample_tokens."""
+        """Run one step on this rank (every rank of a stage computes the same
+        ModelRunnerOutput; a stage before the last an empty one); None when its
+        structured-output rows wait for sample_tokens."""
         return self.model_runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
@@ -147,8 +158,10 @@ class Worker:
         return (time.perf_counter() - start) / iters
 
     def get_comm_stats(self) -> dict[str, float]:
-        """Seconds and count of this rank's collectives so far (the bench)."""
-        return {"comm_seconds": self.tp.comm_seconds, "num_collectives": self.tp.num_collectives}
+        """Seconds and count of this rank's collectives so far, and its pipeline hops'
+        (PPGroup.stats: pp_send_seconds, pp_recv_seconds, pp_bytes_sent, pp_num_hops)."""
+        return {"comm_seconds": self.tp.comm_seconds, "num_collectives": self.tp.num_collectives,
+                **self.pp.stats()}
 
 
 def _free_host_memory() -> int:

@@ -1,0 +1,178 @@
+"""The pipeline stages' runners (worker/pipeline_model_runner.py) and their transport.
+
+- In one process: stage runners fed the same SchedulerOutputs as one whole-model
+  ModelRunner, their IntermediateTensors passed through real PPGroups over an
+  in-process queue, sample the same tokens with the same logprobs and prompt logprobs
+  (seeded and greedy), and each caches only its own layers; a stage before the last
+  answers empty. Their preemption-cost measurement sends nothing.
+- Across processes: a grid of tp=2 x pp=2 gloo ranks (file:// rendezvous in tmp_path)
+  built by make_parallel_groups: each stage's tp ranks all-reduce among themselves, and
+  rank r of stage 0 sends its IntermediateTensors to rank r of stage 1, in order.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanopaged import SamplingParams, extensions
+from nanopaged.config import EngineConfig
+from nanopaged.exercises.tiny_model import make_tiny_model
+from nanopaged.layers.pipeline import IntermediateTensors, PPGroup
+from nanopaged.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from nanopaged.model.model_loader import load_model
+from nanopaged.worker.model_runner import ModelRunner
+from nanopaged.worker.pipeline_model_runner import PipelineModelRunner
+from nanopaged.worker.structured_output_runner import StructuredOutputModelRunner
+
+from model.test_pipeline_stage import QueueTransport, stage_class
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def three_layer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pp-runner-qwen2")
+    make_tiny_model(folder, "Qwen2ForCausalLM", tie=True, num_hidden_layers=3)
+    return folder
+
+
+def runners(folder, pp_size: int):
+    """(whole-model ModelRunner, [stage runners]) with the same config and pools."""
+    config = EngineConfig(block_size=BLOCK, seed=3)
+    load = lambda **kw: load_model(folder, torch.float32, torch.device("cpu"), 64, **kw)   # noqa: E731
+    whole = ModelRunner(config, load(), num_gpu_blocks=24, num_cpu_blocks=4)
+    transport = QueueTransport(pp_size)
+    stages = [PipelineModelRunner(config, load(pp=PPGroup(r, pp_size, transport), model_class=stage_class),
+                                  num_gpu_blocks=24, num_cpu_blocks=4) for r in range(pp_size)]
+    return whole, stages, transport
+
+
+def steps(run):
+    """Drive `run(SchedulerOutput) -> ModelRunnerOutput` as a scheduler would: two
+    prompts prefilled (one with prompt logprobs), then 5 decodes fed their samples."""
+    greedy = SamplingParams(temperature=0, logprobs=2, prompt_logprobs=1, max_tokens=8)
+    seeded = SamplingParams(temperature=0.8, seed=11, logprobs=1, max_tokens=8)
+    prompts = {0: list(range(5, 14)), 1: list(range(40, 46))}
+    tables = {0: [7, 2, 9], 1: [4, 11]}
+    new = [NewRequestData(0, 0, prompts[0], [], greedy, tables[0], 0),
+           NewRequestData(1, 0, prompts[1], [], seeded, tables[1], 0)]
+    outs = [run(SchedulerOutput(scheduled_new_reqs=new, num_scheduled_tokens={0: 9, 1: 6},
+                                total_num_scheduled_tokens=15))]
+    lengths = {0: 9, 1: 6}
+    free = iter([13, 1, 20])
+    for _ in range(5):
+        sampled = outs[-1].sampled_token_ids
+        new_blocks = []
+        for i in (0, 1):
+            grow = lengths[i] % BLOCK == 0            # the sampled token starts a new block
+            new_blocks.append([next(free)] if grow else [])
+        cached = CachedRequestData([0, 1], [[sampled[0]], [sampled[1]]], new_blocks, [False, False],
+                                   [lengths[0], lengths[1]])
+        outs.append(run(SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={0: 1, 1: 1},
+                                        total_num_scheduled_tokens=2)))
+        lengths = {i: n + 1 for i, n in lengths.items()}
+    return outs
+
+
+@pytest.mark.parametrize("pp_size", [2, 3])
+def test_stage_runners_sample_what_the_whole_model_samples(three_layer, pp_size):
+    whole, stages, transport = runners(three_layer, pp_size)
+    expected = steps(lambda so: whole.execute_model(copy.deepcopy(so)))
+
+    def run_stages(so):
+        answers = [stage.execute_model(copy.deepcopy(so)) for stage in stages]   # stage order: as the sends flow
+        assert all(a == ModelRunnerOutput() for a in answers[:-1])               # only the last stage answers
+        return answers[-1]
+
+    got = steps(run_stages)
+    assert [o.sampled_token_ids for o in got] == [o.sampled_token_ids for o in expected]
+    assert [o.logprobs for o in got] == [o.logprobs for o in expected]
+    assert got[0].prompt_logprobs == expected[0].prompt_logprobs and got[0].prompt_logprobs
+    # each stage caches its own layers: 3 layers as 2 + 1, or 1 + 1 + 1
+    assert [s.kv_cache.shape[0] for s in stages] == ([2, 1] if pp_size == 2 else [1, 1, 1])
+    assert torch.equal(torch.cat([s.kv_cache for s in stages]), whole.kv_cache)
+    assert [s.model.pp.num_hops for s in stages] == [6] * (pp_size - 1) + [0]
+    assert all(not q for q in transport.queues)
+
+
+def test_stage_preemption_costs_send_nothing(three_layer):
+    _, stages, transport = runners(three_layer, 2)
+    for stage in stages:
+        costs = stage.measure_preemption_costs()
+        assert costs.seconds_per_token_recompute > 0 and 0 < costs.seconds_per_block_swap < float("inf")
+        assert not stage.kv_cache.any()                     # back to the zero state
+    assert transport.sent == [] and [s.model.pp.num_hops for s in stages] == [0, 0]
+
+
+def test_the_pipeline_runner_class_comes_from_the_extensions():
+    cls = extensions.build_class(ModelRunner, "model_runner", EngineConfig(pipeline_parallel_size=2))
+    assert cls.__mro__[1:4] == (PipelineModelRunner, StructuredOutputModelRunner, ModelRunner)
+
+
+def test_the_ends_of_a_pipeline_refuse_to_send_or_receive_past_them():
+    first, last = PPGroup(0, 2, QueueTransport(2)), PPGroup(1, 2, QueueTransport(2))
+    x = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="stage 1 of 2 is the last"):
+        last.send(IntermediateTensors(x, x))
+    with pytest.raises(RuntimeError, match="stage 0 of 2 is the first"):
+        first.recv(2, 8, torch.float32)
+    with pytest.raises(ValueError, match="PPGroup of size 2 needs a process_group"):
+        PPGroup(0, 2)
+
+
+GRID = r'''
+import json, sys, torch, torch.distributed as dist
+from nanopaged.layers.pipeline import IntermediateTensors, make_parallel_groups
+from nanopaged.worker.worker import init_process_group
+rank, folder = int(sys.argv[1]), sys.argv[2]
+group = init_process_group(rank, 4, f"file://{folder}/rendezvous", torch.device("cpu"))
+tp, pp = make_parallel_groups(rank, 2, 2, group)
+total = tp.all_reduce(torch.full((2,), float(rank)))
+got = []
+for n in (3, 5):                                     # two hops, in order, of different sizes
+    if pp.is_first_rank:
+        pp.send(IntermediateTensors(torch.full((n, 8), 100.0 * rank + n), torch.full((n, 8), -1.0 * rank - n)))
+    else:
+        t = pp.recv(n, 8, torch.float32)
+        got.append([t.hidden_states.unique().tolist(), t.residual.unique().tolist(), list(t.hidden_states.shape)])
+dist.barrier()
+dist.destroy_process_group()
+print(json.dumps(dict(rank=rank, tp=[tp.rank, tp.size], pp=[pp.rank, pp.size, pp.prev_rank, pp.next_rank],
+                      total=total.tolist(), got=got, hops=pp.num_hops, bytes=pp.bytes_sent)))
+'''
+
+
+def test_a_tp2_pp2_grid_of_gloo_processes_sends_to_its_own_tp_rank(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", NANOPAGED_COLLECTIVE_TIMEOUT_S="60",
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    procs = [subprocess.Popen([sys.executable, "-c", GRID, str(r), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
+    try:
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err[-2000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:                                  # nothing left behind, even on a failure
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    by_rank = {r["rank"]: r for r in results}
+    # tp inner: ranks 0, 1 are stage 0; 2, 3 stage 1; each stage's tp ranks sum among themselves
+    assert [by_rank[r]["tp"] for r in range(4)] == [[0, 2], [1, 2], [0, 2], [1, 2]]
+    assert [by_rank[r]["pp"] for r in range(4)] == [[0, 2, None, 2], [0, 2, None, 3], [1, 2, 0, None],
+                                                    [1, 2, 1, None]]
+    assert [by_rank[r]["total"] for r in range(4)] == [[1.0, 1.0], [1.0, 1.0], [5.0, 5.0], [5.0, 5.0]]
+    for receiver, sender in ((2, 0), (3, 1)):
+        assert by_rank[receiver]["got"] == [[[100.0 * sender + n], [-1.0 * sender - n], [n, 8]] for n in (3, 5)]
+        assert by_rank[sender]["hops"] == 2 and by_rank[sender]["bytes"] == 2 * (3 + 5) * 8 * 4
