@@ -54,7 +54,7 @@ class ReplayRecorder:
     def record(self, step: int, events: list[ev.Event]) -> None:
         for e in events:
             self.sampler(e)
-        self.sampler.end_step(step)
+        self.sampler.end_step(step, self.engine)
         self.snapshots.append(with_text(self.sampler.poll(self.engine, force=True), self.engine))
 
 
