@@ -6,7 +6,9 @@ batches. It is scheduled in a batch, then left out of every schedule (running, s
 or waiting) until that batch's output is taken in, so its tokens and grammar are
 current whenever it is scheduled and the outputs of batches in order give the same
 tokens as one batch at a time. A batch is a stage's worth of work for other requests
-meanwhile (the pipeline's micro-batches).
+meanwhile (the pipeline's micro-batches). As with async scheduling, nothing is
+scheduled behind a batch that forks n > 1 samples or advances beams until its output is
+in (`can_schedule_ahead`): a preemption meanwhile would leave its forks nothing to share.
 
 Built on AsyncScheduler (a step's tokens count as computed when it is scheduled), but
 with the base RunnerView: only the last stage samples, so the scheduler sends each
@@ -48,11 +50,6 @@ class PipelineScheduler(AsyncScheduler):
     def is_in_flight(self, request_id: str) -> bool:
         """Is a batch with this request in flight?"""
         return self._in_flight[request_id] > 0
-
-    def can_schedule_ahead(self) -> bool:
-        """Always: a request whose output the next schedule would depend on (forks, beams)
-        is in flight, so that schedule leaves it out."""
-        return True
 
     def _schedulable(self, seq: Sequence, group: SequenceGroup) -> bool:
         return not self.is_in_flight(group.request_id) and super()._schedulable(seq, group)

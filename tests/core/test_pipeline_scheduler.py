@@ -95,14 +95,15 @@ def test_batches_stagger_by_the_token_budget_and_stay_staggered():
 
 
 def test_n_samples_wait_for_the_fork_and_chunks_for_the_chunk_before():
-    """n=2: the prefill batch samples for both; the forks decode only once it is in.
-    A prompt chunked over two batches: its second chunk waits for the first."""
+    """n=2: the prefill batch samples for both; the forks decode only once it is in (and
+    the engine schedules nothing behind it meanwhile: can_schedule_ahead). A prompt
+    chunked over two batches: its second chunk waits for the first."""
     h = PipelineHarness(num_gpu_blocks=32, budget=8)
     h.add("A", tokens(10, 4), n=2, max_tokens=2)
     h.add("B", tokens(30, 12), max_tokens=1)
     a, a1, b = h.seq("A"), h.seq("A", 1), h.seq("B")
     b1 = h.schedule()
-    assert h.scheduled(b1) == {"A": 4, "A/1": 0, "B": 4}
+    assert h.scheduled(b1) == {"A": 4, "A/1": 0, "B": 4} and not h.scheduler.can_schedule_ahead()
     assert h.schedule().total_num_scheduled_tokens == 0        # A, its fork and B's next chunk wait
     h.finish(b1, {"A": 3, "A/1": 4})
     b3 = h.schedule()
