@@ -35,9 +35,11 @@ MAX_BLOCKS = 16384           # per pool: the first this many blocks are drawn (a
                              # default swap pool has millions; nobody reads a grid that big)
 
 
-def in_flight_batches(engine_core) -> list[tuple[int, ...]]:
-    """The seq ids of each batch in flight, oldest first ([] without pipeline parallelism)."""
-    return [tuple(b) for b in getattr(engine_core.scheduler, "in_flight_batches", ())]
+def in_flight_batches(engine_core) -> list[tuple[int, ...]] | None:
+    """The seq ids of each batch in flight, oldest first; None when the scheduler keeps
+    no batches in flight (no pipeline parallelism: one batch at a time)."""
+    batches = getattr(engine_core.scheduler, "in_flight_batches", None)
+    return None if batches is None else [tuple(b) for b in batches]
 
 
 def batches_during_step(before: list[tuple[int, ...]], after: list[tuple[int, ...]],
@@ -122,7 +124,7 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
         running=[g.request_id for g in s.running], waiting=[g.request_id for g in s.waiting],
         swapped=[g.request_id for g in s.swapped], steps=list(steps), stats=stats,
         pipeline_parallel_size=getattr(engine_core.config, "pipeline_parallel_size", 1),
-        in_flight=_batches(in_flight_batches(engine_core), named))
+        in_flight=_batches(in_flight_batches(engine_core) or [], named))
 
 
 class DashboardSampler:
@@ -189,8 +191,8 @@ class DashboardSampler:
         engine_core, the step also records the batches in flight during it
         (batches_during_step; pipeline parallelism)."""
         self.current.step = step
-        if engine_core is not None:
-            after = in_flight_batches(engine_core)
+        after = None if engine_core is None else in_flight_batches(engine_core)
+        if after is not None:
             during = batches_during_step(self._in_flight, after, [x["seq_id"] for x in self.current.scheduled])
             self.current.in_flight = _batches(during, self._seq_request)
             self._in_flight = after
@@ -240,7 +242,7 @@ class DashboardSampler:
         if self not in engine_core.observers:
             self.start = engine_core.start_time            # snapshots' time: since the engine started
             engine_core.observers.append(self)
-            self._in_flight = in_flight_batches(engine_core)
+            self._in_flight = in_flight_batches(engine_core) or []
         self._now = True
 
     def unwatch(self, engine_core) -> None:

@@ -61,7 +61,7 @@ def run_trace(engine: LLMEngine, scenario: Scenario, console: Console, *, steps:
     pending = sorted(scenario.requests, key=lambda r: r.arrival)
     history: History = []
     seq_request: dict[int, str] = {}
-    in_flight = in_flight_batches(engine)
+    in_flight = in_flight_batches(engine)          # None: one batch at a time (no pipeline)
     try:
         while steps is None or len(history) < steps:
             while pending and (pending[0].arrival <= len(history) or not engine.has_unfinished_requests()):
@@ -76,7 +76,7 @@ def run_trace(engine: LLMEngine, scenario: Scenario, console: Console, *, steps:
                 if isinstance(e, (ev.RequestAdded, ev.SequenceScheduled)):
                     ids = e.seq_ids if isinstance(e, ev.RequestAdded) else (e.seq_id, *e.forks)
                     seq_request.update(dict.fromkeys(ids, e.request_id))
-            if in_flight or after:
+            if after is not None:
                 scheduled = [i for e in events if isinstance(e, ev.SequenceScheduled) for i in (e.seq_id, *e.forks)]
                 during = batches_during_step(in_flight, after, scheduled)
                 events.append(BatchesInFlight(tuple(tuple(dict.fromkeys(seq_request.get(i, "?") for i in b))

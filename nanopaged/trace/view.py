@@ -161,7 +161,7 @@ class TraceView:
                 drafts = f" (its last token and {k} draft{'s' if k > 1 else ''})" if k else ""
                 rows["scheduled"].append(Text.assemble(self.seq(e.seq_id), f" {e.kind}: {e.num_tokens} token"
                                                        f"{'s' if e.num_tokens > 1 else ''}, {where}{forks}{drafts}"))
-            elif isinstance(e, BatchesInFlight):
+            elif isinstance(e, BatchesInFlight) and e.batches:
                 rows["in flight"].append(self.batches(e))
             elif isinstance(e, ev.DraftsVerified):
                 rows["drafts"].append(self.verified(e))
