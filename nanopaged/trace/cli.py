@@ -9,7 +9,8 @@ It runs the real engine on a small pool (block size 4, so paging is visible) and
 every step draws the scheduler's decision (who ran, prefill or decode, who was preempted,
 swapped back or finished), what happened to blocks (allocated, shared, copied on write,
 cached, evicted, taken back from rejected drafts), each sequence's block table and the
-physical pool coloured by owner (view.py). These are the PagedAttention paper's
+physical pool coloured by owner (view.py), and with pipeline parallelism the batches in
+flight. These are the PagedAttention paper's
 Figures 6 and 7 drawn from a live engine; the scenarios (scenarios.py) replay them. vLLM
 has no tracer, only the KV-cache events of `vllm/distributed/kv_events.py`.
 

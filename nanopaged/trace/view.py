@@ -23,6 +23,7 @@ The paper's Figures 6 and 7 draw the same three things: logical blocks, the bloc
 physical blocks. With speculative decoding (chapter 19) a verify step also shows each
 sequence's drafts, the ones the model accepted, the model's own token where it first
 disagreed, and the blocks taken back because they held only rejected drafts' slots.
+With pipeline parallelism (chapter 20) a step shows the batches in flight during it.
 """
 from __future__ import annotations
 
