@@ -326,7 +326,7 @@ class EngineConfig:
         EngineConfig: max_model_len and max_num_batched_tokens from the model,
         max_logits_bytes from vocab_size (when given), dtype
         (the name of torch_dtype), device ("cpu", "cuda" or "cuda:N") and
-        distributed_executor_backend from the machine and tensor_parallel_size.
+        distributed_executor_backend from the machine and the grid (tp x pp).
         Resolving a resolved config changes nothing.
 
         Raises:

@@ -19,13 +19,12 @@ in the cached requests) and `vllm/v1/engine/core.py` (`step_with_batch_queue`).
 from __future__ import annotations
 
 from collections import Counter, deque
-from contextlib import contextmanager
 
 from ..messages import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from .async_scheduler import AsyncScheduler
 from .runner_view import RunnerView
 from .scheduler_output import ScheduledStep
-from .sequence import Sequence, SequenceGroup
+from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class PipelineScheduler(AsyncScheduler):
@@ -54,26 +53,22 @@ class PipelineScheduler(AsyncScheduler):
     def _schedulable(self, seq: Sequence, group: SequenceGroup) -> bool:
         return not self.is_in_flight(group.request_id) and super()._schedulable(seq, group)
 
-    def _schedule_swapped(self, step: ScheduledStep) -> None:
-        with self._until_in_flight("swapped"):
-            super()._schedule_swapped(step)
-
     def _schedule_waiting(self, step: ScheduledStep) -> None:
-        with self._until_in_flight("waiting"):
-            super()._schedule_waiting(step)
-
-    @contextmanager
-    def _until_in_flight(self, name: str):
-        """The queue `name` cut before its first request in flight (one preempted while
-        its batch runs): it and those behind it wait (first come, first served)."""
-        queue = getattr(self.queues, name)
-        cut = next((i for i, g in enumerate(queue) if self.is_in_flight(g.request_id)), len(queue))
-        rest = deque(queue[i] for i in range(cut, len(queue)))
-        setattr(self.queues, name, deque(queue[i] for i in range(cut)))
+        """Waiting requests join (FCFS) up to the first one still in flight: preempted
+        by recompute while its batch runs, it waits for that batch's token (and those
+        behind it wait too). A request swapped out in flight may come back in: its
+        blocks move behind its batch on every rank, and _schedulable holds it."""
+        groups = [self.queues.requests.get(request_id) for request_id in self._in_flight]
+        if not any(g is not None and g.get_seqs(SequenceStatus.WAITING) for g in groups):   # usual: O(in flight)
+            return super()._schedule_waiting(step)
+        ready, rest = deque(), deque()
+        for group in self.queues.waiting:
+            (rest if rest or self.is_in_flight(group.request_id) else ready).append(group)
+        self.queues.waiting = ready
         try:
-            yield
+            super()._schedule_waiting(step)
         finally:
-            getattr(self.queues, name).extend(rest)
+            self.queues.waiting.extend(rest)
 
     def _after_schedule(self, step: ScheduledStep, samples: list[bool], out: SchedulerOutput) -> None:
         """A batch with sequences is in flight from now on (an empty one is not a batch)."""

@@ -132,8 +132,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "pipeline_parallel_size": (int, "N", "stages the layers are split over, with that many batches in flight; "
                                "tp x pp ranks (async scheduling is then always on; not with speculative decoding)"),
     "distributed_executor_backend": (str, "NAME", "uni (in this process), mp (a process per rank) or "
-                                     "external_launcher (torchrun, tensor parallelism only) (not given: uni at one rank, "
-                                     "else mp)"),
+                                     "external_launcher (torchrun, tensor parallelism only) (not given: uni at one "
+                                     "rank, else mp)"),
     "speculative_config": (str, "JSON", "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                            "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
                            "or '{\"method\": \"draft_model\", \"model\": PATH}' (chapter 19; not given: off)"),

@@ -234,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         inv_freq = rope_inv_freq(self.config)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        weight = next(self.parameters())       # embed_tokens' (a pipeline stage: its first)
+        weight = next(self.parameters())       # where the weights live, in their dtype
         device, dtype = weight.device, weight.dtype
         self.rope_cos = emb.cos().to(device=device, dtype=dtype)
         self.rope_sin = emb.sin().to(device=device, dtype=dtype)

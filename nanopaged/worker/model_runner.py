@@ -17,7 +17,7 @@ It owns the KV cache, zero-filled once (padded block-table entries are read, the
 masked, and 0 * NaN would still be NaN):
     kv_cache: [num_layers, 2 (K, V), num_gpu_blocks, block_size, num_kv_heads, head_size]
 with num_kv_heads this rank's share under tensor parallelism (worker.py) and num_layers
-its stage's under pipeline parallelism (model.num_kv_cache_layers).
+the layers whose K/V it caches (model.num_kv_cache_layers: all of them here).
 
 vLLM: `vllm/v1/worker/gpu_model_runner.py`.
 """
@@ -67,7 +67,7 @@ class ModelRunner:
         self.ops = ops or TorchOps()
         model.set_ops(self.ops)
         self.block_size = bs = config.block_size
-        weight = next(model.parameters())          # embed_tokens' (a pipeline stage: its first)
+        weight = next(model.parameters())          # where the weights live, in their dtype
         self.device, self.dtype = weight.device, weight.dtype
         shape = (model.num_kv_cache_layers, 2, num_gpu_blocks, bs, model.num_local_kv_heads, c.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -83,7 +83,7 @@ class ModelRunner:
     def kv_cache_bytes_per_block(model_config, block_size: int, dtype: torch.dtype,
                                  num_kv_heads: int | None = None, num_layers: int | None = None) -> int:
         """Bytes of one block, K and V, of num_kv_heads heads (default: all) in
-        num_layers layers (default: all; a pipeline stage caches its own)."""
+        num_layers layers (default: all; the Worker passes model.num_kv_cache_layers)."""
         num_kv_heads = model_config.num_key_value_heads if num_kv_heads is None else num_kv_heads
         num_layers = model_config.num_hidden_layers if num_layers is None else num_layers
         return (2 * num_layers * block_size * num_kv_heads

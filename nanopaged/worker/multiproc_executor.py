@@ -57,7 +57,8 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, config, model_path, model_config, ops: TorchOps) -> None:
         self.world_size = n = config.world_size
-        self.tensor_parallel_size, self.pipeline_parallel_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.tensor_parallel_size = config.tensor_parallel_size
+        self.pipeline_parallel_size = config.pipeline_parallel_size
         self.output_rank = output_rank(config)         # answers each step
         self.dead_reason: str | None = None
         self._dir = tempfile.mkdtemp(prefix="nanopaged-tp-")

@@ -5,9 +5,10 @@ runner.
 Every rank gets the same SchedulerOutput and runs the same step; the ranks of a stage
 meet only in the model's collectives (layers/parallel.py), and every rank samples the
 same tokens from the same gathered logits (chapter 17). The stages of a pipeline pass
-their hidden states on (layers/pipeline.py); only the last stage samples. At start a rank loads its shard and measures
-the memory left for its KV pool (`determine_available_memory`); the EngineCore takes
-the smallest answer and sizes every pool (`initialize_kv_cache`).
+their hidden states on (layers/pipeline.py); only the last stage samples. At start a
+rank loads its shard and measures the memory left for its KV pool
+(`determine_available_memory`); the EngineCore takes the smallest answer and sizes
+every pool (`initialize_kv_cache`).
 vLLM: `vllm/v1/worker/gpu_worker.py`, `cpu_worker.py`.
 """
 from __future__ import annotations

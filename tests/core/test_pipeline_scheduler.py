@@ -152,6 +152,40 @@ def test_a_request_preempted_while_in_flight_keeps_its_token_and_waits(mode):
     assert h.free_blocks() == 5
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_request_preempted_in_flight_is_not_taken_back_before_its_batch_is_in(mode):
+    """pp=3, 4 blocks, a 4-token budget. A's prefill (batch 0), X's (batch X, 8 tokens)
+    and C's (batch C) are in flight together. A's output comes in: its decode needs a
+    block, and C, the latest arrival, is preempted in flight. X's output comes in next:
+    X is done and frees its two blocks, so C fits again while batch C still computes
+    it: prefilled anew it is not (recompute), swapped back in it may be (its blocks
+    move behind batch C on every rank), but it computes nothing before batch C's output
+    (its token) is in; then it runs on."""
+    h = PipelineHarness(num_gpu_blocks=4, budget=4, pp=3, chunked=False, preemption_mode=mode,
+                        num_cpu_blocks=4 if mode == "swap" else 0)
+    h.add("A", tokens(10, 4), max_tokens=3)
+    b0 = h.schedule()
+    h.add("X", tokens(20, 8), max_tokens=1)
+    h.add("C", tokens(30, 4), max_tokens=3)
+    c = h.seq("C")
+    bx, bc = h.schedule(), h.schedule()
+    assert (h.scheduled(b0), h.scheduled(bx), h.scheduled(bc)) == ({"A": 4}, {"X": 8}, {"C": 4})
+    h.finish(b0, {"A": 1})
+    bp = h.schedule()
+    assert h.scheduled(bp) == {"A": 1} and h.preempted == [("C", mode)]
+    h.finish(bx, {"X": 2})                                       # X is done: 2 blocks are free
+    assert h.free_blocks() == 2
+    assert h.schedule().total_num_scheduled_tokens == 0          # C is still in batch C
+    h.finish(bc, {"C": 5})
+    assert c.output_token_ids == [5]
+    h.finish(bp, {"A": 3})
+    for _ in range(20):
+        if not h.scheduler.has_unfinished_requests():
+            break
+        h.step()
+    assert c.output_token_ids == [5, 7, 7] and h.free_blocks() == 4
+
+
 def test_reset_after_failure_clears_the_batches_in_flight():
     h = PipelineHarness(num_gpu_blocks=16, budget=4)
     h.add("A", tokens(10, 4), max_tokens=3)

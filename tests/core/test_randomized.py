@@ -4,8 +4,11 @@ output lengths, arrival steps, aborts, parallel sampling (n > 1, seeded), beam s
 block sizes 1-16, tiny pools, small token budgets (chunked prefill), preemption by swap
 or recompute (or auto), and prefix caching on or off. Every request that was not aborted
 must produce exactly what it produces alone, in a roomy engine with caching off; and so
-with async scheduling on (the same drawn workloads, fewer of them)."""
+with async scheduling on (the same drawn workloads, fewer of them), and with up to pp=2 or 3
+batches in flight (pipeline parallelism's batch queue over one in-process worker)."""
 from functools import lru_cache
+
+import pytest
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -59,7 +62,7 @@ _engines = {}
 
 
 def get_engine(folder, block_size, num_blocks, limits, caching, async_scheduling=False, spec=None):
-    key = (block_size, num_blocks, limits, caching, async_scheduling, spec)
+    key = (str(folder), block_size, num_blocks, limits, caching, async_scheduling, spec)
     max_num_seqs, budget, (mode, num_cpu_blocks) = limits
     if key not in _engines:
         _engines[key] = LLMEngine(EngineConfig(model=str(folder), block_size=block_size,
@@ -175,3 +178,62 @@ def test_speculative_decoding_keeps_invariants_and_greedy_outputs(tiny_model_dir
         else:
             assert all(len(c) == r["max_tokens"] for c in out) or \
                 finished[f"r{i}"].outputs[0].finish_reason == "length", (i, r)
+
+
+@pytest.fixture(scope="module")
+def four_layer_dir(tmp_path_factory):
+    """A tiny Llama with 4 layers: pp=3 splits them (get_pp_indices refuses pp > layers)."""
+    from nanopaged.exercises.tiny_model import make_tiny_llama
+
+    folder = tmp_path_factory.mktemp("pp-llama")
+    make_tiny_llama(folder, num_hidden_layers=4)
+    return folder
+
+
+def _pipeline_engine(folder, block_size, num_blocks, limits, caching, pp):
+    """get_engine's engine with pipeline_parallel_size=pp (PipelineEngineCore and
+    PipelineScheduler: up to pp batches in flight) over one whole-model worker in this
+    process, each batch run when it is sent (tests/engine/test_pipeline_parallel.py)."""
+    from dataclasses import replace
+
+    from nanopaged.worker import executor as em
+
+    key = (str(folder), block_size, num_blocks, limits, caching, "pp", pp)
+    if key not in _engines:
+        max_num_seqs, budget, (mode, num_cpu_blocks) = limits
+
+        def one_worker(config, model_path, model_config, ops):
+            whole = replace(config, pipeline_parallel_size=1, distributed_executor_backend="uni")
+            return em.UniProcExecutor(whole, model_path, model_config, ops)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(em.Executor, "create", staticmethod(one_worker))
+            _engines[key] = LLMEngine(EngineConfig(
+                model=str(folder), block_size=block_size, num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=budget, enable_prefix_caching=caching, preemption_mode=mode,
+                num_cpu_blocks=num_cpu_blocks, pipeline_parallel_size=pp))
+    return _engines[key]
+
+
+def _one_batch_per_request(eng):
+    """The pipeline's rule, read from the batches in flight; then the invariants."""
+    core, seqs = eng.engine_core, eng.scheduler.queues.seqs
+    batches = [b.scheduler_output for b in core.batch_queue if b.is_batch]
+    requests = [{seqs[i][1].request_id for i in so.num_scheduled_tokens if i in seqs} for so in batches]
+    assert sum(map(len, requests)) == len(set().union(*requests)), "a request is in two in-flight batches"
+    check_block_invariants(eng)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workloads(), st.sampled_from([2, 3]))
+def test_pipeline_batches_in_flight_give_the_same_outputs(four_layer_dir, workload, pp):
+    """Up to pp batches in flight (pipeline parallelism's batch queue, the stages
+    replaced by one in-process worker): each request produces what it produces alone,
+    no request is ever in two in-flight batches, and the invariants hold after every step."""
+    block_size, num_blocks, limits, caching, reqs = workload
+    eng = _pipeline_engine(four_layer_dir, block_size, num_blocks, limits, caching, pp)
+    finished, aborted = run_workload(eng, reqs, check=_one_batch_per_request)
+    assert set(finished) | aborted == {f"r{i}" for i in range(len(reqs))}
+    for i, r in enumerate(reqs):
+        if f"r{i}" not in aborted:
+            assert completions(finished[f"r{i}"]) == solo_output(
+                str(four_layer_dir), r["prompt"], r["kind"], r["n"], r["max_tokens"], r["seed"]), (i, r)

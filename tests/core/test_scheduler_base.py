@@ -39,4 +39,10 @@ def test_each_feature_is_a_subclass_built_in_front_of_the_base():
         cls = extensions.build_class(base, part, config)
         features = [c for c in cls.__mro__[1:] if c is not base and issubclass(c, base)]
         assert [c.__module__ for c in features] == [extensions.PARTS[part][name].partition(":")[0]
-                                                    for name in extensions.ENABLED if name in extensions.PARTS[part]]
+                                                    for name, on in extensions.ENABLED.items()
+                                                    if name in extensions.PARTS[part] and on(config)]
+    # pipeline parallelism is built on async scheduling: its classes subclass the async ones
+    config = EngineConfig(pipeline_parallel_size=2, async_scheduling=True)
+    mro = extensions.build_class(Scheduler, "scheduler", config).__mro__
+    assert [c.__module__.rpartition(".")[2] for c in mro[1:5]] == [
+        "pipeline_scheduler", "async_scheduler", "beam_search", "structured_output_scheduler"]

@@ -6,14 +6,21 @@ grid of worker processes (stages over gloo), which must give pp=1's ids token fo
 """
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections import deque
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
-from nanopaged import LLM, EngineConfig, LLMEngine, SamplingParams
+from nanopaged import LLM, BeamSearchParams, EngineConfig, SamplingParams, StructuredOutputsParams
 from nanopaged.engine.arg_utils import add_cli_args, engine_kwargs
 from nanopaged.exercises.tiny_model import make_tiny_llama
+from nanopaged.messages import PreemptionCosts
+from nanopaged.utils.proc import EngineDeadError
+from nanopaged.worker.executor import combine_stage_costs
 from nanopaged.worker import executor as executor_module
 
 from invariants import check_block_invariants
@@ -89,9 +96,11 @@ def in_process(monkeypatch):
 
 def checked(llm) -> LLM:
     """llm whose engine core checks, after each step, that no request (nor sequence) is
-    in two batches in flight, and the block and runner-record invariants."""
+    in two batches in flight, and the block invariants (and the runner's record, when
+    the runner is in this process)."""
     eng, core = llm.engine, llm.engine.engine_core
     step = core.step
+    local = hasattr(core.executor, "driver_worker")
 
     def checked_step():
         out = step()
@@ -102,12 +111,24 @@ def checked(llm) -> LLM:
         requests = [{seqs[i][1].request_id for i in so.num_scheduled_tokens if i in seqs} for so in batches]
         assert sum(map(len, requests)) == len(set().union(*requests)), "a request is in two in-flight batches"
         assert core.scheduler.in_flight_batches == [list(so.num_scheduled_tokens) for so in batches]
-        if not any(b.future.done() and b.future.exception() for b in core.batch_queue):
-            check_block_invariants(eng)        # (a batch that raised is taken in, and undone, next step)
+        if not any(getattr(b.future, "done", bool)() and b.future.exception() for b in core.batch_queue):
+            # (a batch that raised is taken in, and undone, next step)
+            check_block_invariants(eng if local else blocks_only(eng))
         return out
 
     core.step = checked_step
     return llm
+
+
+def blocks_only(eng) -> SimpleNamespace:
+    """What check_block_invariants reads of an engine whose runners are in worker
+    processes: the pools and queues, and no runner record to compare."""
+    s = eng.scheduler
+    view = SimpleNamespace(known={}, finished_seq_ids=set())
+    scheduler = SimpleNamespace(waiting=s.waiting, running=s.running, swapped=s.swapped, requests=s.requests,
+                                config=s.config, runner_view=view)
+    return SimpleNamespace(block_manager=eng.block_manager, scheduler=scheduler,
+                           model_runner=SimpleNamespace(input_batch=SimpleNamespace(seqs={})))
 
 
 PREFIX = list(range(40, 60))
@@ -119,10 +140,31 @@ MIXED = [GREEDY, SEEDED, FORKS, GREEDY, SEEDED, FORKS]
 
 
 def completions(outs):
-    """Every completion's ids and logprobs, and the prompt logprobs, as comparable values."""
+    """Every completion's ids, and the ids and logprobs of each top-logprob row (sample
+    and prompt rows), as comparable values."""
     def lp(rows):
-        return [sorted((t, round(v.logprob, 5)) for t, v in row.items()) if row else row for row in rows or []]
+        return [sorted((t, v.logprob) for t, v in row.items()) if row else row for row in rows or []]
     return [([(c.token_ids, lp(c.logprobs)) for c in o.outputs], lp(o.prompt_logprobs)) for o in outs]
+
+
+def assert_same(outs, ref, tol=1e-5):
+    """The same ids (tokens and top-logprob ids) token for token, logprobs within tol."""
+    def split(x):
+        ids, values = [], []
+
+        def walk(v):
+            if isinstance(v, float):
+                values.append(v)
+            elif isinstance(v, (list, tuple)):
+                for item in v:
+                    walk(item)
+            else:
+                ids.append(v)
+        walk(x)
+        return ids, values
+    (ids, values), (ref_ids, ref_values) = split(completions(outs)), split(completions(ref))
+    assert ids == ref_ids
+    assert len(values) == len(ref_values) and all(abs(a - b) <= tol for a, b in zip(values, ref_values))
 
 
 def reference(folder, prompts=PROMPTS, params=MIXED):
@@ -150,7 +192,7 @@ def test_batch_queue_gives_pp1_outputs_with_hits_chunks_and_both_preemptions(in_
     recompute."""
     ref_first, ref = reference(four_layers)
     llm, first, outs = run_pp(four_layers, pp)
-    assert completions(first) == completions(ref_first) and completions(outs) == completions(ref)
+    assert completions(first) == completions(ref_first) and completions(outs) == completions(ref)   # one process: bits
     stats = llm.engine.get_stats()
     assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0, stats
     assert stats["prefix_cache_hits"] > 0 and stats["num_copy_on_write"] > 0, stats
@@ -159,15 +201,13 @@ def test_batch_queue_gives_pp1_outputs_with_hits_chunks_and_both_preemptions(in_
 
 
 def test_batch_queue_beams_and_structured_outputs(in_process, four_layers):
-    from nanopaged import BeamSearchParams, StructuredOutputsParams
-
     date = SamplingParams(temperature=0.8, seed=4, n=2, max_tokens=20,
                           structured_outputs=StructuredOutputsParams(regex="[0-9]{4}-[0-9]{2}-[0-9]{2}"))
     beams = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
     params = [date, SEEDED, date, GREEDY, date, SEEDED]
 
     def run(llm):
-        return ([[(s.tokens, round(s.cum_logprob, 5)) for s in o.sequences] for o in llm.beam_search(PROMPTS[:3], beams)],
+        return ([[(s.tokens, s.cum_logprob) for s in o.sequences] for o in llm.beam_search(PROMPTS[:3], beams)],
                 completions(llm.generate(PROMPTS, params, use_tqdm=False)))
 
     ref = run(LLM(str(four_layers), num_gpu_blocks=256, block_size=4, dtype="float32"))
@@ -212,3 +252,153 @@ def test_a_batch_that_raises_sends_every_request_in_flight_back_and_the_engine_g
                 final[out.request_id] = out.outputs[0].token_ids
     assert [final[str(i)] for i in range(len(PROMPTS))] == [o.outputs[0].token_ids for o in ref]
     assert eng.get_stats()["num_free_gpu_blocks"] == 64
+
+
+# ---- the grid of worker processes (stages over gloo) ---------------------------------
+
+def worker_pids(llm) -> list[int]:
+    return [p.pid for p in llm.engine.engine_core.executor.procs]
+
+
+def wait_gone(pids, timeout: float = 15.0) -> set[int]:
+    """The pids still alive after waiting up to `timeout` seconds."""
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as f:            # a zombie is gone too
+            return f.read().split(")")[-1].split()[0] != "Z"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return {p for p in pids if alive(p)}
+
+
+class InterruptOnce:
+    """A socket whose first poll raises KeyboardInterrupt (a Ctrl-C mid-step)."""
+
+    def __init__(self, sock):
+        self.sock, self.fired = sock, False
+
+    def poll(self, timeout):
+        if not self.fired:
+            self.fired = True
+            time.sleep(0.2)               # the ranks' answers are on their way
+            raise KeyboardInterrupt
+        return self.sock.poll(timeout)
+
+    def recv(self):
+        return self.sock.recv()
+
+
+def test_preemption_costs_add_up_over_stages():
+    """Recomputing runs every stage's layers one after another (seconds add up); a swap
+    copies each stage's blocks at once (the slowest stage). One stage: rank 0's own."""
+    costs = [PreemptionCosts(1e-3, 2e-4), PreemptionCosts(9e-3, 9e-4),     # stage 0: tp ranks 0, 1
+             PreemptionCosts(3e-3, 5e-4), PreemptionCosts(7e-3, 7e-4)]     # stage 1
+    assert combine_stage_costs(costs, 2) == PreemptionCosts(3e-3, 2e-4 + 5e-4)
+    assert combine_stage_costs(costs, 4) is costs[0]
+
+
+@pytest.fixture(scope="module")
+def pp1_reference(four_layers):
+    return reference(four_layers)
+
+
+BEAMS = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+DATE = SamplingParams(temperature=0.8, seed=4, n=2, max_tokens=20,
+                      structured_outputs=StructuredOutputsParams(regex="[0-9]{4}-[0-9]{2}-[0-9]{2}"))
+
+
+def beams_and_grammars(llm):
+    params = [DATE, SEEDED, DATE, GREEDY, DATE, SEEDED]
+    return ([[(s.tokens, s.cum_logprob) for s in o.sequences] for o in llm.beam_search(PROMPTS[:3], BEAMS)],
+            llm.generate(PROMPTS, params, use_tqdm=False))
+
+
+@pytest.mark.parametrize("pp, tp", [(2, 1), pytest.param(3, 1, marks=pytest.mark.slow),
+                                    pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_worker_grid_gives_pp1_ids_logprobs_and_samples(four_layers, pp1_reference, pp, tp):
+    """pp stages (x tp ranks each) in worker processes: the workload of the in-process
+    test above (prefix hits, chunked prefill, swap and recompute preemption, seeded and
+    n=3 sampling), then beam search and structured outputs, give pp=1's ids token for
+    token and its logprobs within 1e-5, with pp batches in flight and every request in
+    at most one of them; shutdown leaves no process and no socket folder."""
+    ref_first, ref = pp1_reference
+    llm, first, outs = run_pp(four_layers, pp, tensor_parallel_size=tp)
+    pids, folder = worker_pids(llm), llm.engine.engine_core.executor._dir
+    assert len(pids) == pp * tp
+    assert_same(first, ref_first)
+    assert_same(outs, ref)
+    stats = llm.engine.get_stats()
+    assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0, stats
+    assert stats["prefix_cache_hits"] > 0 and stats["num_copy_on_write"] > 0, stats
+    assert stats["max_batches_in_flight"] == pp and stats["num_free_gpu_blocks"] == 32
+    comm = llm.engine.engine_core.executor.get_comm_stats()
+    # every stage but the last sends on
+    assert [c["pp_num_hops"] > 0 for c in comm] == [r // tp < pp - 1 for r in range(pp * tp)]
+    if pp == 2 and tp == 1:
+        beams, sampled = beams_and_grammars(llm)
+        ref_beams, ref_sampled = beams_and_grammars(LLM(str(four_layers), num_gpu_blocks=256, block_size=4,
+                                                        dtype="float32"))
+        assert [[t for t, _ in b] for b in beams] == [[t for t, _ in b] for b in ref_beams]
+        assert all(abs(x - y) <= 1e-5 for b, rb in zip(beams, ref_beams) for (_, x), (_, y) in zip(b, rb))
+        assert_same(sampled, ref_sampled)
+        # Ctrl-C while waiting for the oldest batch: the batches in flight are waited
+        # for, their requests sent back, and the engine goes on with the same ids
+        executor = llm.engine.engine_core.executor
+        executor.output = InterruptOnce(executor.output)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, MIXED, use_tqdm=False)
+        executor.output = executor.output.sock
+        assert llm.engine.engine_core.num_batches_in_flight == 0
+        assert_same(llm.generate(PROMPTS, MIXED, use_tqdm=False), ref)
+    llm.shutdown()
+    assert not wait_gone(pids) and not os.path.exists(folder)
+
+
+@pytest.fixture(scope="module")
+def pp2_bf16(four_layers):
+    """A pp=2 bf16 engine: the batch-invariance test uses it, then the last test kills it."""
+    llm = LLM(str(four_layers), num_gpu_blocks=64, block_size=4, pipeline_parallel_size=2, dtype="bfloat16",
+              enable_prefix_caching=False, max_num_batched_tokens=16, max_num_seqs=8, preemption_mode="recompute")
+    yield llm
+    llm.shutdown()
+
+
+def test_pp2_in_bf16_is_batch_invariant(pp2_bf16):
+    """In bfloat16, a prompt's per-step logprobs at pp=2 are the same floats alone, in a
+    batch and again (the stages hand on hidden states as they are: no new rounding)."""
+    llm = pp2_bf16
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+    def target(prompts):
+        out = llm.generate(prompts, params, use_tqdm=False)[prompts.index(PROMPTS[4])].outputs[0]
+        return out.token_ids, out.logprobs
+    alone = target([PROMPTS[4]])
+    assert target(PROMPTS) == alone
+    assert target([PROMPTS[4], PROMPTS[0]]) == alone
+    assert target([PROMPTS[4]]) == alone
+
+
+def test_a_stage_that_dies_mid_run_ends_the_engine_naming_it(pp2_bf16):
+    """The last stage's worker is killed while batches are in flight: a step raises
+    EngineDeadError within seconds naming its rank and stage, every worker is gone, and
+    the engine stays dead. (Last in this file: it ends the module's bf16 engine.)"""
+    eng, pids = pp2_bf16.engine, worker_pids(pp2_bf16)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    assert eng.engine_core.num_batches_in_flight > 0
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"worker rank 1 \(pipeline stage 1, tensor-parallel rank 0\).* died: "
+                                              "killed by SIGKILL"):
+        for _ in range(1000):
+            eng.step()
+    assert time.monotonic() - start < 30
+    assert not wait_gone(pids)
+    with pytest.raises(EngineDeadError):
+        eng.step()

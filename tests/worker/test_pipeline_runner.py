@@ -7,18 +7,13 @@
   answers empty. Their preemption-cost measurement sends nothing.
 - A stage's Worker: its KV block counts its own layers; its counters; a grid that
   does not match the world size is refused.
-- Across processes: a grid of tp=2 x pp=2 gloo ranks (file:// rendezvous in tmp_path)
-  built by make_parallel_groups: each stage's tp ranks all-reduce among themselves, and
-  rank r of stage 0 sends its IntermediateTensors to rank r of stage 1, in order.
+- Over real gloo: three stages (threads, a FileStore group in tmp_path) pass their
+  IntermediateTensors on, in order, counting hops and bytes.
 """
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+import threading
 
 import pytest
 import torch
@@ -132,74 +127,67 @@ def test_the_ends_of_a_pipeline_refuse_to_send_or_receive_past_them():
         PPGroup(0, 2)
 
 
-GRID = r'''
-import json, sys, torch, torch.distributed as dist
-from nanopaged.layers.pipeline import IntermediateTensors, make_parallel_groups
-from nanopaged.worker.worker import init_process_group
-rank, folder = int(sys.argv[1]), sys.argv[2]
-group = init_process_group(rank, 4, f"file://{folder}/rendezvous", torch.device("cpu"))
-tp, pp = make_parallel_groups(rank, 2, 2, group)
-total = tp.all_reduce(torch.full((2,), float(rank)))
-got = []
-for n in (3, 5):                                     # two hops, in order, of different sizes
-    if pp.is_first_rank:
-        pp.send(IntermediateTensors(torch.full((n, 8), 100.0 * rank + n), torch.full((n, 8), -1.0 * rank - n)))
-    else:
-        t = pp.recv(n, 8, torch.float32)
-        got.append([t.hidden_states.unique().tolist(), t.residual.unique().tolist(), list(t.hidden_states.shape)])
-dist.barrier()
-dist.destroy_process_group()
-print(json.dumps(dict(rank=rank, tp=[tp.rank, tp.size], pp=[pp.rank, pp.size, pp.prev_rank, pp.next_rank],
-                      total=total.tolist(), got=got, hops=pp.num_hops, bytes=pp.bytes_sent)))
-'''
+def test_stages_over_real_gloo_pass_their_tensors_on_in_order(tmp_path):
+    """pp=3 over a gloo ProcessGroup (made from a FileStore in tmp_path; the ranks are
+    threads, so no process start): stage 0 sends, stage 1 receives, adds and sends on,
+    stage 2 receives; two hops of different sizes, in order. (Worker processes over the
+    tp x pp grid, with make_parallel_groups' new_group path: tests/engine/test_pipeline_parallel.py.)"""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from nanopaged.layers.pipeline import make_parallel_groups
+
+    got, errors = {}, []
+
+    def stage_main(rank):
+        try:
+            group = dist.ProcessGroupGloo(dist.FileStore(str(tmp_path / "store"), 3), rank, 3,
+                                          timedelta(seconds=60))
+            _, pp = make_parallel_groups(rank, 1, 3, group)
+            for n in (3, 5):
+                if pp.is_first_rank:
+                    pp.send(IntermediateTensors(torch.full((n, 8), float(n)), torch.full((n, 8), -float(n))))
+                    continue
+                t = pp.recv(n, 8, torch.float32)
+                if not pp.is_last_rank:
+                    pp.send(IntermediateTensors(t.hidden_states + 100, t.residual))
+                else:
+                    got[n] = (t.hidden_states.unique().tolist(), t.residual.unique().tolist(),
+                              list(t.hidden_states.shape))
+            got[rank] = (pp.num_hops, pp.bytes_sent, pp.prev_rank, pp.next_rank)
+        except Exception as e:          # noqa: BLE001 - reported by the test
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=stage_main, args=(r,), daemon=True) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and errors == []
+    assert got[3] == ([103.0], [-3.0], [3, 8]) and got[5] == ([105.0], [-5.0], [5, 8])
+    hop_bytes = 2 * (3 + 5) * 8 * 4                       # [2, n, 8] fp32, n = 3 then 5
+    assert [got[r] for r in range(3)] == [(2, hop_bytes, None, 1), (2, hop_bytes, 0, 2), (0, 0, 1, None)]
 
 
-def test_a_tp2_pp2_grid_of_gloo_processes_sends_to_its_own_tp_rank(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", NANOPAGED_COLLECTIVE_TIMEOUT_S="60",
-               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    procs = [subprocess.Popen([sys.executable, "-c", GRID, str(r), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
-    try:
-        results = []
-        for p in procs:
-            out, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err[-2000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:                                  # nothing left behind, even on a failure
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    by_rank = {r["rank"]: r for r in results}
-    # tp inner: ranks 0, 1 are stage 0; 2, 3 stage 1; each stage's tp ranks sum among themselves
-    assert [by_rank[r]["tp"] for r in range(4)] == [[0, 2], [1, 2], [0, 2], [1, 2]]
-    assert [by_rank[r]["pp"] for r in range(4)] == [[0, 2, None, 2], [0, 2, None, 3], [1, 2, 0, None],
-                                                    [1, 2, 1, None]]
-    assert [by_rank[r]["total"] for r in range(4)] == [[1.0, 1.0], [1.0, 1.0], [5.0, 5.0], [5.0, 5.0]]
-    for receiver, sender in ((2, 0), (3, 1)):
-        assert by_rank[receiver]["got"] == [[[100.0 * sender + n], [-1.0 * sender - n], [n, 8]] for n in (3, 5)]
-        assert by_rank[sender]["hops"] == 2 and by_rank[sender]["bytes"] == 2 * (3 + 5) * 8 * 4
-
-
-def test_a_stage_worker_holds_and_counts_its_own_layers(tmp_path):
+def test_a_stage_worker_holds_and_counts_its_own_layers(three_layer):
     from nanopaged.layers.backends import TorchOps
     from nanopaged.model.config import ModelConfig
     from nanopaged.worker.worker import Worker
 
-    make_tiny_model(tmp_path, "LlamaForCausalLM", num_hidden_layers=5)
-    model_config = ModelConfig.from_pretrained(tmp_path)
+    model_config = ModelConfig.from_pretrained(three_layer)
 
     def worker(pp_size, rank, world_size=None):
-        config = EngineConfig(model=str(tmp_path), block_size=BLOCK, max_model_len=64, dtype="float32",
+        config = EngineConfig(model=str(three_layer), block_size=BLOCK, max_model_len=64, dtype="float32",
                               pipeline_parallel_size=pp_size)
         group = QueueTransport(pp_size) if pp_size > 1 else None      # the world group of a 1 x pp grid
-        return Worker(config, tmp_path, model_config, ops=TorchOps(), rank=rank,
+        return Worker(config, three_layer, model_config, ops=TorchOps(), rank=rank,
                       world_size=pp_size if world_size is None else world_size, process_group=group)
 
     whole, first, last = worker(1, 0), worker(2, 0), worker(2, 1)
-    # 5 layers as 3 + 2: a stage's block holds its layers only, so pp=2 fits more blocks per rank
-    per_layer = whole.kv_cache_bytes_per_block() // 5
-    assert [first.kv_cache_bytes_per_block(), last.kv_cache_bytes_per_block()] == [3 * per_layer, 2 * per_layer]
+    # 3 layers as 2 + 1: a stage's block holds its layers only, so pp=2 fits more blocks per rank
+    per_layer = whole.kv_cache_bytes_per_block() // 3
+    assert [first.kv_cache_bytes_per_block(), last.kv_cache_bytes_per_block()] == [2 * per_layer, per_layer]
     assert (first.pp.rank, last.pp.rank, first.tp.size) == (0, 1, 1)
     assert isinstance(last.model, PipelineStageModel) and not isinstance(whole.model, PipelineStageModel)
     assert set(last.get_comm_stats()) == {"comm_seconds", "num_collectives", "pp_send_seconds", "pp_recv_seconds",
