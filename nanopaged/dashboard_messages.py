@@ -62,6 +62,9 @@ class DashboardStep:
         verified: per sequence that verified drafts {"request_id", "seq_id",
             "num_drafts", "num_accepted", "taken_back" (block ids freed: they held only
             rejected drafts' slots)}.
+        in_flight: pipeline parallelism: the batches in flight during the step, oldest
+            first, each {"request_ids", "seq_ids"}; the step took in the first one's
+            output ([] at pp=1, where a step runs one batch and waits for it).
     """
 
     step: int
@@ -69,6 +72,7 @@ class DashboardStep:
     preempted: list[dict] = field(default_factory=list)
     copy_on_write: list[dict] = field(default_factory=list)
     verified: list[dict] = field(default_factory=list)
+    in_flight: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -92,6 +96,10 @@ class DashboardSnapshot:
         stats: "tokens_per_s" (generated, over the last second), "kv_usage" (fraction of
             device blocks in use), "prefix_cache_hit_rate", "num_preemptions",
             "num_copy_on_write", "num_generated_tokens".
+        pipeline_parallel_size: the stages the model is split over (chapter 20).
+        in_flight: the batches sent down the pipeline and not yet taken in, oldest first
+            (the oldest is the furthest along), each {"request_ids", "seq_ids"}: at most
+            pipeline_parallel_size - 1 between two steps ([] at pp=1).
     """
 
     step: int
@@ -109,3 +117,5 @@ class DashboardSnapshot:
     swapped: list[str]
     steps: list[DashboardStep] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+    pipeline_parallel_size: int = 1
+    in_flight: list[dict] = field(default_factory=list)

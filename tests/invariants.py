@@ -74,7 +74,11 @@ def check_runner_state(engine) -> None:
     its computed ones (the token sampled last step reaches the runner next step).
     With async scheduling: once the forward in flight is done, the runner may know the
     tokens it sampled for the placeholders, beyond the scheduler's."""
-    sched, runner = engine.scheduler, engine.model_runner
+    sched = engine.scheduler
+    try:
+        runner = engine.model_runner
+    except AttributeError:                # in worker processes (tp or pp > 1, 'mp'): not readable here
+        return
     in_flight = getattr(getattr(engine, "engine_core", None), "_in_flight", None)
     if in_flight is not None:
         wait([in_flight.future])          # the worker thread writes runner state meanwhile

@@ -13,6 +13,10 @@ the decisions exist only as the step's events (events.py). The steps between two
 snapshots ride in the next one (the last MAX_STEPS of them). In a server the sampler
 is a watcher of the core process (engine_core_client.CoreWatcher); the tracer's replay
 page (trace/replay.py) polls it after every step. The pictures are trace/view.py's.
+
+With pipeline parallelism (chapter 20) the scheduler has batches in flight
+(PipelineScheduler.in_flight_batches, seq ids); a snapshot names their requests, and
+each DashboardStep the batches that were in flight during it (batches_during_step).
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import time
 from collections import deque
 
 from ..dashboard_messages import DashboardRequest, DashboardSequence, DashboardSnapshot, DashboardStep
-from ..events import BlockCached, BlockFreed, CopyOnWrite, DraftsVerified, Event, Preempted, SequenceScheduled
+from ..events import (BlockCached, BlockFreed, CopyOnWrite, DraftsVerified, Event, Preempted, RequestAdded,
+                      RequestFinished, SequenceScheduled)
 
 SNAPSHOT_INTERVAL_S = 0.2    # at most 5 snapshots a second: on 2 cores, 10 a second of SmolLM2's
                              # pool cost a viewer's server ~4% of its throughput (README)
@@ -30,8 +35,36 @@ MAX_BLOCKS = 16384           # per pool: the first this many blocks are drawn (a
                              # default swap pool has millions; nobody reads a grid that big)
 
 
+def in_flight_batches(engine_core) -> list[tuple[int, ...]] | None:
+    """The seq ids of each batch in flight, oldest first; None when the scheduler keeps
+    no batches in flight (no pipeline parallelism: one batch at a time)."""
+    batches = getattr(engine_core.scheduler, "in_flight_batches", None)
+    return None if batches is None else [tuple(b) for b in batches]
+
+
+def batches_during_step(before: list[tuple[int, ...]], after: list[tuple[int, ...]],
+                        scheduled: list[int]) -> list[tuple[int, ...]]:
+    """The batches in flight during one engine step, oldest first, from those in flight
+    before and after it and the seq ids it scheduled: the batch it took in (the oldest
+    before it; with none, the one it sent and took in at once: what it scheduled that is
+    not still in flight), then those still in flight. PipelineEngineCore.step takes in
+    exactly one batch when any is in flight."""
+    if before:
+        taken = before[0]
+    else:
+        held = {i for b in after for i in b}
+        taken = tuple(i for i in dict.fromkeys(scheduled) if i not in held)
+    return ([taken] if taken else []) + list(after)
+
+
+def _batches(batches: list[tuple[int, ...]], seq_request: dict[int, str]) -> list[dict]:
+    """[{"request_ids", "seq_ids"}] of each batch ("?" for a sequence nobody named)."""
+    return [{"request_ids": list(dict.fromkeys(seq_request.get(i, "?") for i in b)), "seq_ids": list(b)}
+            for b in batches]
+
+
 def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: float,
-                   tokens_per_s: float = 0.0) -> DashboardSnapshot:
+                   tokens_per_s: float = 0.0, seq_request: dict[int, str] | None = None) -> DashboardSnapshot:
     """The engine's state as it is now, as a DashboardSnapshot.
 
     Args:
@@ -41,6 +74,8 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
         step: the number of the last step the snapshot includes.
         now: the snapshot's `time` (seconds since the engine started).
         tokens_per_s: the generation rate to report in stats (the sampler measures it).
+        seq_request: seq id -> request id of sequences that may have left the queues
+            (finished while in flight), to name the in-flight batches' requests.
 
     The per-block lists cover the first MAX_BLOCKS blocks of each pool (num_gpu_blocks
     and num_cpu_blocks stay the pools' real sizes); block tables name every block.
@@ -52,7 +87,7 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
     nobody: list[str] = []
     owners: list[list[str]] = [nobody] * num_gpu
     cpu_owners: dict[int, str] = {}       # only the held CPU blocks: most of the pool is free
-    requests = []
+    requests, named = [], dict(seq_request or {})
     for status, queue in (("running", s.running), ("swapped", s.swapped), ("waiting", s.waiting)):
         for group in queue:
             rid, seqs = group.request_id, []
@@ -69,6 +104,7 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
                         owners[block_id] = [rid]
                     elif rid not in owners[block_id]:
                         owners[block_id].append(rid)
+                named[seq.seq_id] = rid
                 seqs.append(DashboardSequence(seq.seq_id, table, seq.is_swapped, seq.num_computed_tokens,
                                               seq.num_tokens))
             requests.append(DashboardRequest(rid, status, len(group.prompt_token_ids),
@@ -86,7 +122,9 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
         gpu_ref_count=list(bm.ref_count[:num_gpu]), gpu_cached=[h is not None for h in bm.block_hash[:num_gpu]],
         gpu_owners=owners, cpu_owners=cpu_owners, requests=requests,
         running=[g.request_id for g in s.running], waiting=[g.request_id for g in s.waiting],
-        swapped=[g.request_id for g in s.swapped], steps=list(steps), stats=stats)
+        swapped=[g.request_id for g in s.swapped], steps=list(steps), stats=stats,
+        pipeline_parallel_size=getattr(engine_core.config, "pipeline_parallel_size", 1),
+        in_flight=_batches(in_flight_batches(engine_core) or [], named))
 
 
 class DashboardSampler:
@@ -117,11 +155,19 @@ class DashboardSampler:
         self.num_snapshots = 0
         self._now = False                 # a viewer joined: the next poll is forced
         self._generated: deque[tuple[float, int]] = deque()   # (time, num_generated_tokens)
+        self._in_flight: list[tuple[int, ...]] = []           # the batches in flight after the last step
+        self._seq_request: dict[int, str] = {}                # seq id -> request id, from the events
+        self._finished: set[str] = set()
 
     def __call__(self, event: Event) -> None:
         """The observer (events.py): note a decision of the step being gathered."""
         self.changed = True
+        if isinstance(event, RequestAdded):
+            self._seq_request.update(dict.fromkeys(event.seq_ids, event.request_id))
+        elif isinstance(event, RequestFinished):
+            self._finished.add(event.request_id)
         if isinstance(event, SequenceScheduled):
+            self._seq_request.update(dict.fromkeys((event.seq_id, *event.forks), event.request_id))
             self.current.scheduled.append({"request_id": event.request_id, "seq_id": event.seq_id,
                                            "kind": event.kind, "num_tokens": event.num_tokens})
         elif isinstance(event, Preempted):
@@ -140,9 +186,19 @@ class DashboardSampler:
         elif not (verifying is not None and isinstance(event, BlockCached) and event.seq_id == verifying["seq_id"]):
             self._verifying = None        # (trace/scenarios.taken_back reads the events the same way)
 
-    def end_step(self, step: int) -> None:
-        """A step has ended: its decisions become DashboardStep number `step`."""
+    def end_step(self, step: int, engine_core=None) -> None:
+        """A step has ended: its decisions become DashboardStep number `step`. With
+        engine_core, the step also records the batches in flight during it
+        (batches_during_step; pipeline parallelism)."""
         self.current.step = step
+        after = None if engine_core is None else in_flight_batches(engine_core)
+        if after is not None:
+            during = batches_during_step(self._in_flight, after, [x["seq_id"] for x in self.current.scheduled])
+            self.current.in_flight = _batches(during, self._seq_request)
+            self._in_flight = after
+            held = {i for b in after for i in b}           # forget the finished, once out of the pipe
+            self._seq_request = {i: r for i, r in self._seq_request.items() if r not in self._finished or i in held}
+            self._finished = {r for r in self._finished if r in self._seq_request.values()}
         self.steps.append(self.current)
         self.current = DashboardStep(step=-1)
         self.changed = True
@@ -158,7 +214,7 @@ class DashboardSampler:
             return None
         rate = self._rate(now, engine_core.scheduler.num_generated_tokens)
         snapshot = build_snapshot(engine_core, self.steps, getattr(engine_core, "num_steps", 0),
-                                  now - self.start, rate)
+                                  now - self.start, rate, self._seq_request)
         self.last_rate = rate
         self.steps.clear()
         self.changed, self.last_snapshot, self.resting = False, now, resting
@@ -186,6 +242,7 @@ class DashboardSampler:
         if self not in engine_core.observers:
             self.start = engine_core.start_time            # snapshots' time: since the engine started
             engine_core.observers.append(self)
+            self._in_flight = in_flight_batches(engine_core) or []
         self._now = True
 
     def unwatch(self, engine_core) -> None:
@@ -193,7 +250,7 @@ class DashboardSampler:
 
     def after_step(self, engine_core, stepped: bool) -> DashboardSnapshot | None:
         if stepped:
-            self.end_step(engine_core.num_steps)
+            self.end_step(engine_core.num_steps, engine_core)
         snapshot, self._now = self.poll(engine_core, force=self._now), False
         return snapshot
 

@@ -9,7 +9,8 @@ It runs the real engine on a small pool (block size 4, so paging is visible) and
 every step draws the scheduler's decision (who ran, prefill or decode, who was preempted,
 swapped back or finished), what happened to blocks (allocated, shared, copied on write,
 cached, evicted, taken back from rejected drafts), each sequence's block table and the
-physical pool coloured by owner (view.py). These are the PagedAttention paper's
+physical pool coloured by owner (view.py), and with pipeline parallelism the batches in
+flight. These are the PagedAttention paper's
 Figures 6 and 7 drawn from a live engine; the scenarios (scenarios.py) replay them. vLLM
 has no tracer, only the KV-cache events of `vllm/distributed/kv_events.py`.
 
@@ -29,9 +30,10 @@ from rich.text import Text
 
 from .. import events as ev
 from ..engine.arg_utils import add_cli_args, engine_kwargs
+from ..engine.dashboard import batches_during_step, in_flight_batches
 from ..utils.cli import quiet_broken_pipe
 from .replay import ReplayRecorder, replay_page
-from .scenarios import SCENARIOS, History, Scenario, prompt_scenario
+from .scenarios import SCENARIOS, BatchesInFlight, History, Scenario, prompt_scenario
 from .view import TraceView
 
 if TYPE_CHECKING:
@@ -46,6 +48,8 @@ def run_trace(engine: LLMEngine, scenario: Scenario, console: Console, *, steps:
     A request is added before step `arrival + 1`, or at once if the engine is idle; the
     run ends when nothing is left, or after `steps` steps. pause=True waits for a key
     after each step (q stops). on_step(number, events) runs after each step is drawn.
+    With batches in flight (pipeline parallelism) a step's list ends with the tracer's
+    BatchesInFlight record.
 
     Raises:
         ValueError: as add_request (e.g. a prompt bigger than the whole pool).
@@ -57,6 +61,8 @@ def run_trace(engine: LLMEngine, scenario: Scenario, console: Console, *, steps:
     engine.add_observer(listen)
     pending = sorted(scenario.requests, key=lambda r: r.arrival)
     history: History = []
+    seq_request: dict[int, str] = {}
+    in_flight = in_flight_batches(engine)          # None: one batch at a time (no pipeline)
     try:
         while steps is None or len(history) < steps:
             while pending and (pending[0].arrival <= len(history) or not engine.has_unfinished_requests()):
@@ -65,8 +71,19 @@ def run_trace(engine: LLMEngine, scenario: Scenario, console: Console, *, steps:
             if not engine.has_unfinished_requests():
                 break
             engine.step()
-            history.append(log[:])
+            events, after = log[:], in_flight_batches(engine)
             log.clear()
+            for e in events:
+                if isinstance(e, (ev.RequestAdded, ev.SequenceScheduled)):
+                    ids = e.seq_ids if isinstance(e, ev.RequestAdded) else (e.seq_id, *e.forks)
+                    seq_request.update(dict.fromkeys(ids, e.request_id))
+            if after is not None:
+                scheduled = [i for e in events if isinstance(e, ev.SequenceScheduled) for i in (e.seq_id, *e.forks)]
+                during = batches_during_step(in_flight, after, scheduled)
+                events.append(BatchesInFlight(tuple(tuple(dict.fromkeys(seq_request.get(i, "?") for i in b))
+                                                    for b in during)))
+            in_flight = after
+            history.append(events)
             view.step(len(history), history[-1])
             if on_step is not None:
                 on_step(len(history), history[-1])

@@ -54,8 +54,10 @@ class ReplayRecorder:
     def record(self, step: int, events: list[ev.Event]) -> None:
         for e in events:
             self.sampler(e)
-        self.sampler.end_step(step)
-        self.snapshots.append(with_text(self.sampler.poll(self.engine, force=True), self.engine))
+        self.sampler.end_step(step, self.engine)
+        snapshot = self.sampler.poll(self.engine, force=True)
+        snapshot.step = step       # the tracer's step: a pipeline's last call may take in no batch
+        self.snapshots.append(with_text(snapshot, self.engine))
 
 
 def replay_page(snapshots: list[DashboardSnapshot], title: str = "nanopaged trace", about: str = "") -> str:

@@ -16,6 +16,8 @@ run's events (events.py), the step where the point is made:
     speculative  n-gram speculative decoding on a prompt that repeats itself: drafts
              accepted, and a rejection at a block boundary whose block is taken back
              (chapter 19)
+    pipeline  the model split over 2 pipeline stages (worker processes): two requests
+             in two batches in flight at once, each kept out of the other's (chapter 20)
 
 `python -m nanopaged.trace --scenario NAME` runs one (cli.py). The engine settings are
 the scenario's; the engine's flags (--block-size, --num-gpu-blocks, --speculative-config,
@@ -32,7 +34,20 @@ from ..sampling_params import SamplingParams
 if TYPE_CHECKING:
     from ..engine.llm_engine import LLMEngine
 
-History = list[list[ev.Event]]          # the events of each step; index 0 is step 1
+History = list[list]           # the events of each step (index 0 is step 1), and the tracer's BatchesInFlight
+
+
+@dataclass(frozen=True)
+class BatchesInFlight:
+    """The tracer's record of a step under pipeline parallelism (not an engine event: the
+    tracer reads the scheduler's in-flight batches before and after the step). run_trace
+    puts it last in the step's list.
+
+    batches: each batch's request ids, oldest first: those in flight before the step,
+        then those it sent; the step took in the oldest one's output.
+    """
+
+    batches: tuple[tuple[str, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,8 @@ class Scenario:
         speculative_config: speculative decoding (EngineConfig's field: None, or a dict
             such as {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
             "prompt_lookup_max": 5}).
+        pipeline_parallel_size, max_num_batched_tokens: EngineConfig's fields (the
+            latter None: the engine's default).
         transition: the point, as a phrase ("a new block is allocated right after ...").
         find: the first step (1-based) of a run's history at which the point has been
             made, or None; see shown_at.
@@ -78,6 +95,8 @@ class Scenario:
     enable_prefix_caching: bool = True
     dtype: str = "float32"
     speculative_config: dict | None = None
+    pipeline_parallel_size: int = 1
+    max_num_batched_tokens: int | None = None
     transition: str = ""
     find: Callable[[History], int | None] | None = field(default=None, repr=False)
 
@@ -90,7 +109,10 @@ class Scenario:
         own = dict(num_gpu_blocks=self.num_gpu_blocks, num_cpu_blocks=self.num_cpu_blocks,
                    block_size=self.block_size, preemption_mode=self.preemption_mode,
                    enable_prefix_caching=self.enable_prefix_caching, dtype=self.dtype,
-                   speculative_config=self.speculative_config)
+                   speculative_config=self.speculative_config, pipeline_parallel_size=self.pipeline_parallel_size)
+        if self.max_num_batched_tokens is not None:
+            own.update(max_num_batched_tokens=self.max_num_batched_tokens,
+                       max_num_seqs=min(self.max_num_batched_tokens, 128))   # a budget >= max_num_seqs
         return LLMEngine(EngineConfig(model=model, **{**own, **engine_args}))
 
     def shown_at(self, history: History) -> int | None:
@@ -183,6 +205,14 @@ def _drafts_accepted_then_block_taken_back(history: History) -> int | None:
     return _first_step(history, found)
 
 
+def _two_batches_in_flight(history: History) -> int | None:
+    """pipeline: a step during which two batches were in flight, with no request in both."""
+    def found(step, _):
+        batches = [set(b) for e in step if isinstance(e, BatchesInFlight) for b in e.batches]
+        return len(batches) >= 2 and not set.intersection(*batches)
+    return _first_step(history, found)
+
+
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -246,6 +276,18 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
                             "prompt_lookup_max": 3},
         transition="drafts accepted, then a rejected one's block taken back",
         find=_drafts_accepted_then_block_taken_back),
+    Scenario(
+        "pipeline", "Pipeline parallelism: two batches in flight over two stages",
+        "The model is split over 2 stages, each a worker process. A step's token budget of 8 "
+        "holds one prompt's chunk, so A goes down the pipe in one batch and B in another right "
+        "behind it: two batches in flight. A request is never in both (its next step needs the "
+        "token its batch samples at the last stage), so from then on A and B take turns, "
+        "each step sending one batch and taking in the older one.",
+        (TraceRequest("A", "The best way to learn a language is to", _greedy(4)),
+         TraceRequest("B", "Once upon a time, in a small village by the", _greedy(4))),
+        num_gpu_blocks=16, pipeline_parallel_size=2, max_num_batched_tokens=8,
+        transition="two batches in flight at once, no request in both",
+        find=_two_batches_in_flight),
 ]}
 
 

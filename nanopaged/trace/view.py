@@ -23,6 +23,7 @@ The paper's Figures 6 and 7 draw the same three things: logical blocks, the bloc
 physical blocks. With speculative decoding (chapter 19) a verify step also shows each
 sequence's drafts, the ones the model accepted, the model's own token where it first
 disagreed, and the blocks taken back because they held only rejected drafts' slots.
+With pipeline parallelism (chapter 20) a step shows the batches in flight during it.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import events as ev
-from .scenarios import taken_back
+from .scenarios import BatchesInFlight, taken_back
 
 if TYPE_CHECKING:
     from ..core.sequence import Sequence
@@ -103,6 +104,9 @@ class TraceView:
         if sc is not None:
             body.append(f" · speculative decoding: {sc.method}, {sc.num_speculative_tokens} drafts a step"
                         + (f", n-grams of {sc.prompt_lookup_min}-{sc.prompt_lookup_max}" if sc.method == "ngram" else ""))
+        pp = getattr(e.config, "pipeline_parallel_size", 1)
+        if pp > 1:
+            body.append(f" · pipeline parallelism: {pp} stages (worker processes), up to {pp} batches in flight")
         for r in scenario.requests:
             p = r.params
             sampling = "greedy" if p.temperature == 0 else f"temperature {p.temperature}, seed {p.seed}"
@@ -144,8 +148,8 @@ class TraceView:
 
     def decision(self, events: list[ev.Event]) -> Table:
         """The scheduler's decision and what happened to blocks, from the step's events."""
-        rows: dict[str, list[Text]] = {k: [] for k in ("added", "scheduled", "drafts", "preempted", "swapped",
-                                                       "blocks", "finished", "queues")}
+        rows: dict[str, list[Text]] = {k: [] for k in ("added", "scheduled", "in flight", "drafts", "preempted",
+                                                       "swapped", "blocks", "finished", "queues")}
         for e in events:
             if isinstance(e, ev.RequestAdded):
                 rows["added"].append(Text.assemble(self.request(e.request_id),
@@ -158,6 +162,8 @@ class TraceView:
                 drafts = f" (its last token and {k} draft{'s' if k > 1 else ''})" if k else ""
                 rows["scheduled"].append(Text.assemble(self.seq(e.seq_id), f" {e.kind}: {e.num_tokens} token"
                                                        f"{'s' if e.num_tokens > 1 else ''}, {where}{forks}{drafts}"))
+            elif isinstance(e, BatchesInFlight) and e.batches:
+                rows["in flight"].append(self.batches(e))
             elif isinstance(e, ev.DraftsVerified):
                 rows["drafts"].append(self.verified(e))
             elif isinstance(e, ev.Preempted):
@@ -181,6 +187,16 @@ class TraceView:
             if lines:
                 grid.add_row(name, Text("\n").join(lines))
         return grid
+
+    def batches(self, e: BatchesInFlight) -> Text:
+        """The batches in flight during the step, oldest first: "batch 1: A (output taken
+        in) · batch 2: B" (pipeline parallelism)."""
+        parts = []
+        for i, batch in enumerate(e.batches):
+            part = Text(f"batch {i + 1}: ")
+            part.append_text(Text(" ").join(self.request(r) for r in batch))
+            parts.append(part.append(" (output taken in)" if i == 0 else ""))
+        return Text(" · ").join(parts)
 
     def verified(self, e: ev.DraftsVerified) -> Text:
         """One sequence's drafts after verification: the drafts, how many the model

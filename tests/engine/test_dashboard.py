@@ -272,3 +272,44 @@ def test_an_idle_engine_reports_zero_tokens_per_s_a_second_later(tiny_model_dir)
             llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_at_pp2_the_snapshots_name_the_batches_in_flight_and_each_step_its_batches(tiny_model_dir):
+    """Pipeline parallelism (chapter 20), two stages in worker processes, a token budget
+    that one prompt's chunk fills: a and b go down the pipe in two batches. A snapshot
+    names the requests of the batches in flight (the scheduler's in_flight_batches), and
+    each step the batches in flight during it, oldest first: the one it took in, then
+    the one it sent. They alternate, and no request is in two batches at once."""
+    eng = engine(tiny_model_dir, pipeline_parallel_size=2, max_num_batched_tokens=8, max_num_seqs=8)
+    try:
+        sampler = DashboardSampler()
+        eng.add_observer(sampler)
+        eng.add_request("a", list(range(1, 11)), GREEDY)          # 10 tokens: two chunks of the budget
+        eng.add_request("b", list(range(21, 31)), GREEDY)
+        snaps = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            sampler.end_step(eng.num_steps, eng)
+            snaps.append(sampler.poll(eng, force=True))
+            names = {s.seq_id: g.request_id for g in eng.scheduler.requests.values() for s in g.seqs}
+            assert snaps[-1].in_flight == [{"request_ids": [names[i] for i in b], "seq_ids": b}
+                                           for b in eng.scheduler.in_flight_batches]
+    finally:
+        eng.shutdown()
+    assert {s.pipeline_parallel_size for s in snaps} == {2}
+    assert [b["request_ids"] for b in snaps[0].in_flight] == [["b"]]         # a's first chunk taken in
+    during = [[b["request_ids"] for b in step.in_flight] for s in snaps for step in s.steps]
+    assert during[:4] == [[["a"], ["b"]], [["b"], ["a"]], [["a"], ["b"]], [["b"], ["a"]]], during
+    assert all(len({r for b in d for r in b}) == sum(len(b) for b in d) for d in during), during
+    assert during[-1] == [["b"]] or during[-1] == [] and during[-2] == [["b"]], during      # b's last, alone
+    assert snaps[-1].in_flight == [] and snaps[-1].requests == []
+    back = json.loads(json.dumps(dataclasses.asdict(snaps[1])))
+    assert back["steps"][0]["in_flight"][0]["request_ids"] == ["b"] and back["pipeline_parallel_size"] == 2
+    one = engine(tiny_model_dir)                     # pp=1: one batch at a time, nothing listed
+    sampler = DashboardSampler()
+    one.add_observer(sampler)
+    one.add_request("a", list(range(1, 11)), GREEDY)
+    one.step()
+    sampler.end_step(one.num_steps, one)
+    snap = sampler.poll(one, force=True)
+    assert snap.pipeline_parallel_size == 1 and snap.in_flight == [] and snap.steps[0].in_flight == []

@@ -27,8 +27,9 @@ Chromium and chromedriver come from Debian (`apt-get install chromium chromium-d
 Everything it starts (the server, its EngineCore, chromedriver, Chromium's processes)
 is stopped by pid and checked gone. The same page as the tracer's replay (`nanopaged.trace
 --export FILE.html`, window.NANOPAGED_REPLAY): its buttons and arrow keys step through a
-run, and chapter 13's preempt figure shows the CPU swap pool folded to one line while
-none of its blocks is in use and open while some are.
+run, chapter 13's preempt figure shows the CPU swap pool folded to one line while
+none of its blocks is in use and open while some are, and its pipeline figure the
+batches in flight.
 """
 from __future__ import annotations
 
@@ -393,6 +394,34 @@ def test_the_swap_pool_is_folded_while_unused_and_open_while_used_in_chromium(br
     browser.find_element(By.ID, "replay-prev").click()
     after = read()
     assert after["open"] and after["grid_shown"] and after["index"] == count - 1, after
+
+
+PIPELINE = """
+var p = document.getElementById('pipeline');
+return {index: +document.getElementById('replay-position').getAttribute('data-index'), hidden: p.hidden,
+        stages: p.getAttribute('data-stages'),
+        batches: Array.from(document.querySelectorAll('#pipeline-batches li[data-batch]'))
+                      .map(li => li.getAttribute('data-request-ids')),
+        log: Array.from(document.querySelectorAll('#step-log li[data-step]')).map(li => li.textContent)};
+"""
+
+
+def test_the_pipeline_figure_shows_the_batches_in_flight_in_chromium(browser):
+    """Chapter 13's pipeline figure (pp=2, two requests in two batches): the pipeline
+    panel is shown with its 2 stages, after step 1 B's batch is in flight, and the step
+    log names the batches in flight during each step, A's taken in first. The figures
+    of a single-stage engine keep the panel hidden."""
+    from selenium.webdriver.common.by import By
+    browser.get(Path(FIGURES, "trace-preempt.html").as_uri())
+    assert _poll(lambda: browser.execute_script(PIPELINE), lambda p: p["index"] == 1, 10,
+                 "the replay page to load")["hidden"]
+    browser.get(Path(FIGURES, "trace-pipeline.html").as_uri())
+    first = _poll(lambda: browser.execute_script(PIPELINE), lambda p: p["index"] == 1, 10, "the replay page to load")
+    assert not first["hidden"] and first["stages"] == "2" and first["batches"] == ["B"], first
+    assert first["log"] == ["A/seq 0 prefill 8 · B/seq 1 prefill 8 · in flight [A] [B], took in [A]"], first
+    browser.find_element(By.ID, "replay-next").click()
+    second = browser.execute_script(PIPELINE)
+    assert second["batches"] == ["A"] and second["log"][0].endswith("in flight [B] [A], took in [B]"), second
 
 
 def test_the_tracers_replay_page_steps_back_and_forth_in_chromium(browser, tmp_path):

@@ -22,7 +22,7 @@ from rich.console import Console
 from nanopaged import LLM, SamplingParams
 from nanopaged import events as ev
 from nanopaged.exercises.ex19_spec_rollback import scripted_drafts
-from nanopaged.trace.scenarios import SCENARIOS, TraceRequest, taken_back
+from nanopaged.trace.scenarios import SCENARIOS, BatchesInFlight, TraceRequest, taken_back
 from nanopaged.trace.cli import main, run_trace
 
 from invariants import EventReplay, check_block_invariants
@@ -67,7 +67,8 @@ def tiny_variant(name):
     if name == "prefix":
         prompts = [PREFIX + [1, 2, 3], PREFIX + [4, 5, 6]]
     else:
-        lengths = {"fig6": [7], "fig7": [7, 6], "cow": [7], "preempt": [6, 4, 5], "speculative": [27]}[name]
+        lengths = {"fig6": [7], "fig7": [7, 6], "cow": [7], "preempt": [6, 4, 5], "speculative": [27],
+                   "pipeline": [10, 10]}[name]
         prompts = [list(range(20 * i + 1, 20 * i + 1 + n)) for i, n in enumerate(lengths)]
     return replace(s, requests=tuple(replace(r, prompt=p) for r, p in zip(s.requests, prompts)))
 
@@ -91,8 +92,12 @@ def drafts_for(model_dir, scenario, wrong=(36,)):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_each_scenario_makes_its_point_on_the_tiny_model(tiny_model_dir, name):
     scenario = tiny_variant(name)
-    with drafts_for(tiny_model_dir, scenario):
-        history, text = traced(scenario.build_engine(str(tiny_model_dir)), scenario)
+    engine = scenario.build_engine(str(tiny_model_dir))
+    try:
+        with drafts_for(tiny_model_dir, scenario):
+            history, text = traced(engine, scenario)
+    finally:
+        engine.shutdown()                       # pipeline: its worker processes
     at = scenario.shown_at(history)
     assert at is not None, text
     assert f"Shown at step {at}: {scenario.transition}." in text
@@ -139,6 +144,29 @@ def test_speculative_without_a_rejection_does_not_make_its_point(tiny_model_dir)
     assert scenario.shown_at(history) is None and "Not shown in this run: drafts accepted" in text
 
 
+def test_pipeline_shows_two_batches_in_flight_and_no_request_in_both(tiny_model_dir):
+    """At pp=2 with a token budget that one prompt's chunk fills, A's batch and B's are in
+    flight together from step 1 on; each step takes in the older one and sends the
+    other request's next batch, so they take turns, and no request is ever in both."""
+    scenario = tiny_variant("pipeline")
+    engine = scenario.build_engine(str(tiny_model_dir))
+    try:
+        history, text = traced(engine, scenario)
+    finally:
+        engine.shutdown()
+    batches = [[b for e in step if isinstance(e, BatchesInFlight) for b in e.batches] for step in history]
+    # 10-token prompts, a budget of 8: two prefill chunks each, then 4 decodes each, in turns
+    assert batches[:9] == [[("A",), ("B",)], [("B",), ("A",)]] * 4 + [[("A",), ("B",)]], batches
+    assert batches[9] == [("B",)] and all(b == [] for b in batches[10:]), batches     # B's last batch alone
+    scheduled = [{e.request_id for e in of(ev.SequenceScheduled, step)} for step in history]
+    assert scheduled[0] == {"A", "B"}               # step 1 sent both batches, then each step one
+    assert all(s == set(b[-1]) for s, b in zip(scheduled[1:9], batches[1:9])), (scheduled, batches)
+    flat = " ".join(text.split())
+    assert "in flight batch 1: A (output taken in) · batch 2: B" in flat
+    assert "pipeline parallelism: 2 stages (worker processes), up to 2 batches in flight" in flat
+    assert scenario.shown_at(history) == 1
+
+
 def test_requests_arrive_at_their_step_and_an_idle_engine_does_not_wait(tiny_model_dir):
     scenario = replace(tiny_variant("prefix"), requests=(
         TraceRequest("A", PREFIX + [1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)),
@@ -155,7 +183,7 @@ def test_requests_arrive_at_their_step_and_an_idle_engine_does_not_wait(tiny_mod
     (["--num-gpu-blocks", "many"], "argument --num-gpu-blocks: invalid int value: 'many'"),
     (["--enable-prefix-caching", "maybe"], "expected true or false, got 'maybe'"),
     (["--steps", "-3"], "--steps must be an integer >= 1, got -3"),
-    (["--scenario", "fig8"], "unknown scenario 'fig8': choose one of fig6, fig7, cow, prefix, preempt, speculative"),
+    (["--scenario", "fig8"], "unknown scenario 'fig8': choose one of fig6, fig7, cow, prefix, preempt, speculative, pipeline"),
     (["--scenario", "fig6", "--prompt", "hi"], "not allowed with argument"),
     (["--prompt", " "], "--prompt must be non-empty text, got [' ']"),
     (["--export", "trace.png"], "--export must name a .svg or .html file, got 'trace.png'"),

@@ -23,6 +23,9 @@
  *   #block-table            data-request-id of the request shown; tr[data-logical][data-physical]
  *                           per logical block, with data-seq-id and data-on-cpu
  *   #step-log li[data-step], #spark-tokens / #spark-kv / #spark-hit [data-value]
+ *   #pipeline               shown when pipeline_parallel_size > 1, data-stages; its
+ *                           #pipeline-batches li[data-batch] (1 = oldest, the furthest along)
+ *                           data-request-ids (comma-separated): the batches in flight now
  *   #replay-position        data-index (1-based), data-count
  */
 (function () {
@@ -271,6 +274,33 @@
     if (li) select(li.getAttribute("data-request-id"));
   });
 
+  // -- pipeline parallelism: the batches in flight ---------------------------------------------
+  function batchText(batch) { return "[" + batch.request_ids.join(" ") + "]"; }
+
+  function drawPipeline(s) {
+    var pp = s.pipeline_parallel_size || 1, batches = s.in_flight || [], ol = $("pipeline-batches");
+    $("pipeline").hidden = pp < 2;
+    $("pipeline").setAttribute("data-stages", pp);
+    $("pipeline-summary").textContent = pp + " stages · " + batches.length + " batch" +
+      (batches.length === 1 ? "" : "es") + " in flight";
+    ol.textContent = "";
+    batches.forEach(function (b, i) {
+      var li = document.createElement("li");
+      li.setAttribute("data-batch", i + 1);
+      li.setAttribute("data-request-ids", b.request_ids.join(","));
+      li.className = "mono";
+      b.request_ids.forEach(function (id) {
+        var span = document.createElement("span");
+        span.className = "batch-request";
+        span.style.borderLeftColor = colour(id);
+        span.textContent = id;
+        li.appendChild(span);
+      });
+      if (i === 0) li.appendChild(document.createTextNode(" (oldest: next out of the pipe)"));
+      ol.appendChild(li);
+    });
+  }
+
   // -- the step log --------------------------------------------------------------------------
   function describe(step) {
     var parts = step.scheduled.map(function (x) {
@@ -283,6 +313,9 @@
                  (v.taken_back.length ? ", block" + (v.taken_back.length > 1 ? "s " : " ") + v.taken_back.join(", ") +
                   " taken back" : ""));
     });
+    if ((step.in_flight || []).length) {       // pipeline parallelism: the first one's output was taken in
+      parts.push("in flight " + step.in_flight.map(batchText).join(" ") + ", took in " + batchText(step.in_flight[0]));
+    }
     return parts.join(" · ") || "nothing scheduled";           // the list's number is the step
   }
 
@@ -338,6 +371,7 @@
     drawCpu(s);
     drawQueues(s);
     drawBlockTable(s);
+    drawPipeline(s);
     var st = s.stats || {};
     $("stats").textContent = "step " + s.step + " · " + (st.num_preemptions || 0) + " preemptions · " +
       (st.num_copy_on_write || 0) + " copy-on-write";
