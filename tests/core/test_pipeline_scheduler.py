@@ -46,23 +46,24 @@ def test_the_engine_builds_it_on_async_scheduling_with_the_base_runner_view():
 
 
 def test_a_request_in_flight_is_left_out_until_its_output_is_in():
-    """A and B decode. Batch 1 takes both (one batch holds every request that can run);
-    batch 2, scheduled while 1 is in flight, has nothing (a schedule with no tokens is
-    no batch). Once batch 1's output is in, A and B run again with its tokens sent."""
+    """A and B decode at pp=2: a batch takes ceil(2 / 2) = 1 of them, so batch 1 is A and
+    batch 2 is B; batch 3, scheduled while both are in flight, has nothing (a schedule
+    with no tokens is no batch). Once batch 1's output is in, A runs again with its
+    token sent."""
     h = PipelineHarness(num_gpu_blocks=16)
     h.add("A", tokens(10, 4), max_tokens=3)
     h.add("B", tokens(20, 4), max_tokens=3)
-    b1 = h.schedule()
-    assert h.scheduled(b1) == {"A": 4, "B": 4}
-    assert h.scheduler.in_flight_batches == [list(b1.num_scheduled_tokens)]
-    b2 = h.schedule()
-    assert b2.total_num_scheduled_tokens == 0 and len(h.scheduler.in_flight_batches) == 1
-    h.finish(b1, {"A": 1, "B": 2})
-    assert h.scheduler.in_flight_batches == []
+    b1, b2 = h.schedule(), h.schedule()
+    assert (h.scheduled(b1), h.scheduled(b2)) == ({"A": 4}, {"B": 4})
+    assert h.scheduler.in_flight_batches == [list(b1.num_scheduled_tokens), list(b2.num_scheduled_tokens)]
     b3 = h.schedule()
-    assert h.scheduled(b3) == {"A": 1, "B": 1}
+    assert b3.total_num_scheduled_tokens == 0 and len(h.scheduler.in_flight_batches) == 2
+    h.finish(b1, {"A": 1})
+    assert h.scheduler.in_flight_batches == [list(b2.num_scheduled_tokens)]
+    b4 = h.schedule()
+    assert h.scheduled(b4) == {"A": 1}
     # the base RunnerView: the token batch 1 sampled goes to the runner in the message
-    assert sorted(b3.scheduled_cached_reqs.new_token_ids) == [[1], [2]]
+    assert b4.scheduled_cached_reqs.new_token_ids == [[1]]
 
 
 def test_batches_stagger_by_the_token_budget_and_stay_staggered():
@@ -95,23 +96,27 @@ def test_batches_stagger_by_the_token_budget_and_stay_staggered():
 
 
 def test_n_samples_wait_for_the_fork_and_chunks_for_the_chunk_before():
-    """n=2: the prefill batch samples for both; the forks decode only once it is in (and
-    the engine schedules nothing behind it meanwhile: can_schedule_ahead). A prompt
-    chunked over two batches: its second chunk waits for the first."""
+    """n=2: the prefill batch samples for both (A counts 2 sequences: the cap of
+    ceil(3 / 2) = 2 leaves B out); the forks decode only once it is in, and nothing is
+    scheduled behind it meanwhile (can_schedule_ahead). A prompt chunked over two
+    batches: its second chunk waits for the first."""
     h = PipelineHarness(num_gpu_blocks=32, budget=8)
     h.add("A", tokens(10, 4), n=2, max_tokens=2)
     h.add("B", tokens(30, 12), max_tokens=1)
     a, a1, b = h.seq("A"), h.seq("A", 1), h.seq("B")
     b1 = h.schedule()
-    assert h.scheduled(b1) == {"A": 4, "A/1": 0, "B": 4} and not h.scheduler.can_schedule_ahead()
-    assert h.schedule().total_num_scheduled_tokens == 0        # A, its fork and B's next chunk wait
+    assert h.scheduled(b1) == {"A": 4, "A/1": 0} and not h.scheduler.can_schedule_ahead()
     h.finish(b1, {"A": 3, "A/1": 4})
-    b3 = h.schedule()
-    assert h.scheduled(b3) == {"A": 1, "A/1": 1, "B": 6}
+    b2 = h.schedule()
+    assert h.scheduled(b2) == {"A": 1, "A/1": 1} and h.scheduler.can_schedule_ahead()
+    b3 = h.schedule()                       # A's last tokens are in flight: B alone is the demand
+    assert h.scheduled(b3) == {"B": 8}
+    assert h.schedule().total_num_scheduled_tokens == 0        # A and B's next chunk wait
+    h.finish(b2, {"A": 5, "A/1": 6})
     assert h.schedule().total_num_scheduled_tokens == 0
-    h.finish(b3, {"A": 5, "A/1": 6})
+    h.finish(b3, {})
     b5 = h.schedule()
-    assert h.scheduled(b5) == {"B": 2}
+    assert h.scheduled(b5) == {"B": 4}
     h.finish(b5, {"B": 9})
     assert a.output_token_ids == [3, 5] and a1.output_token_ids == [4, 6]
     assert b.output_token_ids == [9] and h.free_blocks() == 32
@@ -119,37 +124,36 @@ def test_n_samples_wait_for_the_fork_and_chunks_for_the_chunk_before():
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_request_preempted_while_in_flight_keeps_its_token_and_waits(mode):
-    """pp=3, a pool of 5 blocks. A and B prefill in batch 1, C in batch 2 (taking the
-    pool but one block). Batch 3: A's decode takes the last block, B's finds none, and
-    the latest arrival, C, is preempted although batch 2 still computes it (its blocks
-    are freed or swapped behind batch 2, in each rank's message order). C stays in
-    flight until batch 2 is in, and the token batch 2 sampled for it is kept."""
-    h = PipelineHarness(num_gpu_blocks=5, budget=8, pp=3, chunked=False, preemption_mode=mode,
+    """pp=3, a pool of 4 blocks: A, B and C prefill in batches 1, 2 and 3 (one each:
+    the cap is ceil(3 / 3)), taking the pool. Batch 1 is in: A's decode needs a block
+    and the latest arrival, C, is preempted although batch 3 still computes it (its
+    blocks are freed or swapped behind batch 3, in each rank's message order). C stays
+    in flight until batch 3 is in, and the token batch 3 sampled for it is kept."""
+    h = PipelineHarness(num_gpu_blocks=4, budget=8, pp=3, chunked=False, preemption_mode=mode,
                         num_cpu_blocks=8 if mode == "swap" else 0)
     h.add("A", tokens(10, 4), max_tokens=3)
     h.add("B", tokens(20, 4), max_tokens=3)
     h.add("C", tokens(30, 8), max_tokens=3)
     seqs = {r: h.seq(r) for r in "ABC"}
-    b1 = h.schedule()
-    assert h.scheduled(b1) == {"A": 4, "B": 4}
-    b2 = h.schedule()
-    assert h.scheduled(b2) == {"C": 8} and h.free_blocks() == 1
-    h.finish(b1, {"A": 1, "B": 2})
-    b3 = h.schedule()
-    assert h.scheduled(b3) == {"A": 1, "B": 1} and h.preempted == [("C", mode)]
+    b1, b2, b3 = h.schedule(), h.schedule(), h.schedule()
+    assert [h.scheduled(b) for b in (b1, b2, b3)] == [{"A": 4}, {"B": 4}, {"C": 8}] and h.free_blocks() == 0
+    h.finish(b1, {"A": 1})
+    b4 = h.schedule()
+    assert h.scheduled(b4) == {"A": 1} and h.preempted == [("C", mode)]
     queue = h.scheduler.swapped if mode == "swap" else h.scheduler.waiting
     assert [g.request_id for g in queue] == ["C"] and h.scheduler.is_in_flight("C")
     assert h.schedule().total_num_scheduled_tokens == 0          # A, B and C are all in flight
-    h.finish(b2, {"C": 5})
+    h.finish(b2, {"B": 2})
+    h.finish(b3, {"C": 5})
     assert not h.scheduler.is_in_flight("C") and seqs["C"].output_token_ids == [5]
-    h.finish(b3, {"A": 3, "B": 4})
+    h.finish(b4, {"A": 3})
     for _ in range(20):
         if not h.scheduler.has_unfinished_requests():
             break
         h.step()
-    assert [seqs[r].output_token_ids for r in "ABC"] == [[1, 3, 7], [2, 4, 7], [5, 7, 7]]
+    assert [seqs[r].output_token_ids for r in "ABC"] == [[1, 3, 7], [2, 7, 7], [5, 7, 7]]
     assert [seqs[r].status for r in "ABC"] == [SequenceStatus.FINISHED_LENGTH] * 3
-    assert h.free_blocks() == 5
+    assert h.free_blocks() == 4
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -196,3 +200,61 @@ def test_reset_after_failure_clears_the_batches_in_flight():
     assert h.scheduler.in_flight_batches == [] and not h.scheduler.is_in_flight("A")
     assert [g.request_id for g in h.scheduler.waiting] == ["A", "B"] and h.free_blocks() == 16
     assert h.scheduled(h.schedule()) == {"A": 4}
+
+
+def drive(h, pp: int, rounds: int) -> list[list[set[str]]]:
+    """Play PipelineEngineCore's batch queue for `rounds` outputs: fill up to pp batches
+    in flight (behind a fork only once it is in), take the oldest in (token 7 for each
+    sampler), then take in what is left. Returns the sequences (by name) of each batch
+    in flight after each fill."""
+    queue, seen = [], []
+    for _ in range(rounds):
+        while len(queue) < pp and (not queue or h.scheduler.can_schedule_ahead()):
+            so = h.schedule()
+            if not so.total_num_scheduled_tokens:
+                break
+            queue.append(so)
+        if not queue:
+            break
+        seen.append([set(h.scheduled(so)) for so in queue])
+        so = queue.pop(0)
+        h.finish(so, dict.fromkeys(h.samplers(so), 7))
+    for so in queue:
+        h.finish(so, dict.fromkeys(h.samplers(so), 7))
+    return seen
+
+
+@pytest.mark.parametrize("pp, sizes, num_tokens", [(2, [4, 4], [4] * 4 + [3] * 4), (3, [3, 3, 2], [4] * 6 + [3] * 2)])
+def test_requests_arriving_together_spread_over_pp_batches(pp, sizes, num_tokens):
+    """8 requests arrive together: a step takes at most ceil(8 / pp) of them, so their
+    prefills fill pp batches and, once decoding, they stay pp batches in flight (not one
+    batch of 8 with the other stages idle). Batches rotate: always the same groups."""
+    h = PipelineHarness(num_gpu_blocks=64, pp=pp)
+    names = [f"R{i}" for i in range(8)]
+    for i, name in enumerate(names):
+        h.add(name, tokens(10 * i + 10, 4), max_tokens=8)
+    seen = drive(h, pp, rounds=3 * pp)
+    assert all(sorted(map(len, batches), reverse=True) == sizes for batches in seen), seen
+    assert all(set().union(*batches) == set(names) for batches in seen)
+    assert seen[-1] == seen[-1 - pp] == seen[-1 - 2 * pp]
+    assert [len(h.seq(r).output_token_ids) for r in names] == num_tokens       # 3 * pp + pp - 1 batches
+
+
+def test_a_request_with_several_sequences_counts_them_all_and_is_never_split():
+    """pp=2. A (n=3) and B, C, D: demand 6, cap 3. A's prefill (3 samples) fills a batch;
+    B, C, D make the other, and A's three sequences always decode together. Then E (n=4)
+    over a cap of ceil(4 / 2) = 2 runs in a batch of its own, never split."""
+    h = PipelineHarness(num_gpu_blocks=64, pp=2)
+    h.add("A", tokens(10, 4), n=3, max_tokens=4)
+    for i, rid in enumerate("BCD"):
+        h.add(rid, tokens(20 + 10 * i, 4), max_tokens=4)
+    seen = drive(h, 2, rounds=5)         # (then A's last tokens are in flight: B, C, D spread)
+    a, bcd = {"A", "A/1", "A/2"}, {"B", "C", "D"}
+    assert seen[0] == [a] and all(batches in ([a, bcd], [bcd, a]) for batches in seen[1:]), seen
+    while h.scheduler.has_unfinished_requests():
+        h.step()
+    h.add("E", tokens(60, 4), n=4, max_tokens=3)
+    e = h.schedule()
+    assert h.scheduled(e) == {"E": 4, "E/1": 0, "E/2": 0, "E/3": 0}
+    h.finish(e, dict.fromkeys(h.samplers(e), 7))
+    assert h.scheduled(h.schedule()) == {"E": 1, "E/1": 1, "E/2": 1, "E/3": 1}

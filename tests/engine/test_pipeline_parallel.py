@@ -217,6 +217,34 @@ def test_batch_queue_beams_and_structured_outputs(in_process, four_layers):
     assert llm.engine.get_stats()["max_batches_in_flight"] == 2
 
 
+@pytest.mark.parametrize("pp", [2, 3])
+def test_requests_arriving_together_decode_in_pp_batches_in_flight(in_process, four_layers, pp):
+    """8 requests arrive together with a budget that fits all their prompts: once they
+    all decode, pp batches are in flight at once (the cap: ceil(8 / pp) sequences a
+    step), not one batch of 8; the ids are pp=1's."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [list(range(10 * i + 3, 10 * i + 9)) for i in range(8)]
+    ref = LLM(str(four_layers), num_gpu_blocks=128, block_size=4, dtype="float32").generate(prompts, params,
+                                                                                             use_tqdm=False)
+    llm = checked(LLM(str(four_layers), num_gpu_blocks=128, block_size=4, dtype="float32", pipeline_parallel_size=pp,
+                      max_num_batched_tokens=256, max_num_seqs=8))
+    eng, core = llm.engine, llm.engine.engine_core
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    final, decoding = {}, None
+    while eng.has_unfinished_requests():
+        seqs = [g.seqs[0] for g in core.scheduler.requests.values()]
+        if decoding is None and len(seqs) == 8 and all(s.output_token_ids for s in seqs):
+            decoding, core.max_batches_in_flight = [], 0    # from here on every batch is decodes
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        if decoding is not None:
+            decoding.append([len(b.scheduler_output.num_scheduled_tokens) for b in core.batch_queue])
+    assert core.max_batches_in_flight == pp, decoding
+    assert [final[str(i)] for i in range(8)] == [o.outputs[0].token_ids for o in ref]
+
+
 def test_a_batch_that_raises_sends_every_request_in_flight_back_and_the_engine_goes_on(in_process, four_layers):
     """The forward of the second batch raises: step() raises it once; the requests of
     every batch in flight go back to waiting, and the engine then serves them all with
