@@ -188,10 +188,19 @@ class EngineConfig:
             1/tp of the heads and MLP rows, and KV blocks for its own KV heads). The
             heads must split by vLLM's GQA rules; checked against the model before any
             process starts. See chapters/17-tensor-parallelism.md.
-        distributed_executor_backend: None (= "uni" at tp=1, else "mp"), "uni" (one
+        pipeline_parallel_size: stages the layers are split over (vLLM's name): the
+            ranks form a grid of tensor_parallel_size x pipeline_parallel_size
+            (tp inner: rank = pp_rank * tp + tp_rank), each stage holds its share of
+            the layers (vLLM's get_pp_indices) and KV blocks for them only, and the
+            engine keeps up to pipeline_parallel_size batches in flight (vLLM v1's
+            batch queue). At most the model's num_hidden_layers; needs "mp"; not
+            with speculative decoding. Built on async scheduling, so the flag
+            async_scheduling changes nothing when it is > 1.
+        distributed_executor_backend: None (= "uni" at one rank, else "mp"), "uni" (one
             worker in this process), "mp" (one process per rank, torch.distributed
             gloo on the CPU or NCCL on CUDA) or "external_launcher" (the ranks are
-            processes started by torchrun, each running the whole engine).
+            processes started by torchrun, each running the whole engine; tensor
+            parallelism only).
         speculative_config: speculative decoding, off by default: a dict of
             SpeculativeConfig's fields (vLLM's form), or that dict as JSON text, as on
             the command line ('{"method": "ngram", "num_speculative_tokens": 4,
@@ -225,6 +234,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     async_scheduling: bool = False
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     speculative_config: SpeculativeConfig | dict | None = None
     max_logprobs: int = 20
@@ -264,8 +274,30 @@ class EngineConfig:
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker, but "
                              f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp'")
+        self._check_pipeline_parallel()
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but torch sees no CUDA device")
+
+    def _check_pipeline_parallel(self) -> None:
+        pp = self.pipeline_parallel_size
+        check_int("pipeline_parallel_size", pp, minimum=1, rule="a positive integer")
+        if pp == 1:
+            return
+        if self.distributed_executor_backend in ("uni", "external_launcher"):
+            # torchrun runs a whole engine per rank; a stage only answers for its own layers
+            raise ValueError(f"pipeline_parallel_size={pp} needs a process per rank: "
+                             f"distributed_executor_backend={self.distributed_executor_backend!r} is not "
+                             "supported with it; use 'mp' (on several hosts: --nnodes, --node-rank, --master-addr)")
+        if self.speculative_config is not None:
+            # the proposer needs each step's sampled token on the first stage before the next step
+            raise ValueError(f"speculative_config={self.speculative_config.method!r} is not supported with "
+                             f"pipeline_parallel_size={pp}: the proposer needs every step's sampled token on "
+                             "the first stage before the next step (vLLM v1 also started without it)")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the grid: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def torch_device(self) -> torch.device:
@@ -275,10 +307,10 @@ class EngineConfig:
 
     @property
     def executor_backend(self) -> str:
-        """distributed_executor_backend with None resolved: "uni" at tp=1, else "mp"."""
+        """distributed_executor_backend with None resolved: "uni" at one rank, else "mp"."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
-        return "uni" if self.tensor_parallel_size == 1 else "mp"
+        return "uni" if self.world_size == 1 else "mp"
 
     @property
     def torch_dtype(self) -> torch.dtype:

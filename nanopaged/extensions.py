@@ -22,8 +22,11 @@ import importlib
 from typing import Callable
 
 # extension name -> does this config turn it on? (per-request features: always)
+# (pipeline parallelism is built on async scheduling, its classes subclass those: with
+# pp > 1 the plain async entries are off, whatever config.async_scheduling says)
 ENABLED: dict[str, Callable] = {
-    "async_scheduling": lambda config: config.async_scheduling,
+    "pipeline_parallel": lambda config: config.pipeline_parallel_size > 1,
+    "async_scheduling": lambda config: config.async_scheduling and config.pipeline_parallel_size == 1,
     "speculative_decoding": lambda config: config.speculative_config is not None,
     "beam_search": lambda config: True,
     "structured_outputs": lambda config: True,
@@ -32,26 +35,35 @@ PER_REQUEST = {"beam_search", "structured_outputs"}
 
 # part -> extension name -> "module:Class", the subclass of that part's base class
 SCHEDULER: dict[str, str] = {
+    "pipeline_parallel": "nanopaged.core.pipeline_scheduler:PipelineScheduler",
     "async_scheduling": "nanopaged.core.async_scheduler:AsyncScheduler",
     "speculative_decoding": "nanopaged.core.spec_decode:SpecDecodeScheduler",
     "beam_search": "nanopaged.core.beam_search:BeamSearchScheduler",
     "structured_outputs": "nanopaged.core.structured_output_scheduler:StructuredOutputScheduler",
 }
 MODEL_RUNNER: dict[str, str] = {
+    "pipeline_parallel": "nanopaged.worker.pipeline_model_runner:PipelineModelRunner",
     "async_scheduling": "nanopaged.worker.async_model_runner:AsyncModelRunner",
     "speculative_decoding": "nanopaged.worker.spec_decode.spec_model_runner:SpecDecodeModelRunner",
     "structured_outputs": "nanopaged.worker.structured_output_runner:StructuredOutputModelRunner",
 }
 ENGINE_CORE: dict[str, str] = {
+    "pipeline_parallel": "nanopaged.engine.pipeline_engine_core:PipelineEngineCore",
     "async_scheduling": "nanopaged.engine.async_engine_core:AsyncEngineCore",
     "speculative_decoding": "nanopaged.engine.spec_decode_core:SpecDecodeEngineCore",
     "structured_outputs": "nanopaged.engine.structured_output_core:StructuredOutputEngineCore",
 }
-PARTS = {"scheduler": SCHEDULER, "model_runner": MODEL_RUNNER, "engine_core": ENGINE_CORE}
+# the model class of a family (model/registry.py): a stage holds only its layers
+MODEL: dict[str, str] = {
+    "pipeline_parallel": "nanopaged.model.pipeline_stage:PipelineStageModel",
+}
+PARTS = {"scheduler": SCHEDULER, "model_runner": MODEL_RUNNER, "engine_core": ENGINE_CORE, "model": MODEL}
 
 # every module of each later feature, the classes above and what they use: the base
 # engine imports none of them (tests/engine/test_base_engine.py blocks them all)
 MODULES: dict[str, list[str]] = {
+    "pipeline_parallel": ["nanopaged.core.pipeline_scheduler", "nanopaged.engine.pipeline_engine_core",
+                          "nanopaged.worker.pipeline_model_runner", "nanopaged.model.pipeline_stage"],
     "async_scheduling": ["nanopaged.core.async_scheduler", "nanopaged.engine.async_engine_core",
                          "nanopaged.worker.async_model_runner"],
     "speculative_decoding": ["nanopaged.core.spec_decode", "nanopaged.engine.spec_decode_core",

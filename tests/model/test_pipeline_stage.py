@@ -61,13 +61,14 @@ class Chain:
 
     def __init__(self, stages: list[PipelineStageModel]) -> None:
         self.stages, self.config = stages, stages[0].config
+        self.dtype = torch.float32
         self.num_local_kv_heads = stages[0].num_local_kv_heads
 
     def __call__(self, input_ids, positions, kv_caches, meta):
         received = None
         for stage in self.stages:
             if not stage.pp.is_first_rank:
-                received = stage.pp.recv(len(input_ids), self.config.hidden_size, torch.float32)
+                received = stage.pp.recv(len(input_ids), self.config.hidden_size, self.dtype)
             out = stage(input_ids, positions, kv_caches[stage.start_layer:stage.end_layer], meta, received)
             if not stage.pp.is_last_rank:
                 assert isinstance(out, IntermediateTensors)
@@ -135,6 +136,24 @@ def test_stages_chained_equal_the_whole_model_to_the_bit(five_layer, arch, tie, 
     assert hops == [18] * (pp_size - 1) + [0]
     hidden = whole.config.hidden_size
     assert stages[0].pp.bytes_sent == 2 * (15 + 8) * 2 * hidden * 4          # [2, n, hidden] fp32 per hop
+
+
+@pytest.mark.parametrize("pp_size", [2, 3])
+@pytest.mark.parametrize("arch, tie", [("LlamaForCausalLM", True), ("Qwen3ForCausalLM", False)])
+def test_stages_in_bf16_with_the_cpu_kernels_equal_the_whole_model_to_the_bit(five_layer, arch, tie, pp_size):
+    from nanopaged.layers.backends import get_ops
+
+    ops = get_ops("cpu", "cpu")          # fused add + RMSNorm in place on the received tensors, bf16 matmuls
+    folder = five_layer(arch, tie)
+    whole = load_model(folder, torch.bfloat16, torch.device("cpu"), 64)
+    stages = [load_model(folder, torch.bfloat16, torch.device("cpu"), 64, pp=PPGroup(r, pp_size, transport),
+                         model_class=stage_class) for transport in [QueueTransport(pp_size)] for r in range(pp_size)]
+    for model in (whole, *stages):
+        model.set_ops(ops)
+    chain = Chain(stages)
+    chain.dtype = torch.bfloat16
+    expected = paged_logits(whole, TOKENS, 4, prefill=15, dtype=torch.bfloat16)
+    assert torch.equal(paged_logits(chain, TOKENS, 4, prefill=15, dtype=torch.bfloat16), expected)
 
 
 def test_a_stage_holds_only_its_part(five_layer):

@@ -5,6 +5,8 @@
   in-process queue, sample the same tokens with the same logprobs and prompt logprobs
   (seeded and greedy), and each caches only its own layers; a stage before the last
   answers empty. Their preemption-cost measurement sends nothing.
+- A stage's Worker: its KV block counts its own layers; its counters; a grid that
+  does not match the world size is refused.
 - Across processes: a grid of tp=2 x pp=2 gloo ranks (file:// rendezvous in tmp_path)
   built by make_parallel_groups: each stage's tp ranks all-reduce among themselves, and
   rank r of stage 0 sends its IntermediateTensors to rank r of stage 1, in order.
@@ -27,6 +29,7 @@ from nanopaged.exercises.tiny_model import make_tiny_model
 from nanopaged.layers.pipeline import IntermediateTensors, PPGroup
 from nanopaged.messages import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from nanopaged.model.model_loader import load_model
+from nanopaged.model.pipeline_stage import PipelineStageModel
 from nanopaged.worker.model_runner import ModelRunner
 from nanopaged.worker.pipeline_model_runner import PipelineModelRunner
 from nanopaged.worker.structured_output_runner import StructuredOutputModelRunner
@@ -176,3 +179,30 @@ def test_a_tp2_pp2_grid_of_gloo_processes_sends_to_its_own_tp_rank(tmp_path):
     for receiver, sender in ((2, 0), (3, 1)):
         assert by_rank[receiver]["got"] == [[[100.0 * sender + n], [-1.0 * sender - n], [n, 8]] for n in (3, 5)]
         assert by_rank[sender]["hops"] == 2 and by_rank[sender]["bytes"] == 2 * (3 + 5) * 8 * 4
+
+
+def test_a_stage_worker_holds_and_counts_its_own_layers(tmp_path):
+    from nanopaged.layers.backends import TorchOps
+    from nanopaged.model.config import ModelConfig
+    from nanopaged.worker.worker import Worker
+
+    make_tiny_model(tmp_path, "LlamaForCausalLM", num_hidden_layers=5)
+    model_config = ModelConfig.from_pretrained(tmp_path)
+
+    def worker(pp_size, rank, world_size=None):
+        config = EngineConfig(model=str(tmp_path), block_size=BLOCK, max_model_len=64, dtype="float32",
+                              pipeline_parallel_size=pp_size)
+        group = QueueTransport(pp_size) if pp_size > 1 else None      # the world group of a 1 x pp grid
+        return Worker(config, tmp_path, model_config, ops=TorchOps(), rank=rank,
+                      world_size=pp_size if world_size is None else world_size, process_group=group)
+
+    whole, first, last = worker(1, 0), worker(2, 0), worker(2, 1)
+    # 5 layers as 3 + 2: a stage's block holds its layers only, so pp=2 fits more blocks per rank
+    per_layer = whole.kv_cache_bytes_per_block() // 5
+    assert [first.kv_cache_bytes_per_block(), last.kv_cache_bytes_per_block()] == [3 * per_layer, 2 * per_layer]
+    assert (first.pp.rank, last.pp.rank, first.tp.size) == (0, 1, 1)
+    assert isinstance(last.model, PipelineStageModel) and not isinstance(whole.model, PipelineStageModel)
+    assert set(last.get_comm_stats()) == {"comm_seconds", "num_collectives", "pp_send_seconds", "pp_recv_seconds",
+                                          "pp_bytes_sent", "pp_num_hops"}
+    with pytest.raises(ValueError, match=r"world_size=3 but tensor_parallel_size=1 x pipeline_parallel_size=2 = 2"):
+        worker(2, 0, world_size=3)

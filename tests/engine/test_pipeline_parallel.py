@@ -1,0 +1,361 @@
+"""Pipeline parallelism (EngineConfig.pipeline_parallel_size, issue 36): the setting and
+its refusals; the batch queue (PipelineEngineCore + PipelineScheduler) over an
+in-process executor, so that its rule (a request is never in two in-flight batches)
+and its outputs are checked on every workload with no process started; then the real
+grid of worker processes (stages over gloo), which must give pp=1's ids token for token.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import deque
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from nanopaged import LLM, BeamSearchParams, EngineConfig, SamplingParams, StructuredOutputsParams
+from nanopaged.engine.arg_utils import add_cli_args, engine_kwargs
+from nanopaged.exercises.tiny_model import make_tiny_llama
+from nanopaged.utils.proc import EngineDeadError
+from nanopaged.worker import executor as executor_module
+
+from invariants import check_block_invariants
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """A tiny Llama with 4 layers (pp=3 splits them 1, 2, 1), untied head."""
+    folder = tmp_path_factory.mktemp("pp-llama")
+    make_tiny_llama(folder, tie=False, num_hidden_layers=4)
+    return folder
+
+
+# ---- the setting ----------------------------------------------------------------------
+
+def test_pipeline_parallel_size_is_a_positive_integer_and_makes_a_grid():
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="pipeline_parallel_size"):
+            EngineConfig(pipeline_parallel_size=bad)
+    config = EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
+    assert config.world_size == 4 and config.executor_backend == "mp"
+    assert EngineConfig().world_size == 1 and EngineConfig().executor_backend == "uni"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(distributed_executor_backend="external_launcher"), ["pipeline_parallel_size=2", "external_launcher",
+                                                               "--nnodes"]),
+    (dict(distributed_executor_backend="uni"), ["pipeline_parallel_size=2", "'uni'"]),
+    (dict(speculative_config={"method": "ngram"}), ["speculative_config='ngram'", "pipeline_parallel_size=2",
+                                                     "first stage"]),
+])
+def test_settings_that_do_not_work_with_stages_are_refused_by_name(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(pipeline_parallel_size=2, **kwargs)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_more_stages_than_layers_fails_before_any_process_starts(tiny_model_dir):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's num_hidden_layers=2"):
+        LLM(str(tiny_model_dir), pipeline_parallel_size=3)
+
+
+def test_the_flag_and_its_short_spelling():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert engine_kwargs(parser.parse_args(["--pipeline-parallel-size", "2", "-tp", "2"])) == dict(
+        model=None, pipeline_parallel_size=2, tensor_parallel_size=2)
+    assert engine_kwargs(parser.parse_args(["-pp", "3"]))["pipeline_parallel_size"] == 3
+
+
+# ---- the batch queue, over one in-process worker --------------------------------------
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """Engines built with pipeline_parallel_size > 1 get PipelineEngineCore and
+    PipelineScheduler, but one whole-model Worker in this process: each batch runs when
+    it is sent (a future already done), before the batches ahead of it are taken in,
+    as in a pipeline. After every step the rule and the block invariants are checked."""
+    create = executor_module.Executor.create
+
+    def one_worker(config, model_path, model_config, ops):
+        if config.pipeline_parallel_size == 1:
+            return create(config, model_path, model_config, ops)
+        whole = replace(config, pipeline_parallel_size=1, distributed_executor_backend="uni")
+        return executor_module.UniProcExecutor(whole, model_path, model_config, ops)
+
+    monkeypatch.setattr(executor_module.Executor, "create", staticmethod(one_worker))
+
+
+def checked(llm) -> LLM:
+    """llm whose engine core checks, after each step, that no request (nor sequence) is
+    in two batches in flight, and the block invariants (and the runner's record, when
+    the runner is in this process)."""
+    eng, core = llm.engine, llm.engine.engine_core
+    step = core.step
+    local = hasattr(core.executor, "driver_worker")
+
+    def checked_step():
+        out = step()
+        seqs = core.scheduler.queues.seqs
+        batches = [b.scheduler_output for b in core.batch_queue if b.is_batch]
+        seq_ids = [i for so in batches for i in so.num_scheduled_tokens]
+        assert len(seq_ids) == len(set(seq_ids)), "a sequence is in two in-flight batches"
+        requests = [{seqs[i][1].request_id for i in so.num_scheduled_tokens if i in seqs} for so in batches]
+        assert sum(map(len, requests)) == len(set().union(*requests)), "a request is in two in-flight batches"
+        assert core.scheduler.in_flight_batches == [list(so.num_scheduled_tokens) for so in batches]
+        if not any(getattr(b.future, "done", bool)() and b.future.exception() for b in core.batch_queue):
+            # (a batch that raised is taken in, and undone, next step)
+            check_block_invariants(eng if local else blocks_only(eng))
+        return out
+
+    core.step = checked_step
+    return llm
+
+
+def blocks_only(eng) -> SimpleNamespace:
+    """What check_block_invariants reads of an engine whose runners are in worker
+    processes: the pools and queues, and no runner record to compare."""
+    s = eng.scheduler
+    view = SimpleNamespace(known={}, finished_seq_ids=set())
+    scheduler = SimpleNamespace(waiting=s.waiting, running=s.running, swapped=s.swapped, requests=s.requests,
+                                config=s.config, runner_view=view)
+    return SimpleNamespace(block_manager=eng.block_manager, scheduler=scheduler,
+                           model_runner=SimpleNamespace(input_batch=SimpleNamespace(seqs={})))
+
+
+PREFIX = list(range(40, 60))
+PROMPTS = [PREFIX + [i, i + 1] for i in range(3, 7)] + [list(range(100, 131)), [5, 6, 7]]
+GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=14, ignore_eos=True)
+FORKS = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=10, ignore_eos=True)
+MIXED = [GREEDY, SEEDED, FORKS, GREEDY, SEEDED, FORKS]
+
+
+def completions(outs):
+    """Every completion's ids, and the ids and logprobs of each top-logprob row (sample
+    and prompt rows), as comparable values."""
+    def lp(rows):
+        return [sorted((t, v.logprob) for t, v in row.items()) if row else row for row in rows or []]
+    return [([(c.token_ids, lp(c.logprobs)) for c in o.outputs], lp(o.prompt_logprobs)) for o in outs]
+
+
+def assert_same(outs, ref, tol=1e-5):
+    """The same ids (tokens and top-logprob ids) token for token, logprobs within tol."""
+    def split(x):
+        ids, values = [], []
+
+        def walk(v):
+            if isinstance(v, float):
+                values.append(v)
+            elif isinstance(v, (list, tuple)):
+                for item in v:
+                    walk(item)
+            else:
+                ids.append(v)
+        walk(x)
+        return ids, values
+    (ids, values), (ref_ids, ref_values) = split(completions(outs)), split(completions(ref))
+    assert ids == ref_ids
+    assert len(values) == len(ref_values) and all(abs(a - b) <= tol for a, b in zip(values, ref_values))
+
+
+def reference(folder, prompts=PROMPTS, params=MIXED):
+    """pp=1, a pool with room for everything (no preemption)."""
+    llm = LLM(str(folder), num_gpu_blocks=256, block_size=4, dtype="float32", preemption_mode="recompute")
+    first = llm.generate(prompts[:1], params[:1], use_tqdm=False)
+    return first, llm.generate(prompts, params, use_tqdm=False)
+
+
+def run_pp(folder, pp, prompts=PROMPTS, params=MIXED, **kw):
+    """The first prompt alone, then all of them (their shared prefix is then cached)."""
+    kw = dict(num_gpu_blocks=32, num_cpu_blocks=6, preemption_mode="swap", max_num_batched_tokens=16,
+              max_num_seqs=6) | kw
+    llm = checked(LLM(str(folder), block_size=4, dtype="float32", pipeline_parallel_size=pp, **kw))
+    first = llm.generate(prompts[:1], params[:1], use_tqdm=False)
+    return llm, first, llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_batch_queue_gives_pp1_outputs_with_hits_chunks_and_both_preemptions(in_process, four_layers, pp):
+    """Greedy ids (with their logprobs and prompt logprobs), seeded samples and n=3
+    forks equal pp=1's, while a 16-token budget chunks the 31-token prompt and staggers
+    the requests over pp batches in flight, the second round hits the cached prefix,
+    and a 32-block pool preempts by swap and, once the 6-block swap pool is full, by
+    recompute."""
+    ref_first, ref = reference(four_layers)
+    llm, first, outs = run_pp(four_layers, pp)
+    assert completions(first) == completions(ref_first) and completions(outs) == completions(ref)   # one process: bits
+    stats = llm.engine.get_stats()
+    assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0, stats
+    assert stats["prefix_cache_hits"] > 0 and stats["num_copy_on_write"] > 0, stats
+    assert stats["max_batches_in_flight"] == pp and stats["num_batches_in_flight"] == 0
+    assert stats["num_free_gpu_blocks"] == 32 and stats["num_free_cpu_blocks"] == 6
+
+
+def test_batch_queue_beams_and_structured_outputs(in_process, four_layers):
+    date = SamplingParams(temperature=0.8, seed=4, n=2, max_tokens=20,
+                          structured_outputs=StructuredOutputsParams(regex="[0-9]{4}-[0-9]{2}-[0-9]{2}"))
+    beams = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    params = [date, SEEDED, date, GREEDY, date, SEEDED]
+
+    def run(llm):
+        return ([[(s.tokens, round(s.cum_logprob, 5)) for s in o.sequences] for o in llm.beam_search(PROMPTS[:3], beams)],
+                completions(llm.generate(PROMPTS, params, use_tqdm=False)))
+
+    ref = run(LLM(str(four_layers), num_gpu_blocks=256, block_size=4, dtype="float32"))
+    llm = checked(LLM(str(four_layers), num_gpu_blocks=256, block_size=4, dtype="float32", pipeline_parallel_size=2,
+                      max_num_batched_tokens=16, max_num_seqs=8))
+    assert run(llm) == ref
+    assert llm.engine.get_stats()["max_batches_in_flight"] == 2
+
+
+def test_a_batch_that_raises_sends_every_request_in_flight_back_and_the_engine_goes_on(in_process, four_layers):
+    """The forward of the second batch raises: step() raises it once; the requests of
+    every batch in flight go back to waiting, and the engine then serves them all with
+    pp=1's ids."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    _, ref = reference(four_layers, PROMPTS, [params] * len(PROMPTS))
+    llm = checked(LLM(str(four_layers), num_gpu_blocks=64, block_size=4, dtype="float32", pipeline_parallel_size=2,
+                      max_num_batched_tokens=16, max_num_seqs=8))
+    eng, core = llm.engine, llm.engine.engine_core
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, params)
+    runner = core.executor.driver_worker.model_runner
+    forward, calls = runner.execute_model, []
+
+    def fails_second(so):
+        calls.append(so)
+        if len(calls) == 2:
+            raise RuntimeError("boom in batch 2")
+        return forward(so)
+
+    runner.execute_model = fails_second
+    with pytest.raises(RuntimeError, match="boom in batch 2"):
+        while eng.has_unfinished_requests():
+            eng.step()
+    assert core.batch_queue == deque() and core.scheduler.in_flight_batches == []
+    assert {g.request_id for g in eng.scheduler.waiting} >= {rid for so in calls for rid in
+                                                             (eng.scheduler.queues.seqs[i][1].request_id
+                                                              for i in so.num_scheduled_tokens)}
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    assert [final[str(i)] for i in range(len(PROMPTS))] == [o.outputs[0].token_ids for o in ref]
+    assert eng.get_stats()["num_free_gpu_blocks"] == 64
+
+
+# ---- the grid of worker processes (stages over gloo) ---------------------------------
+
+def worker_pids(llm) -> list[int]:
+    return [p.pid for p in llm.engine.engine_core.executor.procs]
+
+
+def wait_gone(pids, timeout: float = 15.0) -> set[int]:
+    """The pids still alive after waiting up to `timeout` seconds."""
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as f:            # a zombie is gone too
+            return f.read().split(")")[-1].split()[0] != "Z"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return {p for p in pids if alive(p)}
+
+
+@pytest.fixture(scope="module")
+def pp1_reference(four_layers):
+    return reference(four_layers)
+
+
+BEAMS = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+DATE = SamplingParams(temperature=0.8, seed=4, n=2, max_tokens=20,
+                      structured_outputs=StructuredOutputsParams(regex="[0-9]{4}-[0-9]{2}-[0-9]{2}"))
+
+
+def beams_and_grammars(llm):
+    params = [DATE, SEEDED, DATE, GREEDY, DATE, SEEDED]
+    return ([[(s.tokens, s.cum_logprob) for s in o.sequences] for o in llm.beam_search(PROMPTS[:3], BEAMS)],
+            llm.generate(PROMPTS, params, use_tqdm=False))
+
+
+@pytest.mark.parametrize("pp, tp", [(2, 1), pytest.param(3, 1, marks=pytest.mark.slow),
+                                    pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_worker_grid_gives_pp1_ids_logprobs_and_samples(four_layers, pp1_reference, pp, tp):
+    """pp stages (x tp ranks each) in worker processes: the workload of the in-process
+    test above (prefix hits, chunked prefill, swap and recompute preemption, seeded and
+    n=3 sampling), then beam search and structured outputs, give pp=1's ids token for
+    token and its logprobs within 1e-5, with pp batches in flight and every request in
+    at most one of them; shutdown leaves no process and no socket folder."""
+    ref_first, ref = pp1_reference
+    llm, first, outs = run_pp(four_layers, pp, tensor_parallel_size=tp)
+    pids, folder = worker_pids(llm), llm.engine.engine_core.executor._dir
+    assert len(pids) == pp * tp
+    assert_same(first, ref_first)
+    assert_same(outs, ref)
+    stats = llm.engine.get_stats()
+    assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0, stats
+    assert stats["prefix_cache_hits"] > 0 and stats["num_copy_on_write"] > 0, stats
+    assert stats["max_batches_in_flight"] == pp and stats["num_free_gpu_blocks"] == 32
+    comm = llm.engine.engine_core.executor.get_comm_stats()
+    assert [c["pp_num_hops"] > 0 for c in comm] == [r // tp < pp - 1 for r in range(pp * tp)]   # all but the last stage send
+    if pp == 2 and tp == 1:
+        beams, sampled = beams_and_grammars(llm)
+        ref_beams, ref_sampled = beams_and_grammars(LLM(str(four_layers), num_gpu_blocks=256, block_size=4,
+                                                        dtype="float32"))
+        assert [[t for t, _ in b] for b in beams] == [[t for t, _ in b] for b in ref_beams]
+        assert all(abs(x - y) <= 1e-5 for b, rb in zip(beams, ref_beams) for (_, x), (_, y) in zip(b, rb))
+        assert_same(sampled, ref_sampled)
+    llm.shutdown()
+    assert not wait_gone(pids) and not os.path.exists(folder)
+
+
+def test_pp2_in_bf16_is_batch_invariant(four_layers):
+    """In bfloat16, a prompt's per-step logprobs at pp=2 are the same floats alone, in a
+    batch and again (the stages hand on hidden states as they are: no new rounding)."""
+    llm = LLM(str(four_layers), num_gpu_blocks=64, block_size=4, pipeline_parallel_size=2, dtype="bfloat16",
+              enable_prefix_caching=False, max_num_batched_tokens=32, max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+    def target(prompts):
+        out = llm.generate(prompts, params, use_tqdm=False)[prompts.index(PROMPTS[4])].outputs[0]
+        return out.token_ids, out.logprobs
+    alone = target([PROMPTS[4]])
+    assert target(PROMPTS) == alone
+    assert target([PROMPTS[4], PROMPTS[0]]) == alone
+    assert target([PROMPTS[4]]) == alone
+    llm.shutdown()
+
+
+def test_a_stage_that_dies_mid_run_ends_the_engine_naming_it(four_layers):
+    """The last stage's worker is killed while batches are in flight: a step raises
+    EngineDeadError within seconds naming its rank and stage, every worker is gone, and
+    the engine stays dead."""
+    llm = LLM(str(four_layers), num_gpu_blocks=64, block_size=4, pipeline_parallel_size=2,
+              preemption_mode="recompute", max_num_batched_tokens=16, max_num_seqs=8)
+    eng, pids = llm.engine, worker_pids(llm)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    assert eng.engine_core.num_batches_in_flight > 0
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"worker rank 1 \(pipeline stage 1, tensor-parallel rank 0\).* died: "
+                                              "killed by SIGKILL"):
+        for _ in range(1000):
+            eng.step()
+    assert time.monotonic() - start < 30
+    assert not wait_gone(pids)
+    with pytest.raises(EngineDeadError):
+        eng.step()
