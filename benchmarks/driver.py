@@ -41,6 +41,12 @@ tp:         (not in the default list: a few minutes) tensor parallelism
             generate spent in collectives and in delivering the control message, and
             our pyzmq push of it vs a broadcast over the process group (benchmarks/tp.py;
             fp32 and its own two models whatever --model and --dtype say).
+pp:         (not in the default list: a few minutes) pipeline parallelism
+            (chapters/20-pipeline-parallelism.md): pp=1, 2, 3 on the default model on the
+            same cores: tokens/s, batch-1 ms/token, each stage's bubble (idle share of the
+            wall time), KV tokens a rank holds at equal memory, bytes and time per hop,
+            and pp=2 split over two local "nodes" (--nnodes 2, one headless); fp32
+            (benchmarks/pp.py).
 structured: structured outputs (chapters/18-structured-outputs.md): the throughput
             workload with every request constrained by a JSON schema vs unconstrained
             (same tokens), best of two each, plus the bitmask's fill and apply cost per
@@ -80,6 +86,7 @@ from .common import cpu_flags
 from .kernels import bench_kernels
 from .memory import bench_memory_utilization
 from .overlap import bench_overlap
+from .pp import bench_pp
 from .prefix import bench_prefix_caching
 from .pressure import bench_memory_pressure
 from .sampling import bench_sampling
@@ -111,7 +118,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
     ap.add_argument("--sections",
                     default="throughput,chat,sampling,structured,overlap,prefix,sharing,pressure,memory,kernels",
-                    help="comma-separated, from the list above; serve, soak, spec, tp and vllm are not in the default")
+                    help="comma-separated, from the list above; serve, soak, spec, tp, pp and vllm are not in the default")
     ap.add_argument("--kernels", action="store_true", help="only the kernels section")
     ap.add_argument("--request-rates", default="0.5,2,inf", help="serve: requests per second")
     ap.add_argument("--serve-requests", type=int, default=32, help="serve: requests per rate")
@@ -146,6 +153,8 @@ def main() -> None:
         bench_soak(args.model, args.dtype, args.soak_rounds, args.threads)
     if "tp" in sections:
         bench_tp()
+    if "pp" in sections:
+        bench_pp()
     if "sampling" in sections:
         bench_sampling(args.model, args)
     if "overlap" in sections:
