@@ -12,7 +12,8 @@ chapters/20-pipeline-parallelism.md), in one run on this machine, SmolLM2-135M i
     hops         bytes and microseconds per stage boundary (a send of one step's
                  hidden states and residual)
     two nodes    pp=2 with its stages in two "nodes" on this machine (--nnodes 2, node 1
-                 a headless `python -m nanopaged.serve` process), same numbers
+                 a headless `python -m nanopaged.serve` process, a thread a rank), same
+                 numbers
 
 Threads: pp=1 runs torch's default (one per core); a pp > 1 rank gets cores // pp, at
 least 1 (the executor's rule), so at pp=3 on 2 cores 3 ranks share 2 cores.
@@ -99,12 +100,13 @@ def report(label: str, r: dict, base: dict) -> None:
 
 def start_headless_node(model: str, pp: int, port: int) -> subprocess.Popen:
     """Node 1 of 2: a headless server process holding the second stage."""
-    return subprocess.Popen([sys.executable, "-m", "nanopaged.serve", model, "--dtype", "float32",
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "nanopaged.serve", "--model", model, "--dtype", "float32",
                              "--pipeline-parallel-size", str(pp), "--nnodes", "2", "--node-rank", "1",
                              "--master-addr", "127.0.0.1", "--master-port", str(port), "--headless",
                              "--kv-cache-memory-bytes", str(KV_BYTES), "--num-cpu-blocks", "0",
                              "--preemption-mode", "recompute"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def bench_pp() -> None:
@@ -125,6 +127,8 @@ def bench_pp() -> None:
     report("pp=1", base, base)
     for pp in (2, 3):
         report(f"pp={pp}", run_pp(model, pp, prompts), base)
+    # one thread a rank, as at pp=2 on one node (each node would otherwise take every core)
+    os.environ["OMP_NUM_THREADS"] = "1"
     port = _free_port()
     node1 = start_headless_node(model, 2, port)
     try:

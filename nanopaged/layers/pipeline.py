@@ -84,7 +84,8 @@ class PPGroup:
         device: where received tensors are put.
 
     Attributes (for the bench):
-        send_seconds: wall time blocked in send, seconds.
+        send_seconds: wall time blocked in send, seconds (waiting for the send before
+            to complete: the next stage had not taken it yet).
         recv_seconds: wall time blocked in recv, seconds: the time this stage waited
             for the one before it (the pipeline bubble, with the time that stage ran).
         bytes_sent: bytes of IntermediateTensors sent.
@@ -100,6 +101,7 @@ class PPGroup:
         self.device = torch.device(device)
         self.send_seconds = self.recv_seconds = 0.0
         self.bytes_sent = self.num_hops = 0
+        self._in_transit = None          # (work, tensor) of the last send, until it completes
 
     @property
     def is_first_rank(self) -> bool:
@@ -113,7 +115,9 @@ class PPGroup:
 
     def send(self, tensors: IntermediateTensors) -> None:
         """Send `tensors` to the next stage: one [2, num_tokens, hidden_size] tensor
-        (hidden_states, residual stacked), so one hop is one message.
+        (hidden_states, residual stacked), so one hop is one message. Returns once the
+        send before it has completed, not this one: the stage goes on to its next batch
+        while the next stage is still busy with the one before (vLLM's isend_tensor_dict).
 
         Raises:
             RuntimeError: this is the last stage, or the transport failed (a peer that
@@ -123,10 +127,17 @@ class PPGroup:
             raise RuntimeError(f"stage {self.rank} of {self.size} is the last: it has no next stage to send to")
         start = time.perf_counter()
         message = torch.stack([tensors.hidden_states, tensors.residual])
-        self.process_group.send([message], self.rank + 1, 0).wait()
+        self.wait_sent()
+        self._in_transit = (self.process_group.send([message], self.rank + 1, 0), message)
         self.send_seconds += time.perf_counter() - start
         self.bytes_sent += message.numel() * message.element_size()
         self.num_hops += 1
+
+    def wait_sent(self) -> None:
+        """Wait until the last send has completed (raises its transport error, if any)."""
+        if self._in_transit is not None:
+            work, self._in_transit = self._in_transit[0], None
+            work.wait()
 
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> IntermediateTensors:
         """Receive the previous stage's IntermediateTensors of num_tokens rows of

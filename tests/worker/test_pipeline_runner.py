@@ -155,6 +155,7 @@ def test_stages_over_real_gloo_pass_their_tensors_on_in_order(tmp_path):
                 else:
                     got[n] = (t.hidden_states.unique().tolist(), t.residual.unique().tolist(),
                               list(t.hidden_states.shape))
+            pp.wait_sent()      # a send returns before it completes: done before the group goes
             got[rank] = (pp.num_hops, pp.bytes_sent, pp.prev_rank, pp.next_rank)
         except Exception as e:          # noqa: BLE001 - reported by the test
             errors.append((rank, e))
