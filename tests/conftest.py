@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -96,3 +98,20 @@ def interrupt_next_forward(layer) -> None:
         raise KeyboardInterrupt
 
     layer.forward = interrupted
+
+
+class InterruptOnce:
+    """A socket whose first poll raises KeyboardInterrupt (a Ctrl-C mid-step)."""
+
+    def __init__(self, sock):
+        self.sock, self.fired = sock, False
+
+    def poll(self, timeout):
+        if not self.fired:
+            self.fired = True
+            time.sleep(0.2)               # the ranks' answers are on their way
+            raise KeyboardInterrupt
+        return self.sock.poll(timeout)
+
+    def recv(self):
+        return self.sock.recv()

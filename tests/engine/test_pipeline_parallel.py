@@ -23,6 +23,7 @@ from nanopaged.utils.proc import EngineDeadError
 from nanopaged.worker.executor import combine_stage_costs
 from nanopaged.worker import executor as executor_module
 
+from conftest import InterruptOnce
 from invariants import check_block_invariants
 
 pytestmark = pytest.mark.timeout(600)
@@ -301,23 +302,6 @@ def wait_gone(pids, timeout: float = 15.0) -> set[int]:
     while time.monotonic() < end and any(alive(p) for p in pids):
         time.sleep(0.1)
     return {p for p in pids if alive(p)}
-
-
-class InterruptOnce:
-    """A socket whose first poll raises KeyboardInterrupt (a Ctrl-C mid-step)."""
-
-    def __init__(self, sock):
-        self.sock, self.fired = sock, False
-
-    def poll(self, timeout):
-        if not self.fired:
-            self.fired = True
-            time.sleep(0.2)               # the ranks' answers are on their way
-            raise KeyboardInterrupt
-        return self.sock.poll(timeout)
-
-    def recv(self):
-        return self.sock.recv()
 
 
 def test_preemption_costs_add_up_over_stages():

@@ -32,7 +32,7 @@ from nanopaged.layers.backends import TorchOps
 from nanopaged.layers.parallel import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
                                       shard_heads)
 
-from conftest import make_tiny_llama, paged_logits
+from conftest import InterruptOnce, make_tiny_llama, paged_logits
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -402,23 +402,6 @@ def tp1_reference(tp_model_dir):
     return run_workload(llm)
 
 
-class _InterruptOnce:
-    """A socket whose first poll raises KeyboardInterrupt (a Ctrl-C mid-step)."""
-
-    def __init__(self, sock):
-        self.sock, self.fired = sock, False
-
-    def poll(self, timeout):
-        if not self.fired:
-            self.fired = True
-            time.sleep(0.2)               # the ranks' answers are on their way
-            raise KeyboardInterrupt
-        return self.sock.poll(timeout)
-
-    def recv(self):
-        return self.sock.recv()
-
-
 @pytest.mark.parametrize("tp_size", [2, 4])      # 4 > this machine's 2 cores: slower, not an error
 def test_engine_at_tp_equals_tp1(tp_model_dir, tp1_reference, tp_size):
     llm = LLM(str(tp_model_dir), num_gpu_blocks=64, block_size=4, tensor_parallel_size=tp_size, dtype="float32")
@@ -442,7 +425,7 @@ def test_engine_at_tp_equals_tp1(tp_model_dir, tp1_reference, tp_size):
     # Ctrl-C while the engine waits for the ranks' answers: that step's late answers are
     # dropped, and the engine goes on serving the same tokens
     executor = llm.engine.engine_core.executor
-    executor.output = _InterruptOnce(executor.output)
+    executor.output = InterruptOnce(executor.output)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     executor.output = executor.output.sock
