@@ -1,8 +1,9 @@
 """PipelineScheduler on its own, with no model (pipeline parallelism, issue 36): the test
 plays the runner and keeps up to pp batches in flight by hand, as PipelineEngineCore's
-batch queue does, taking their outputs in order. The rule under test: a request is
+batch queue does, taking their outputs in order. The rules under test: a request is
 never in two in-flight batches (vLLM v1's scheduler with PP sends the sampled tokens to
-the workers: the base RunnerView). sched_harness.Harness checks the invariants
+the workers: the base RunnerView), and a step schedules at most ceil(demand / pp)
+sequences, so that requests arriving together fill pp batches. sched_harness.Harness checks the invariants
 (tests/invariants.py) after every output taken in.
 """
 from __future__ import annotations
