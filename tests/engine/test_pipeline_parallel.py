@@ -382,7 +382,23 @@ def pp2_bf16(four_layers):
 def test_pp2_in_bf16_is_batch_invariant(pp2_bf16):
     """In bfloat16, a prompt's per-step logprobs at pp=2 are the same floats alone, in a
     batch and again (the stages hand on hidden states as they are: no new rounding)."""
-    llm = pp2_bf16
+    check_bf16_batch_invariance(pp2_bf16)
+
+
+@pytest.mark.slow           # three worker processes start: ~20 s on a busy 2-core machine
+def test_pp3_in_bf16_is_batch_invariant(four_layers):
+    """The same at pp=3 (stages of 1, 2 and 1 layers)."""
+    llm = LLM(str(four_layers), num_gpu_blocks=64, block_size=4, pipeline_parallel_size=3, dtype="bfloat16",
+              enable_prefix_caching=False, max_num_batched_tokens=16, max_num_seqs=8, preemption_mode="recompute")
+    try:
+        check_bf16_batch_invariance(llm)
+    finally:
+        llm.shutdown()
+
+
+def check_bf16_batch_invariance(llm) -> None:
+    """PROMPTS[4]'s greedy ids and logprobs alone, in the whole batch, with one other, and
+    alone again: the same floats each time."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
 
     def target(prompts):
