@@ -210,7 +210,10 @@ class EngineCoreProc:
         exit_code = 0
         try:
             proc.run()
-        except BaseException:                  # tell the front end why, then go
+        except EngineDeadError as e:           # a worker or node is gone: its reason is the cause
+            proc._send(EngineCoreDead(str(e)))
+            exit_code = 1
+        except BaseException:                  # a bug: tell the front end where, then go
             proc._send(EngineCoreDead(traceback.format_exc()))
             exit_code = 1
         core.shutdown()                        # tensor-parallel workers, if any
