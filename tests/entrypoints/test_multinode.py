@@ -60,15 +60,8 @@ class Headless:
              str(node_rank), "--master-port", str(port), "--log-level", "warning", *args],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def children(self) -> list[psutil.Process]:
-        try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
+    output = Server.output          # the same log file and process as the server's
+    children = Server.children
 
     def end(self) -> None:
         """Kill it if it still runs (a failed test), by pid."""
