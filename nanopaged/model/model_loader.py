@@ -31,6 +31,7 @@ need them so ``import nanopaged`` stays fast.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -239,14 +240,20 @@ def ensure_default_model(progress: bool = True) -> Path:
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Download/extract beside the target (same filesystem, not a possibly small /tmp);
-    # the GGUF is deleted afterwards because the converted folder replaces it.
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=target.parent) as tmp:
-        gguf_path = fetch_default_gguf(Path(tmp), progress=progress)
-        # overwrite=True: whatever is at ``target`` lacks a valid marker, so it is
-        # an outdated or damaged conversion of ours.
-        logger.info("converting %s to a Hugging Face folder (once; cached in %s)", gguf_path.name, target)
-        convert_gguf_to_hf(gguf_path, target, progress=progress, overwrite=True)
+    # One converter at a time: a second process (two chats started at once, or test
+    # workers) waits here, then finds the first one's marker.
+    with open(target.parent.parent / ".default-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _default_marker_ok(target):
+            return target
+        # Download/extract beside the target (same filesystem, not a possibly small /tmp);
+        # the GGUF is deleted afterwards because the converted folder replaces it.
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=target.parent) as tmp:
+            gguf_path = fetch_default_gguf(Path(tmp), progress=progress)
+            # overwrite=True: whatever is at ``target`` lacks a valid marker, so it is
+            # an outdated or damaged conversion of ours.
+            logger.info("converting %s to a Hugging Face folder (once; cached in %s)", gguf_path.name, target)
+            convert_gguf_to_hf(gguf_path, target, progress=progress, overwrite=True)
     return target
 
 

@@ -8,10 +8,12 @@ compare it with transformers' own GGUF loader.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -94,6 +96,32 @@ def test_marked_default_folder_is_reused_without_fetching(isolated_cache, monkey
     assert ml.ensure_default_model(progress=False) == folder
     assert ml.resolve_model(None) == folder
     assert ml.resolve_model(ml.DEFAULT_MODEL) == folder
+
+
+def test_two_first_uses_at_once_convert_once(isolated_cache, monkeypatch, tmp_path):
+    """Two processes (or threads) that find no conversion at once: one converts, the
+    other waits on the cache's lock and reuses it (no two writers in one folder)."""
+    tiny = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny)
+    monkeypatch.setattr(ml, "DEFAULT_GGUF_SHA256", hashlib.sha256(tiny.read_bytes()).hexdigest())
+    inside, most, fetches = [0], [0], []
+    real_convert = ml.convert_gguf_to_hf
+
+    def slow_convert(*args, **kwargs):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.5)                          # long enough for the other thread to arrive
+        try:
+            return real_convert(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(ml, "fetch_default_gguf", lambda dest, progress=True: fetches.append(1) or tiny)
+    monkeypatch.setattr(ml, "convert_gguf_to_hf", slow_convert)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        folders = list(pool.map(lambda _: ml.ensure_default_model(progress=False), range(2)))
+    assert folders == [ml.default_model_dir()] * 2
+    assert most[0] == 1 and len(fetches) == 1
 
 
 @pytest.mark.parametrize(
