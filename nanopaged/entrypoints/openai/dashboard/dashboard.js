@@ -306,7 +306,8 @@
         "s " + st.ranks[0] + "-" + last : " " + last) + ") " +
         (st.state === "unknown" ? "not reported (another host)" : st.state)));   // DashboardStage.state
       if (st.batch != null) {
-        li.appendChild(document.createTextNode((st.state === "idle" ? " · last: batch " : " · batch ") + st.batch + " "));
+        var on = st.state === "idle" ? " · last: batch " : " · batch ";     // idle: the batch it finished
+        li.appendChild(document.createTextNode(on + st.batch + " "));
         requestSpans(li, st.request_ids);
         if (!st.request_ids.length) li.appendChild(document.createTextNode("(out of the pipe)"));
       }
