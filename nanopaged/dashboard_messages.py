@@ -76,6 +76,32 @@ class DashboardStep:
 
 
 @dataclass
+class DashboardStage:
+    """One pipeline stage as its first rank last reported it (worker/stage_progress.py).
+
+    Attributes:
+        stage: its index (0 embeds the tokens, the last one samples).
+        ranks: its global ranks (pp_rank * tp + tp_rank, tp of them).
+        state: "idle" (waiting for its next batch), "receiving" (waiting for the previous
+            stage's hidden states), "computing" (its layers; the last stage also its
+            logits and sampling), "sending" (waiting for its last send to complete), or
+            "unknown" (its ranks are on another host: nothing reported).
+        batch: the number of the batch it is on (idle: the last it finished), the
+            executor's call id of that batch's execute_model; None before the first, or
+            unknown.
+        request_ids, seq_ids: that batch's while it is in flight (one of the snapshot's
+            in_flight, the same seq ids); [] once taken in, or none.
+    """
+
+    stage: int
+    ranks: list[int]
+    state: str
+    batch: int | None = None
+    request_ids: list[str] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
 class DashboardSnapshot:
     """The engine's state after a step.
 
@@ -100,6 +126,10 @@ class DashboardSnapshot:
         in_flight: the batches sent down the pipeline and not yet taken in, oldest first
             (the oldest is the furthest along), each {"request_ids", "seq_ids"}: at most
             pipeline_parallel_size - 1 between two steps ([] at pp=1).
+        stages: pipeline parallelism in a server's engine core: one DashboardStage per
+            stage, first to last, what its workers reported as the snapshot was taken;
+            [] at pp=1, and in the tracer's replay (read between its steps, the workers'
+            live states would be a race, not a replay).
     """
 
     step: int
@@ -119,3 +149,4 @@ class DashboardSnapshot:
     stats: dict[str, float] = field(default_factory=dict)
     pipeline_parallel_size: int = 1
     in_flight: list[dict] = field(default_factory=list)
+    stages: list[DashboardStage] = field(default_factory=list)

@@ -73,7 +73,7 @@ MODULES: dict[str, list[str]] = {
                            "nanopaged.engine.structured_output_core", "nanopaged.worker.structured_output_runner"],
     "dashboard": ["nanopaged.engine.dashboard", "nanopaged.dashboard_messages"],
     "worker_processes": ["nanopaged.worker.multiproc_executor", "nanopaged.worker.multinode",
-                         "nanopaged.worker.headless"],
+                         "nanopaged.worker.headless", "nanopaged.worker.stage_progress"],
 }
 
 

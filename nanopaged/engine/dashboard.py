@@ -17,13 +17,17 @@ page (trace/replay.py) polls it after every step. The pictures are trace/view.py
 With pipeline parallelism (chapter 20) the scheduler has batches in flight
 (PipelineScheduler.in_flight_batches, seq ids); a snapshot names their requests, and
 each DashboardStep the batches that were in flight during it (batches_during_step).
+In a server's engine core a snapshot also says what each stage is doing and on which
+batch, as its workers report it (stage_rows; worker/stage_progress.py). The tracer's
+replay has no stage rows: its engine (LLMEngine) is read between its steps, where the
+workers' live states would be a race, not a replay.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 
-from ..dashboard_messages import DashboardRequest, DashboardSequence, DashboardSnapshot, DashboardStep
+from ..dashboard_messages import DashboardRequest, DashboardSequence, DashboardSnapshot, DashboardStage, DashboardStep
 from ..events import (BlockCached, BlockFreed, CopyOnWrite, DraftsVerified, Event, Preempted, RequestAdded,
                       RequestFinished, SequenceScheduled)
 
@@ -61,6 +65,37 @@ def _batches(batches: list[tuple[int, ...]], seq_request: dict[int, str]) -> lis
     """[{"request_ids", "seq_ids"}] of each batch ("?" for a sequence nobody named)."""
     return [{"request_ids": list(dict.fromkeys(seq_request.get(i, "?") for i in b)), "seq_ids": list(b)}
             for b in batches]
+
+
+def stage_rows(reports: list[tuple[int, str] | None], in_flight: dict[int, tuple[int, ...]],
+               tensor_parallel_size: int, seq_request: dict[int, str]) -> list[DashboardStage]:
+    """One DashboardStage per stage, from what its first rank reported, reports[stage] =
+    (batch, state) (batch 0: none yet) or None (another host's: "unknown"), and the
+    batches in flight by number, batch -> seq ids (PipelineEngineCore.stage_progress).
+    A stage names its batch's requests while that batch is in flight; a batch taken in
+    since (a stage still finishing its send, or idle after it) keeps its number only."""
+    rows = []
+    for stage, report in enumerate(reports):
+        ranks = list(range(stage * tensor_parallel_size, (stage + 1) * tensor_parallel_size))
+        if report is None:
+            rows.append(DashboardStage(stage, ranks, "unknown"))
+            continue
+        batch, state = report
+        seq_ids = list(in_flight.get(batch, ()))
+        request_ids = list(dict.fromkeys(seq_request.get(i, "?") for i in seq_ids))
+        rows.append(DashboardStage(stage, ranks, state, batch or None, request_ids, seq_ids))
+    return rows
+
+
+def pipeline_stages(engine_core, seq_request: dict[int, str]) -> list[DashboardStage]:
+    """stage_rows of an engine core whose workers report their stages
+    (PipelineEngineCore.stage_progress); [] for any other engine."""
+    read = getattr(engine_core, "stage_progress", None)
+    progress = None if read is None else read()
+    if progress is None:
+        return []
+    reports, in_flight = progress
+    return stage_rows(reports, in_flight, engine_core.config.tensor_parallel_size, seq_request)
 
 
 def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: float,
@@ -124,7 +159,7 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
         running=[g.request_id for g in s.running], waiting=[g.request_id for g in s.waiting],
         swapped=[g.request_id for g in s.swapped], steps=list(steps), stats=stats,
         pipeline_parallel_size=getattr(engine_core.config, "pipeline_parallel_size", 1),
-        in_flight=_batches(in_flight_batches(engine_core) or [], named))
+        in_flight=_batches(in_flight_batches(engine_core) or [], named), stages=pipeline_stages(engine_core, named))
 
 
 class DashboardSampler:

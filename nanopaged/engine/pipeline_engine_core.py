@@ -15,7 +15,8 @@ batches in flight, so each batch sees its requests' latest tokens and grammar st
 step with structured outputs builds its masks right after the schedule and sends
 `sample_tokens` right behind its `execute_model` (a rank handles its messages in order).
 A schedule with no tokens is no batch, but its block moves and finished ids reach the
-runners in order all the same.
+runners in order all the same. A batch's number is its execute_model's call id, which
+each stage also reports while it works on it (stage_progress, for the dashboard).
 vLLM v1: `EngineCore.step_with_batch_queue` and `max_concurrent_batches` in
 `vllm/v1/engine/core.py`; the executor's `non_blocking` in
 `vllm/v1/executor/multiproc_executor.py`.
@@ -118,6 +119,18 @@ class PipelineEngineCore(AsyncEngineCore):
             if batch.is_batch:
                 lost.append(batch.scheduler_output)
         self.scheduler.reset_after_failure(lost)
+
+    def stage_progress(self) -> tuple[list[tuple[int, str] | None], dict[int, tuple[int, ...]]] | None:
+        """What each stage reports (MultiprocExecutor.stage_progress: per stage (batch,
+        state), or None for one on another host) and the batches in flight by number
+        (batch -> seq ids, as PipelineScheduler.in_flight_batches); None when the
+        executor keeps no board."""
+        read = getattr(self.executor, "stage_progress", None)
+        reports = None if read is None else read()
+        if reports is None:
+            return None
+        return reports, {b.future.call_id: tuple(b.scheduler_output.num_scheduled_tokens)
+                         for b in self.batch_queue if b.is_batch}
 
     def get_stats(self) -> dict[str, int | float]:
         """EngineCore.get_stats plus the batch queue: batches in flight now, and the most at once."""

@@ -17,6 +17,8 @@ after NANOPAGED_COLLECTIVE_TIMEOUT_S (worker.py). Workers also die with the engi
 process (PR_SET_PDEATHSIG, plus a parent check each second while idle).
 With nnodes > 1 some ranks live on other hosts: they are reached over tcp and watched
 through their node (multinode.py, RemoteNodes).
+With pp > 1 each stage's first rank on this host reports the batch (its call id) it is
+on and what it is doing on a shared board (stage_progress.py), read by stage_progress().
 vLLM: `vllm/v1/executor/multiproc_executor.py` (`non_blocking`, `output_rank`).
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ..utils.proc import (EngineDeadError, exit_child, exit_reason, read_setting
 from .executor import Executor, combine_stage_costs
 from .multinode import NodePlan, RemoteNodes, bind_tcp, join_timeout_s, rank_store
 from .multinode import grid as multinode_grid
+from .stage_progress import StageBoard, StageReporter
 from .worker import Worker, init_process_group
 
 EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("NANOPAGED_EXECUTE_MODEL_TIMEOUT_S", "300"))
@@ -67,8 +70,11 @@ class MultiprocExecutor(Executor):
         self.dead_reason: str | None = None
         # ranks [0, local) are this host's; the rest are other nodes' (multinode.py)
         self.nodes = RemoteNodes(config, n) if config.nnodes > 1 else None
-        local = n // config.nnodes
+        self.num_local_ranks = local = n // config.nnodes
         self._dir = tempfile.mkdtemp(prefix="nanopaged-tp-")
+        # one word per stage, written by the stage's first rank (pipeline parallelism only)
+        self.stage_board = (StageBoard(os.path.join(self._dir, "stages"), config.pipeline_parallel_size, create=True)
+                            if config.pipeline_parallel_size > 1 else None)
         self.ctx = zmq.Context()
         self.inputs, addresses = [], []
         for rank in range(n):
@@ -102,8 +108,11 @@ class MultiprocExecutor(Executor):
                                             self.nodes.report_addresses, self.nodes.ping_address))
                 self.nodes.wait("joined", join_timeout_s())
             for rank in range(local):
+                board = self.stage_board is not None and rank % self.tensor_parallel_size == 0
                 proc, fd = spawn_child("nanopaged.worker.multiproc_executor:WorkerProc",
-                                       dict(settings, rank=rank, input_address=addresses[rank]))
+                                       dict(settings, rank=rank, input_address=addresses[rank],
+                                            stage_board=(self.stage_board.path, self.pipeline_parallel_size)
+                                            if board else None))
                 self.procs.append(proc)
                 ready[fd] = (f"{self._rank_name(rank)} (pid {proc.pid})", proc)
             wait_ready(ready, _STARTUP_TIMEOUT_S, check=self.nodes and self.nodes.check)
@@ -144,6 +153,16 @@ class MultiprocExecutor(Executor):
         if not non_blocking:
             return self.collective_rpc(method, args)[self.output_rank]
         return StepFuture(self, self._send(method, args))
+
+    def stage_progress(self) -> list[tuple[int, str] | None] | None:
+        """Per pipeline stage, (batch, state) as its first rank last reported them
+        (stage_progress.py; batch: the call id of the batch's execute_model, 0 before the
+        first), or None for a stage on another host (it cannot reach the board). None
+        at pp=1."""
+        if self.stage_board is None:
+            return None
+        return [report if stage * self.tensor_parallel_size < self.num_local_ranks else None
+                for stage, report in enumerate(self.stage_board.read())]
 
     def measure_preemption_costs(self):
         """Every stage's costs combined (executor.combine_stage_costs): at one stage, rank 0's."""
@@ -298,9 +317,10 @@ class WorkerProc:
     """A worker process's loop: take (method, args) messages, call the Worker, answer."""
 
     def __init__(self, worker: Worker, rank: int, input_address: str, output_address: str,
-                 parent_pid: int, output_rank: int = 0) -> None:
+                 parent_pid: int, output_rank: int = 0, progress: StageReporter | None = None) -> None:
         self.worker, self.rank, self.parent_pid = worker, rank, parent_pid
         self.output_rank = output_rank          # the rank that answers steps whole
+        self.progress = progress                # a stage's first rank on node 0: its word on the board
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
         self.input.connect(input_address)
@@ -325,6 +345,8 @@ class WorkerProc:
                 if method == "get_comm_stats":
                     result = dict(self.worker.get_comm_stats(), recv_seconds=self.recv_seconds,
                                   execute_seconds=self.execute_seconds)
+                elif self.progress is not None:
+                    result = self.progress.call(self.worker, call_id, method, args)
                 else:
                     result = getattr(self.worker, method)(*args)
                 if method in _STEP_METHODS and self.rank != self.output_rank and result is not None:
@@ -358,8 +380,10 @@ class WorkerProc:
             ops = get_ops(s["ops"], config.torch_device)     # the kind the engine chose, loaded here
             worker = Worker(config, s["model_path"], ModelConfig.from_pretrained(s["model_path"]), ops=ops,
                             rank=s["rank"], world_size=s["world_size"], process_group=group)
+            board = s.get("stage_board")          # (path, stages): a stage's first rank on node 0
+            progress = board and StageReporter(StageBoard(*board), s["rank"] // config.tensor_parallel_size)
             return WorkerProc(worker, s["rank"], s["input_address"], s["output_address"], parent_pid,
-                              output_rank(config)), None
+                              output_rank(config), progress or None), None
 
         proc = report_ready(ready_fd, start)
         try:

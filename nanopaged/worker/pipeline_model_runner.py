@@ -10,7 +10,10 @@ the same with PP), so each stage builds the same ModelInput. Then
 
 A stage before the last answers the step with an empty ModelRunnerOutput; the executor
 takes the last stage's. Its KV cache holds its own layers only (model.num_kv_cache_layers),
-so at the same memory a stage holds pp times the tokens.
+so at the same memory a stage holds pp times the tokens. For the live dashboard it
+reports what it is doing (receiving, computing, sending) on its `stage_progress`, which
+the worker process points at the executor's board and brackets with preparing and idle
+(stage_progress.py).
 
 vLLM: `vllm/v1/worker/gpu_model_runner.py` (`execute_model`'s `get_pp_group()` branches),
 `vllm/v1/worker/gpu_worker.py` (the send/recv of intermediate tensors).
@@ -24,23 +27,36 @@ from ..layers.pipeline import IntermediateTensors
 from ..messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from .model_input import ModelInput
 from .model_runner import ModelRunner
+from .stage_progress import COMPUTING, RECEIVING, SENDING, StageReporter
 
 
 class PipelineModelRunner(ModelRunner):
     """ModelRunner of the stage `model.pp.rank` of `model.pp.size` (the model is a
-    PipelineStageModel: model/pipeline_stage.py)."""
+    PipelineStageModel: model/pipeline_stage.py).
+
+    Attributes:
+        stage_progress: where it reports its state: a private StageReporter until the
+            worker process gives it the board's (multiproc_executor.WorkerProc).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stage_progress = StageReporter()
 
     def _forward(self, inp: ModelInput):
         """Receive the previous stage's IntermediateTensors (its step has the same
         num_tokens rows), run this stage's layers, send the result on. Returns the final
         hidden states [num_tokens, hidden_size] on the last stage, None on the others."""
-        pp = self.model.pp
+        pp, progress = self.model.pp, self.stage_progress
         received = None
         if not pp.is_first_rank:
+            progress.set(RECEIVING)
             received = pp.recv(len(inp.input_ids), self.model.config.hidden_size, self.dtype)
+        progress.set(COMPUTING)
         out = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata, received)
         if pp.is_last_rank:
             return out
+        progress.set(SENDING)
         pp.send(out)
         return None
 
@@ -55,6 +71,7 @@ class PipelineModelRunner(ModelRunner):
         which sampled nothing, answer an empty output."""
         if not self.model.pp.is_last_rank:
             return ModelRunnerOutput()
+        self.stage_progress.set(COMPUTING)         # the step's batch, still (its execute_model's)
         return super().sample_tokens(grammar_output)
 
     def _profile_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:

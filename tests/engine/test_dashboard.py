@@ -2,7 +2,9 @@
 pool, the queues and the block tables as the engine has them; DashboardSampler gathers
 each step's decisions and hands out a snapshot at most every 0.2 s, the steps between
 coalesced; the core process listens only while a viewer watches, and a viewer sees the
-state the engine rests in, also right after a step inside the 0.2 s window."""
+state the engine rests in, also right after a step inside the 0.2 s window. With
+pipeline parallelism a snapshot names the batches in flight, and in an engine core what
+each stage is doing and on which batch, as its workers report it (stage_progress.py)."""
 import asyncio
 import dataclasses
 import json
@@ -11,8 +13,10 @@ import time
 import pytest
 
 from nanopaged import EngineConfig, LLMEngine, SamplingParams
-from nanopaged.engine.dashboard import MAX_STEPS, DashboardSampler, build_snapshot
+from nanopaged.engine.dashboard import MAX_STEPS, DashboardSampler, build_snapshot, stage_rows
 from nanopaged.engine.engine_core_client import EngineCoreProc
+from nanopaged.worker.multiproc_executor import MultiprocExecutor
+from nanopaged.worker.stage_progress import COMPUTING, IDLE, SENDING, STATES, StageBoard, StageReporter
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -274,19 +278,28 @@ def test_an_idle_engine_reports_zero_tokens_per_s_a_second_later(tiny_model_dir)
     asyncio.run(main())
 
 
-def test_at_pp2_the_snapshots_name_the_batches_in_flight_and_each_step_its_batches(tiny_model_dir):
+@pytest.fixture(scope="module")
+def pp2(tiny_model_dir):
+    """An engine of two pipeline stages in worker processes, shared by this file's pp=2
+    tests (each of its steps can take a prompt's chunk of 8 tokens)."""
+    eng = engine(tiny_model_dir, pipeline_parallel_size=2, max_num_batched_tokens=8, max_num_seqs=8)
+    yield eng
+    eng.shutdown()
+
+
+def test_at_pp2_the_snapshots_name_the_batches_in_flight_and_each_step_its_batches(pp2, tiny_model_dir):
     """Pipeline parallelism (chapter 20), two stages in worker processes, a token budget
     that one prompt's chunk fills: a and b go down the pipe in two batches. A snapshot
     names the requests of the batches in flight (the scheduler's in_flight_batches), and
     each step the batches in flight during it, oldest first: the one it took in, then
     the one it sent. They alternate, and no request is in two batches at once."""
-    eng = engine(tiny_model_dir, pipeline_parallel_size=2, max_num_batched_tokens=8, max_num_seqs=8)
+    eng = pp2
+    sampler = DashboardSampler()
+    eng.add_observer(sampler)
+    eng.add_request("a", list(range(1, 11)), GREEDY)          # 10 tokens: two chunks of the budget
+    eng.add_request("b", list(range(21, 31)), GREEDY)
+    snaps = []
     try:
-        sampler = DashboardSampler()
-        eng.add_observer(sampler)
-        eng.add_request("a", list(range(1, 11)), GREEDY)          # 10 tokens: two chunks of the budget
-        eng.add_request("b", list(range(21, 31)), GREEDY)
-        snaps = []
         while eng.has_unfinished_requests():
             eng.step()
             sampler.end_step(eng.num_steps, eng)
@@ -295,8 +308,9 @@ def test_at_pp2_the_snapshots_name_the_batches_in_flight_and_each_step_its_batch
             assert snaps[-1].in_flight == [{"request_ids": [names[i] for i in b], "seq_ids": b}
                                            for b in eng.scheduler.in_flight_batches]
     finally:
-        eng.shutdown()
+        eng.remove_observer(sampler)
     assert {s.pipeline_parallel_size for s in snaps} == {2}
+    assert all(s.stages == [] for s in snaps)       # an LLMEngine, as the tracer reads: no stage rows
     assert [b["request_ids"] for b in snaps[0].in_flight] == [["b"]]         # a's first chunk taken in
     during = [[b["request_ids"] for b in step.in_flight] for s in snaps for step in s.steps]
     assert during[:4] == [[["a"], ["b"]], [["b"], ["a"]], [["a"], ["b"]], [["b"], ["a"]]], during
@@ -313,3 +327,91 @@ def test_at_pp2_the_snapshots_name_the_batches_in_flight_and_each_step_its_batch
     sampler.end_step(one.num_steps, one)
     snap = sampler.poll(one, force=True)
     assert snap.pipeline_parallel_size == 1 and snap.in_flight == [] and snap.steps[0].in_flight == []
+    assert build_snapshot(one.engine_core, [], 1, 0.0).stages == []          # no stages to report
+
+
+def check_stage_rows(snap, core) -> None:
+    """A snapshot's stage rows agree with the engine core's batch queue (its batches by
+    the call ids of their execute_model): each stage names its batch's requests while
+    that batch is in flight, exactly as the snapshot's in_flight list names them; a batch
+    it names that is not in flight was taken in already (a stage finishing its send) or
+    carried no tokens. Two stages never compute one batch at once, and a stage computes
+    or sends only a batch the stage before it has reached."""
+    queue = {b.future.call_id: b for b in core.batch_queue}
+    batches = {n: tuple(b.scheduler_output.num_scheduled_tokens) for n, b in queue.items() if b.is_batch}
+    assert [(st.stage, st.ranks) for st in snap.stages] == [(0, [0]), (1, [1])], snap.stages
+    for st in snap.stages:
+        assert st.state in STATES, st
+        if st.batch in batches:
+            assert tuple(st.seq_ids) == batches[st.batch], st
+            assert {"request_ids": st.request_ids, "seq_ids": st.seq_ids} in snap.in_flight, (st, snap.in_flight)
+        else:
+            assert st.request_ids == st.seq_ids == [], st
+            assert st.batch is None or st.batch < min(batches, default=st.batch + 1) or st.batch in queue, st
+    computing = [st.batch for st in snap.stages if st.state == "computing"]
+    assert len(set(computing)) == len(computing), snap.stages
+    for before, st in zip(snap.stages, snap.stages[1:]):
+        assert st.state not in ("computing", "sending") or (before.batch or 0) >= st.batch, snap.stages
+
+
+def test_at_pp2_each_stage_names_the_batch_its_worker_reports_being_on(pp2):
+    """Two stages in worker processes, each stage's first rank reporting on the board:
+    snapshots taken in a loop while two batches are in flight (the engine core's queue
+    filled, the oldest not yet taken in) agree with the batch queue (check_stage_rows),
+    with states from the documented set; and some snapshot catches the pipeline full,
+    each stage busy on a different batch in flight, the first stage on the newer one."""
+    core = pp2.engine_core
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    pp2.add_request("c", list(range(41, 51)), params)
+    pp2.add_request("d", list(range(61, 71)), params)
+    full, polls = 0, 0
+    while pp2.has_unfinished_requests():
+        core._fill_queue()                                   # what step() does first
+        numbers = [b.future.call_id for b in core.batch_queue if b.is_batch]
+        deadline = time.monotonic() + 30
+        while numbers:                                       # until the last stage is done with the oldest
+            snap = build_snapshot(core, [], core.num_steps, 0.0)
+            polls += 1
+            check_stage_rows(snap, core)
+            first, last = snap.stages
+            busy = [st.batch for st in snap.stages if st.state != "idle"]
+            if len(numbers) == 2 and busy == numbers[::-1]:
+                full += 1
+                break
+            if (last.batch or 0) > numbers[0] or last.batch == numbers[0] and last.state == "idle":
+                break
+            assert time.monotonic() < deadline, snap.stages
+        pp2.step()
+    assert full, f"no snapshot of {polls} showed both stages busy on the two batches in flight"
+    assert core.stage_progress()[1] == {}                 # nothing left in flight
+
+
+def test_stage_rows_name_a_stages_batch_while_it_is_in_flight():
+    rows = stage_rows([(7, "sending"), (6, "computing"), (5, "idle"), None], {6: (1, 2), 7: (3,)}, 2,
+                      {1: "a", 2: "a", 3: "b"})
+    assert [dataclasses.astuple(r) for r in rows] == [
+        (0, [0, 1], "sending", 7, ["b"], [3]),          # the newest batch, still leaving the first stage
+        (1, [2, 3], "computing", 6, ["a"], [1, 2]),     # a request's two sequences: named once
+        (2, [4, 5], "idle", 5, [], []),                 # batch 5 was taken in: its number only
+        (3, [6, 7], "unknown", None, [], [])]           # another host's: nothing reported
+    assert dataclasses.astuple(stage_rows([(0, "idle")], {}, 1, {})[0]) == (0, [0], "idle", None, [], [])
+
+
+def test_the_board_carries_each_stages_word_and_another_hosts_stage_is_unknown(tmp_path):
+    """stage_progress.py: a reporter's states reach a reader of the same file; the
+    executor reports None for the stages whose first rank lives on another host."""
+    board = StageBoard(str(tmp_path / "stages"), 3, create=True)
+    assert board.read() == [(0, "idle")] * 3
+    writer = StageReporter(StageBoard(str(tmp_path / "stages"), 3), stage=1)     # as a worker maps it
+    writer.begin(41)
+    assert board.read()[1] == (41, "preparing")
+    writer.set(COMPUTING)
+    StageReporter(StageBoard(str(tmp_path / "stages"), 3), stage=2).begin(40)
+    assert board.read() == [(0, "idle"), (41, "computing"), (40, "preparing")]
+    writer.set(SENDING)
+    writer.set(IDLE)
+    assert board.read()[1] == (41, "idle")
+    StageReporter().begin(9)                              # no board: a private word nobody reads
+    assert board.read() == [(0, "idle"), (41, "idle"), (40, "preparing")]
+    executor = type("Grid", (), {"stage_board": board, "tensor_parallel_size": 2, "num_local_ranks": 4})()
+    assert MultiprocExecutor.stage_progress(executor) == [(0, "idle"), (41, "idle"), None]     # ranks 4, 5 remote

@@ -29,7 +29,7 @@ is stopped by pid and checked gone. The same page as the tracer's replay (`nanop
 --export FILE.html`, window.NANOPAGED_REPLAY): its buttons and arrow keys step through a
 run, chapter 13's preempt figure shows the CPU swap pool folded to one line while
 none of its blocks is in use and open while some are, and its pipeline figure the
-batches in flight.
+batches in flight; a server's snapshot at pp=2 draws a row per stage, its state and batch.
 """
 from __future__ import annotations
 
@@ -400,28 +400,49 @@ PIPELINE = """
 var p = document.getElementById('pipeline');
 return {index: +document.getElementById('replay-position').getAttribute('data-index'), hidden: p.hidden,
         stages: p.getAttribute('data-stages'),
+        rows: Array.from(document.querySelectorAll('#pipeline-stages li[data-stage]'))
+                   .map(li => [li.getAttribute('data-state'), li.getAttribute('data-batch-number'),
+                               li.getAttribute('data-request-ids'), li.textContent]),
         batches: Array.from(document.querySelectorAll('#pipeline-batches li[data-batch]'))
                       .map(li => li.getAttribute('data-request-ids')),
         log: Array.from(document.querySelectorAll('#step-log li[data-step]')).map(li => li.textContent)};
 """
 
 
-def test_the_pipeline_figure_shows_the_batches_in_flight_in_chromium(browser):
+def test_the_pipeline_figure_shows_the_batches_in_flight_in_chromium(browser, tmp_path):
     """Chapter 13's pipeline figure (pp=2, two requests in two batches): the pipeline
     panel is shown with its 2 stages, after step 1 B's batch is in flight, and the step
     log names the batches in flight during each step, A's taken in first. The figures
-    of a single-stage engine keep the panel hidden."""
+    of a single-stage engine keep the panel hidden, and the tracer's have no stage rows;
+    a server's snapshot (hand-made here, as engine/dashboard.stage_rows makes them) gets
+    a row per stage with its state, its batch's number and requests."""
     from selenium.webdriver.common.by import By
+    from nanopaged.dashboard_messages import DashboardSnapshot, DashboardStage
+    from nanopaged.trace.replay import replay_page
     browser.get(Path(FIGURES, "trace-preempt.html").as_uri())
     assert _poll(lambda: browser.execute_script(PIPELINE), lambda p: p["index"] == 1, 10,
                  "the replay page to load")["hidden"]
     browser.get(Path(FIGURES, "trace-pipeline.html").as_uri())
     first = _poll(lambda: browser.execute_script(PIPELINE), lambda p: p["index"] == 1, 10, "the replay page to load")
-    assert not first["hidden"] and first["stages"] == "2" and first["batches"] == ["B"], first
+    assert not first["hidden"] and first["stages"] == "2" and first["batches"] == ["B"] and first["rows"] == [], first
     assert first["log"] == ["A/seq 0 prefill 8 · B/seq 1 prefill 8 · in flight [A] [B], took in [A]"], first
     browser.find_element(By.ID, "replay-next").click()
     second = browser.execute_script(PIPELINE)
     assert second["batches"] == ["A"] and second["log"][0].endswith("in flight [B] [A], took in [B]"), second
+    snap = DashboardSnapshot(step=3, time=1.0, block_size=4, num_gpu_blocks=4, num_cpu_blocks=0,
+                             gpu_ref_count=[0] * 4, gpu_cached=[False] * 4, gpu_owners=[[]] * 4, cpu_owners={},
+                             requests=[], running=[], waiting=[], swapped=[], pipeline_parallel_size=3,
+                             in_flight=[{"request_ids": ["A"], "seq_ids": [0]}, {"request_ids": ["B"], "seq_ids": [1]}],
+                             stages=[DashboardStage(0, [0, 1], "computing", 8, ["B"], [1]),
+                                     DashboardStage(1, [2, 3], "idle", 7, ["A"], [0]),
+                                     DashboardStage(2, [4, 5], "unknown")])
+    page = tmp_path / "stages.html"
+    page.write_text(replay_page([snap]))
+    browser.get(page.as_uri())
+    rows = _poll(lambda: browser.execute_script(PIPELINE), lambda p: p["index"] == 1, 10, "the page to load")["rows"]
+    assert [r[:3] for r in rows] == [["computing", "8", "B"], ["idle", "7", "A"], ["unknown", "", ""]], rows
+    assert [r[3] for r in rows] == ["stage 0 (ranks 0-1) computing · batch 8 B", "stage 1 (ranks 2-3) idle · last: batch 7 A",
+                                    "stage 2 (ranks 4-5) not reported (another host)"], rows
 
 
 def test_the_tracers_replay_page_steps_back_and_forth_in_chromium(browser, tmp_path):

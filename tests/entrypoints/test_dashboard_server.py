@@ -26,7 +26,9 @@ import pytest
 
 from nanopaged.entrypoints.openai import serving_dashboard
 from nanopaged.entrypoints.openai.api_server import build_app, parse_args, ready_line
-from nanopaged.entrypoints.openai.serving_dashboard import DashboardHub, LatestOnly
+from nanopaged.dashboard_messages import (DashboardRequest, DashboardSequence, DashboardSnapshot, DashboardStage,
+                                          DashboardStep)
+from nanopaged.entrypoints.openai.serving_dashboard import DashboardHub, LatestOnly, snapshot_json
 
 from test_serve import KEY, TINY_ARGS, Server
 
@@ -50,6 +52,20 @@ class FakeEngine:
 
     def remove_dashboard_viewer(self, callback):
         self.viewers.pop(callback, None)
+
+
+def test_snapshot_json_is_the_json_of_asdict_with_every_nested_part():
+    """snapshot_json's shortcut (vars of each part) writes what dataclasses.asdict would:
+    requests with their sequences, steps, and pipeline stage rows."""
+    snap = DashboardSnapshot(
+        step=4, time=1.5, block_size=4, num_gpu_blocks=2, num_cpu_blocks=1, gpu_ref_count=[1, 0],
+        gpu_cached=[False, True], gpu_owners=[["a"], []], cpu_owners={0: "b"},
+        requests=[DashboardRequest("a", "running", 3, 1, [DashboardSequence(0, [0], False, 3, 4)])],
+        running=["a"], waiting=[], swapped=["b"], steps=[DashboardStep(4, in_flight=[{"request_ids": ["a"],
+                                                                                      "seq_ids": [0]}])],
+        pipeline_parallel_size=2, in_flight=[{"request_ids": ["a"], "seq_ids": [0]}],
+        stages=[DashboardStage(0, [0], "computing", 9, ["a"], [0]), DashboardStage(1, [1], "unknown")])
+    assert json.loads(snapshot_json(snap)) == json.loads(json.dumps(dataclasses.asdict(snap)))
 
 
 def test_a_mailbox_keeps_the_newest_and_counts_what_it_dropped():

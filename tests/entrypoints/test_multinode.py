@@ -91,7 +91,8 @@ def _two_nodes(model, *extra: str, grid: list[str] = GRID) -> tuple[Server, Head
 @pytest.mark.slow          # four processes start: ~40 s on a quiet 2-core machine, 100 s on a busy one
 def test_two_nodes_serve_as_one_process_and_node_1_killed_ends_node_0(tiny_model_dir, monkeypatch):
     """pipeline_parallel_size=2, a stage on each node: the API's tokens equal one
-    process's (whole and streamed); then node 1's launcher killed (SIGKILL) mid-stream:
+    process's (whole and streamed), and the dashboard shows node 1's stage as unknown;
+    then node 1's launcher killed (SIGKILL) mid-stream:
     the stream's last event is an error, node 0 logs why (node 1 disconnected) and exits
     1, and no process is left on either node."""
     monkeypatch.setenv("NANOPAGED_COLLECTIVE_TIMEOUT_S", "20")      # a rank stuck in a collective
@@ -107,6 +108,11 @@ def test_two_nodes_serve_as_one_process_and_node_1_killed_ends_node_0(tiny_model
                 events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
             streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
             assert texts == one_process(tiny_model_dir) and streamed == texts[0] and events[-1] == "[DONE]"
+            with c.stream("GET", "/dashboard/events") as r:      # a viewer gets the idle state at once
+                snap = json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+            # node 0's stage reports on the board; node 1's cannot reach it: unknown, not invented
+            assert [(s["stage"], s["ranks"], s["state"], s["batch"] is None) for s in snap["stages"]] == [
+                (0, [0], "idle", False), (1, [1], "unknown", True)], snap["stages"]
 
             long = dict(params, max_tokens=240, stream=True)
             with c.stream("POST", "/v1/completions", json=dict(long, prompt="Hello")) as r:

@@ -35,6 +35,7 @@ def snapshot_json(snapshot) -> str:
     d = dict(vars(snapshot))
     d["requests"] = [{**vars(r), "seqs": [vars(q) for q in r.seqs]} for r in snapshot.requests]
     d["steps"] = [vars(st) for st in snapshot.steps]
+    d["stages"] = [vars(st) for st in snapshot.stages]
     return json.dumps(d, separators=(",", ":"))
 
 

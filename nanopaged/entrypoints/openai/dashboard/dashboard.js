@@ -24,6 +24,9 @@
  *                           per logical block, with data-seq-id and data-on-cpu
  *   #step-log li[data-step], #spark-tokens / #spark-kv / #spark-hit [data-value]
  *   #pipeline               shown when pipeline_parallel_size > 1, data-stages; its
+ *                           #pipeline-stages li[data-stage] one per stage as its workers
+ *                           report it (a server's; none in a replay): data-state, data-ranks,
+ *                           data-batch-number, data-request-ids (while that batch is in flight);
  *                           #pipeline-batches li[data-batch] (1 = oldest, the furthest along)
  *                           data-request-ids (comma-separated): the batches in flight now
  *   #replay-position        data-index (1-based), data-count
@@ -274,8 +277,43 @@
     if (li) select(li.getAttribute("data-request-id"));
   });
 
-  // -- pipeline parallelism: the batches in flight ---------------------------------------------
+  // -- pipeline parallelism: each stage, and the batches in flight ---------------------------------
   function batchText(batch) { return "[" + batch.request_ids.join(" ") + "]"; }
+
+  function requestSpans(li, requestIds) {        // a batch's requests, in their colours
+    requestIds.forEach(function (id) {
+      var span = document.createElement("span");
+      span.className = "batch-request";
+      span.style.borderLeftColor = colour(id);
+      span.textContent = id;
+      li.appendChild(span);
+    });
+  }
+
+  function drawStages(stages) {
+    var ul = $("pipeline-stages");
+    ul.hidden = !stages.length;
+    ul.textContent = "";
+    stages.forEach(function (st) {
+      var li = document.createElement("li"), last = st.ranks[st.ranks.length - 1];
+      li.setAttribute("data-stage", st.stage);
+      li.setAttribute("data-state", st.state);
+      li.setAttribute("data-ranks", st.ranks.join(","));
+      li.setAttribute("data-batch-number", st.batch == null ? "" : st.batch);
+      li.setAttribute("data-request-ids", st.request_ids.join(","));
+      li.className = "mono";
+      li.appendChild(document.createTextNode("stage " + st.stage + " (rank" + (st.ranks.length > 1 ?
+        "s " + st.ranks[0] + "-" + last : " " + last) + ") " +
+        (st.state === "unknown" ? "not reported (another host)" : st.state)));   // DashboardStage.state
+      if (st.batch != null) {
+        var on = st.state === "idle" ? " · last: batch " : " · batch ";     // idle: the batch it finished
+        li.appendChild(document.createTextNode(on + st.batch + " "));
+        requestSpans(li, st.request_ids);
+        if (!st.request_ids.length) li.appendChild(document.createTextNode("(out of the pipe)"));
+      }
+      ul.appendChild(li);
+    });
+  }
 
   function drawPipeline(s) {
     var pp = s.pipeline_parallel_size || 1, batches = s.in_flight || [], ol = $("pipeline-batches");
@@ -283,19 +321,14 @@
     $("pipeline").setAttribute("data-stages", pp);
     $("pipeline-summary").textContent = pp + " stages · " + batches.length + " batch" +
       (batches.length === 1 ? "" : "es") + " in flight";
+    drawStages(s.stages || []);
     ol.textContent = "";
     batches.forEach(function (b, i) {
       var li = document.createElement("li");
       li.setAttribute("data-batch", i + 1);
       li.setAttribute("data-request-ids", b.request_ids.join(","));
       li.className = "mono";
-      b.request_ids.forEach(function (id) {
-        var span = document.createElement("span");
-        span.className = "batch-request";
-        span.style.borderLeftColor = colour(id);
-        span.textContent = id;
-        li.appendChild(span);
-      });
+      requestSpans(li, b.request_ids);
       if (i === 0) li.appendChild(document.createTextNode(" (oldest: next out of the pipe)"));
       ol.appendChild(li);
     });
