@@ -117,10 +117,15 @@ inline vec vload(const float* p, int64_t n) {
   std::memcpy(buf, p, n * sizeof(float));
   return _mm256_load_ps(buf);
 }
-inline vec vload(const at::BFloat16* p, int64_t n) {
-  alignas(16) uint16_t buf[kLanes] = {};
-  std::memcpy(buf, p, std::min(n, kLanes) * sizeof(uint16_t));
-  const __m128i h = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+inline vec vload(const at::BFloat16* p, int64_t n) {     // 8 bf16 widened: the bits shifted up
+  __m128i h;
+  if (n >= kLanes) {
+    h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {                       // a tail: through a zeroed buffer (a copy for every load was 4x slower)
+    alignas(16) uint16_t buf[kLanes] = {};
+    std::memcpy(buf, p, n * sizeof(uint16_t));
+    h = _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+  }
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 // vsum of four vectors at once, each by vsum's tree, the four interleaved in shuffles

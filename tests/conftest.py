@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -22,6 +23,28 @@ from nanopaged.exercises.tiny_model import TINY_VOCAB, make_tiny_llama, make_tin
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: needs the real default model (download/convert once, "
                                        "then tens of seconds) or a long compile (nvcc)")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # `-n N` (pytest-xdist): N workers share the cores, so each gets its share of
+        # threads, and so do the processes its tests start (servers, TP/PP workers).
+        # Two OpenMP teams of 2 on 2 cores spin against each other (a real-model test
+        # once took 222 s that way instead of ~60).
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the README's command): a worker a core, at most 4. Each worker loads
+    torch and, for the slow tests, the real model (~1.5 GB)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with slow tests first (a stable sort: a file's tests stay together and in
+    order), so that under `-n auto --dist loadfile` no long file starts last."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.fixture(scope="session")
