@@ -27,7 +27,8 @@
 // widened as they load, fp16 a block at a time. Also here: the cache ops the engine needs
 // (reshape_and_cache, copy_blocks, swap_blocks), the Llama layer's elementwise ops fused
 // (rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding) and the matmuls (linear,
-// and linear_amx on AMX tiles). chapters/12-kernels.md, "Performance", has the numbers.
+// linear_amx on AMX tiles, gguf_linear on GGUF's quantized blocks). chapters/12-kernels.md,
+// "Performance", has the numbers.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -1022,6 +1023,170 @@ void linear_amx(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& 
 }
 #endif
 
+// ---- GGUF block formats: y = x W^T with W kept as the file's bytes ------------------------
+// llama.cpp's ggml-quants: a weight row of k values is k / 32 blocks, each a scale d
+// (fp16) and 32 quants q:
+//   Q8_0, 34 bytes: d, 32 int8                  w = q * d
+//   Q4_0, 18 bytes: d, 16 bytes of nibbles      w = (q - 8) * d
+//   Q4_1, 20 bytes: d, m (fp16), 16 bytes       w = q * d + m
+// In a Q4 block the low nibble of byte i is element i and the high nibble element i + 16.
+// Each block is widened to fp32 in registers as it is read, a vector at a time, and fed to
+// the same FMAs in the same order as linear_kernel's fp32 loop above: the result is that
+// loop's on the dequantized weights, bit for bit (so batch-invariant). The widened values
+// are gguf.quants.dequantize's: q * d is exact in fp32 (11 x 8 bits), so q * d + m rounds
+// once, fused or not. A decode step reads each packed byte once: Q4_1 is 5 bits a weight
+// where fp32 is 32. nanopaged/layers/quantization/gguf.py holds the layer side.
+namespace ggml {
+
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;     // GGML's type numbers
+constexpr int64_t kBlock = 32;                          // weights per block
+template <int64_t Q>
+constexpr int64_t kBlockBytes = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
+constexpr int kSub = kBlock / mm::kLanes;               // vectors per block
+
+inline float half_at(const uint8_t* p) {                // an fp16 stored in the block (exact)
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);                               // one instruction (c10's is bit twiddling)
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// Vector s of a block: its elements [s * kLanes, (s + 1) * kLanes), widened and scaled.
+template <int64_t Q>
+inline mm::vec dequant(const uint8_t* block, int s, float d, float m) {
+  using namespace mm;
+  const uint8_t* qs = block + (Q == kQ4_1 ? 4 : 2);
+  [[maybe_unused]] const int off = (s * kLanes) % 16;   // Q4: the byte holding element s * kLanes
+  [[maybe_unused]] const bool high = s * kLanes >= 16;  // ... in its high nibble
+#if defined(__AVX512F__)
+  __m512i q;
+  if constexpr (Q == kQ8_0) {
+    q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + s * 16)));
+  } else {
+    q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    q = _mm512_and_si512(high ? _mm512_srli_epi32(q, 4) : q, _mm512_set1_epi32(0xF));
+    if constexpr (Q == kQ4_0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(8));
+  }
+  const vec w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), vset1(d));
+  if constexpr (Q == kQ4_1) return _mm512_add_ps(w, vset1(m));
+  return w;
+#elif defined(__AVX2__)
+  __m256i q;
+  if constexpr (Q == kQ8_0) {
+    q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + s * 8)));
+  } else {
+    q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + off)));
+    q = _mm256_and_si256(high ? _mm256_srli_epi32(q, 4) : q, _mm256_set1_epi32(0xF));
+    if constexpr (Q == kQ4_0) q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
+  }
+  const vec w = _mm256_mul_ps(_mm256_cvtepi32_ps(q), vset1(d));
+  if constexpr (Q == kQ4_1) return _mm256_add_ps(w, vset1(m));
+  return w;
+#else
+  if constexpr (Q == kQ8_0) return static_cast<float>(static_cast<int8_t>(qs[s])) * d;
+  const int q = high ? qs[off] >> 4 : qs[off] & 0xF;
+  if constexpr (Q == kQ4_0) return static_cast<float>(q - 8) * d;
+  return static_cast<float>(q) * d + m;
+#endif
+}
+
+// res[r][c] = x_r . w_c for R rows of x and 4 packed weight rows of `blocks` blocks:
+// dot_tile's accumulators, loads and sums, with each weight vector widened from its block.
+template <int64_t Q, int R>
+inline void qdot_tile(const float* const* xs, const uint8_t* const* ws, int64_t blocks, float (&res)[4][4]) {
+  using namespace mm;
+  vec acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = vzero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk[4];
+    float d[4], m[4] = {};
+    for (int c = 0; c < 4; ++c) {
+      blk[c] = ws[c] + b * kBlockBytes<Q>;
+      d[c] = half_at(blk[c]);
+      if constexpr (Q == kQ4_1) m[c] = half_at(blk[c] + 2);
+    }
+    for (int s = 0; s < kSub; ++s) {
+      vec xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = vload(xs[r] + b * kBlock + s * kLanes, kLanes);
+      for (int c = 0; c < 4; ++c) {
+        const vec w = dequant<Q>(blk[c], s, d[c], m[c]);
+        for (int r = 0; r < R; ++r) acc[r][c] = vfma(xv[r], w, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) res[r][c] = vsum(acc[r][c]);
+}
+
+// linear_kernel's tiling (tasks of 32 weight rows, x in L2-sized chunks, 4 weight rows at a
+// time, a short group repeating its last row) over packed rows; out's rows are ldo apart
+// (a column slice of a fused layer's output).
+template <int64_t Q>
+void gguf_linear_kernel(float* out, int64_t ldo, const float* x, const uint8_t* w, int64_t m, int64_t k,
+                        int64_t n) {
+  constexpr int64_t kRowsPerTask = 32;
+  constexpr int64_t kTileRows = mm::kLanes >= 16 ? 4 : 2;
+  const int64_t blocks = k / kBlock, row_bytes = blocks * kBlockBytes<Q>;
+  const int64_t chunk = std::max<int64_t>(kTileRows, (256 * 1024 / (k * sizeof(float))) / kTileRows * kTileRows);
+  at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i0 = 0; i0 < m; i0 += chunk)
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t j0 = task * kRowsPerTask, j1 = std::min(n, j0 + kRowsPerTask);
+      for (int64_t i = i0; i < std::min(m, i0 + chunk); i += kTileRows) {
+        const int64_t rows = std::min<int64_t>(kTileRows, m - i);
+        const float* xs[4];
+        for (int r = 0; r < 4; ++r) xs[r] = x + std::min(i + r, m - 1) * k;
+        for (int64_t j = j0; j < j1; j += 4) {
+          const uint8_t* ws[4];
+          for (int c = 0; c < 4; ++c) ws[c] = w + std::min(j + c, j1 - 1) * row_bytes;
+          float res[4][4];
+          switch (rows) {
+            case 1: qdot_tile<Q, 1>(xs, ws, blocks, res); break;
+            case 2: qdot_tile<Q, 2>(xs, ws, blocks, res); break;
+            case 3: qdot_tile<Q, 3>(xs, ws, blocks, res); break;
+            default: qdot_tile<Q, 4>(xs, ws, blocks, res);
+          }
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < 4 && j + c < j1; ++c) out[(i + r) * ldo + j + c] = res[r][c];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace ggml
+
+// out [m, n] fp32 (rows may be further apart: a column slice) = x [m, k] fp32 @ W^T, W the
+// packed rows of a GGUF tensor: qweight [n, k / 32 * block bytes] uint8, of GGML type qtype
+// (2 Q4_0, 3 Q4_1, 8 Q8_0).
+void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
+  using namespace ggml;
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "gguf_linear: GGML type ", qtype,
+              " is not supported (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat && x.device().is_cpu() &&
+              x.size(1) % kBlock == 0, "gguf_linear: x must be contiguous float32 [m, k] on the CPU with k a "
+              "multiple of 32, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
+  const int64_t bytes = qtype == kQ8_0 ? kBlockBytes<kQ8_0> : qtype == kQ4_0 ? kBlockBytes<kQ4_0> : kBlockBytes<kQ4_1>;
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == torch::kUInt8 &&
+              qweight.size(1) == k / kBlock * bytes, "gguf_linear: qweight must be contiguous uint8 [n, ",
+              k / kBlock * bytes, "] for k = ", k, ", got ", qweight.scalar_type(), " ", qweight.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.size(0) == m && out.size(1) == n &&
+              out.stride(1) == 1 && (m <= 1 || out.stride(0) >= n), "gguf_linear: out must be float32 [", m,
+              ", ", n, "] with contiguous rows, got ", out.scalar_type(), " ", out.sizes());
+  if (m == 0 || n == 0) return;
+  float* o = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  if (qtype == kQ8_0) gguf_linear_kernel<kQ8_0>(o, out.stride(0), xp, w, m, k, n);
+  else if (qtype == kQ4_0) gguf_linear_kernel<kQ4_0>(o, out.stride(0), xp, w, m, k, n);
+  else gguf_linear_kernel<kQ4_1>(o, out.stride(0), xp, w, m, k, n);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal paged attention, prefill and decode rows (CPU)");
   m.def("paged_attention_decode", &paged_attention_decode, "Paged attention for decode (CPU)");
@@ -1029,6 +1194,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_blocks", &copy_blocks, "Copy KV blocks within the pool (copy-on-write, CPU)");
   m.def("swap_blocks", &swap_blocks, "Copy KV blocks between two pools (swap, CPU)");
   m.def("linear", &linear, "x W^T, batch-invariant, fp32 or bf16 (CPU)");
+  m.def("gguf_linear", &gguf_linear, "x W^T, W in a GGUF block format (Q8_0, Q4_0, Q4_1), fp32 (CPU)");
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   m.def("linear_amx", &linear_amx, "x W^T on AMX tiles, W packed, bf16 (CPU)");
 #endif

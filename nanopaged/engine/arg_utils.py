@@ -13,6 +13,8 @@ import logging
 from dataclasses import fields, replace
 from pathlib import Path
 
+import torch
+
 from ..config import EngineConfig
 from ..layers.pipeline import get_pp_indices
 from ..model.config import ModelConfig
@@ -28,18 +30,19 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
     Raises:
         ValueError: as EngineConfig.resolve, model_loader.resolve_model,
             max_model_len_limit, llama.check_tensor_parallel (a model that does not
-            split over tensor_parallel_size) and check_pipeline_parallel; node_rank > 0
-            (that node runs headless).
+            split over tensor_parallel_size), check_pipeline_parallel and
+            check_quantization; node_rank > 0 (that node runs headless).
     """
     if config.node_rank > 0:
         raise ValueError(f"node_rank={config.node_rank}: the engine runs on node 0; start node {config.node_rank} "
                          "with `python -m nanopaged.serve --headless` and the same --nnodes, --master-addr, "
                          "--master-port")
-    model_path = resolve_model(config.model)
+    model_path = resolve_model(config.model, quantization=config.quantization)
     model_config = ModelConfig.from_pretrained(model_path)
     resolved = config.resolve(max_model_len_limit(config, model_config), model_config.vocab_size)
     check_tensor_parallel(model_config, resolved.tensor_parallel_size)
     check_pipeline_parallel(model_config, resolved.pipeline_parallel_size)
+    check_quantization(resolved)
     sc = resolved.speculative_config
     if sc is not None and sc.method == "draft_model":
         draft_path = check_draft_model(sc.model, model_path, model_config, resolved.tensor_parallel_size)
@@ -75,6 +78,20 @@ def check_pipeline_parallel(model_config: ModelConfig, pipeline_parallel_size: i
         ValueError: pipeline_parallel_size above the model's num_hidden_layers (names both).
     """
     get_pp_indices(model_config.num_hidden_layers, 0, pipeline_parallel_size)
+
+
+def check_quantization(config: EngineConfig) -> None:
+    """Quantized weights (config.quantization) run in float32 on one rank so far.
+
+    Raises:
+        ValueError: another dtype, or more than one rank (naming them).
+    """
+    q = config.quantization
+    if q is not None and config.world_size > 1:
+        raise ValueError(f"quantization={q!r} runs on one rank so far, but tensor_parallel_size="
+                         f"{config.tensor_parallel_size} x pipeline_parallel_size={config.pipeline_parallel_size}")
+    if q is not None and config.torch_dtype != torch.float32:
+        raise ValueError(f"quantization={q!r} runs in float32 so far, got dtype={config.dtype!r}")
 
 
 def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor_parallel_size: int) -> Path:
@@ -150,6 +167,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "max_logprobs": (int, "N", "most top logprobs a request may ask for per token"),
     "max_logits_bytes": (int, "BYTES", "most bytes of fp32 logits a step holds at once (not given: "
                          "max_num_seqs rows)"),
+    "quantization": (str, "METHOD", "gguf: run a .gguf file's (--model) linear weights in their block formats "
+                     "(Q8_0, Q4_0, Q4_1; float32, one rank) (not given: the folder's weights as stored)"),
 }
 
 

@@ -89,6 +89,14 @@ class TorchOps:
             return F.linear(x, weight)
         return F.linear(x.to(out_dtype), weight.to(out_dtype))
 
+    def gguf_linear(self, out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> None:
+        """out [m, n] float32 (a view: rows may be further apart) = x [m, k] float32 @ W^T,
+        W the packed rows uint8 [n, k / 32 * block bytes] of GGML block type `type_id`
+        (layers/quantization/gguf.py): here dequantized, then F.linear."""
+        from .quantization.gguf import dequantize     # only quantized models get here
+
+        out.copy_(F.linear(x, dequantize(qweight, type_id)))
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
         """RMSNorm as transformers' LlamaRMSNorm (mean of squares in fp32, rounded to x's
@@ -167,6 +175,14 @@ class KernelOps(TorchOps):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
         self.ops.linear(out, x.contiguous(), weight)
         return out
+
+    def gguf_linear(self, out, x, qweight, type_id):
+        """The CPU kernel's gguf_linear: each block widened in registers, summed as `linear`
+        sums the dequantized weights (the same bits, batch-invariant). Other dtypes and
+        CUDA: the reference."""
+        if not hasattr(self.ops, "gguf_linear") or x.dtype != torch.float32:
+            return super().gguf_linear(out, x, qweight, type_id)
+        self.ops.gguf_linear(out, x.contiguous(), qweight, type_id)
 
     def rms_norm(self, x, weight, eps, residual=None):
         """One fused pass (kernels/paged_attention_cpu.cpp); with `residual`, in place:

@@ -49,7 +49,13 @@ def _linear(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = N
     """x @ layer.weight^T by the layer's backend (`layer.ops`), with the weight in the
     layout that backend wants (AMX tiles: backends.KernelOps.pack_weight), packed on
     first use and again after a new backend or a change to the weight (its version
-    counter moves, or `load` clears `_packed_for`)."""
+    counter moves, or `load` clears `_packed_for`).
+
+    A quantized weight brings its own matmul: `layer.quant_method` (vLLM's name), set at
+    load by a quantized model's loader (model/gguf_loader.py, layers/quantization/), is
+    the one hook quantization has in the layers."""
+    if layer.quant_method is not None:
+        return layer.quant_method.apply(layer, x, out_dtype)
     w = layer.weight
     key = (layer.ops, w._version, w.data_ptr())
     if layer._packed_for != key:
@@ -177,6 +183,8 @@ class ColumnParallelLinear(nn.Module):
     forward(x [n, input_size]) -> [n, sum of held rows], x's dtype.
     """
 
+    quant_method = None         # a quantized weight's matmul (_linear), set at load
+
     def __init__(self, input_size: int, parts: dict[str, tuple[int, int, int]], tp: TPGroup,
                  bias: bool = False) -> None:
         super().__init__()
@@ -219,6 +227,8 @@ class RowParallelLinear(nn.Module):
     forward(x [n, input_size // tp]) -> [n, output_size], x's dtype.
     """
 
+    quant_method = None         # a quantized weight's matmul (_linear), set at load
+
     def __init__(self, input_size: int, output_size: int, tp: TPGroup) -> None:
         super().__init__()
         self.input_size, self.output_size, self.tp = input_size, output_size, tp
@@ -251,6 +261,8 @@ class VocabParallelEmbedding(nn.Module):
     lookup, ids outside its rows contributing zeros.
     logits(hidden [n, hidden_size]) -> [n, vocab_size] float32, every rank the full rows.
     """
+
+    quant_method = None         # a quantized weight's matmul (_linear), set at load
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
         super().__init__()

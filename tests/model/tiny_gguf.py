@@ -124,7 +124,8 @@ def hf_to_gguf_tensor_name(name: str) -> str:
     return f"blk.{layer}.{_HF_TO_GGUF_BLOCK[part]}.{kind}"
 
 
-def write_gguf_from_hf(hf_folder: Path, path: Path, arch: str, *, drop: tuple[str, ...] = ()) -> None:
+def write_gguf_from_hf(hf_folder: Path, path: Path, arch: str, *, drop: tuple[str, ...] = (),
+                       quant: dict | None = None) -> None:
     """Write the GGUF llama.cpp's ``convert_hf_to_gguf.py`` would make of a float32 HF folder.
 
     ``arch`` is the GGUF ``general.architecture`` (``llama``, ``qwen2``, ``qwen3``). As in
@@ -133,7 +134,9 @@ def write_gguf_from_hf(hf_folder: Path, path: Path, arch: str, *, drop: tuple[st
     ``Qwen3Model`` (``conversion/qwen.py``) only rename. F32 tensors; the tokenizer is
     the folder's byte-level BPE written as a ``gpt2`` vocabulary with its merges; no
     ``output.weight`` when the checkpoint ties its embeddings. ``drop`` leaves out the
-    named GGUF tensors (to make a broken file).
+    named GGUF tensors (to make a broken file). ``quant`` maps a layer tensor's part
+    (``attn_q``, ``ffn_down`` ...) to a ``GGMLQuantizationType``: those weights are written
+    quantized by ``gguf.quants.quantize``, as llama.cpp's quantizer writes them.
     """
     import json
 
@@ -180,8 +183,15 @@ def write_gguf_from_hf(hf_folder: Path, path: Path, arch: str, *, drop: tuple[st
             arr = llama_cpp_permute(arr, n_head)
         elif arch == "llama" and ".k_proj." in name:
             arr = llama_cpp_permute(arr, n_kv)
-        if hf_to_gguf_tensor_name(name) not in drop:
-            w.add_tensor(hf_to_gguf_tensor_name(name), np.ascontiguousarray(arr, dtype=np.float32))
+        gguf_name = hf_to_gguf_tensor_name(name)
+        qtype = (quant or {}).get(gguf_name.split(".")[2]) if gguf_name.startswith("blk.") else None
+        if gguf_name in drop:
+            continue
+        if qtype is not None and gguf_name.endswith(".weight"):
+            q = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
+            w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(arr, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

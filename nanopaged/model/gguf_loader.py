@@ -1,0 +1,191 @@
+"""Running a GGUF file's weights as the file stores them: `LLM(model="x.gguf",
+quantization="gguf")`. vLLM: `model_executor/model_loader/gguf_loader.py` (GGUFModelLoader).
+
+Two steps:
+
+- `gguf_model_dir` gives the engine the folder it reads everywhere else: config.json,
+  generation_config.json and the tokenizer, read from the file's metadata once (as
+  gguf_convert.py does) and cached, plus a marker naming the file. No weights are
+  written: they stay in the GGUF.
+- `GGUFQuantizedModel` is the extension the engine puts in front of the model's family
+  class when config.quantization is "gguf" (extensions.MODEL). Its `load_weights` reads
+  the file: the attention and MLP projections keep their blocks (Q8_0, Q4_0, Q4_1) in a
+  GGUFLinearMethod (layers/quantization/gguf.py), which `_linear` runs; everything else
+  (embeddings, norms, the LM head, biases) is dequantized and loaded as from safetensors.
+  Q and K rows are un-permuted as gguf_convert.py does, here whole packed rows at a time.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..layers.quantization.gguf import BLOCK_FORMATS, FLOAT_TYPES, GGUFLinearMethod, check_type
+from ..utils.files import apply_umask_permissions, move_into_place
+from ..utils.paths import cache_dir
+from .gguf_convert import _field, _read_family, _write_config, _write_tokenizer, gguf_to_hf_tensor_name, unpermute_qk
+
+MARKER_NAME = "nanopaged-gguf.json"     # in a prepared folder: which file holds the weights
+PREPARER_VERSION = 1                    # bump when the prepared folder's contents change
+
+# checkpoint matrix -> the layer that runs it (q, k, v and gate, up are stacked)
+PACKED_LAYERS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+                 "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+
+
+def find_gguf(model: str | os.PathLike) -> Path:
+    """The GGUF file `model` names: a .gguf file, or a folder holding exactly one.
+
+    Raises:
+        FileNotFoundError: no such file or folder, or a folder without a .gguf.
+        ValueError: a file that is not .gguf, or a folder with several.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) != 1:
+            if not found:
+                raise FileNotFoundError(f"quantization='gguf': model folder {str(path)!r} holds no .gguf file")
+            raise ValueError(f"quantization='gguf': model folder {str(path)!r} holds {len(found)} .gguf files "
+                             f"({', '.join(f.name for f in found)}); pass the one to run")
+        return found[0]
+    if not path.exists():
+        raise FileNotFoundError(f"quantization='gguf': model {str(model)!r} does not exist")
+    if path.suffix != ".gguf":
+        raise ValueError(f"quantization='gguf' runs a .gguf file (or a folder holding one), got {str(model)!r}")
+    return path
+
+
+def gguf_model_dir(gguf_path: str | os.PathLike) -> Path:
+    """The folder the engine reads for this GGUF file: its config.json, tokenizer and a
+    marker naming the file, written once into <cache>/models/gguf/<name>-<key>/ (the key
+    is the file's absolute path, size and modification time).
+
+    Raises:
+        ValueError: not a readable GGUF of a supported family, or a tensor it needs is
+            missing (gguf_convert's checks).
+    """
+    import gguf
+
+    src = Path(gguf_path).expanduser().resolve()
+    stat = src.stat()
+    key = hashlib.sha256(f"{src}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    dst = cache_dir() / "models" / "gguf" / f"{src.stem}-{key}"
+    marker = {"source": str(src), "source_bytes": stat.st_size, "version": PREPARER_VERSION}
+    try:
+        if json.loads((dst / MARKER_NAME).read_text()) == marker:
+            return dst
+    except (OSError, ValueError):
+        pass
+    try:
+        reader = gguf.GGUFReader(src)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{src}: not a readable GGUF file: {e}") from e
+    family, head_size = _read_family(reader, src)
+    # the shapes _write_config checks, without reading a tensor's data
+    shapes = {gguf_to_hf_tensor_name(t.name, family.gguf_arch): torch.empty(tuple(reversed(t.shape.tolist())),
+                                                                             device="meta")
+              for t in reader.tensors if t.name in ("token_embd.weight", "output.weight", "blk.0.attn_q.weight")}
+    pre_tokenizer = _field(reader, "tokenizer.ggml.pre")
+    del reader
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    os.mkdir(tmp)
+    try:
+        config = _write_config(src, family, head_size, shapes, tmp)
+        _write_tokenizer(src, pre_tokenizer, config, tmp)
+        (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+        apply_umask_permissions(tmp)
+        move_into_place(tmp, dst, overwrite=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def gguf_source(folder: str | os.PathLike) -> Path:
+    """The GGUF file whose weights a prepared folder (gguf_model_dir) stands for.
+
+    Raises:
+        FileNotFoundError: the folder has no marker (not prepared from a GGUF), or the
+            file it names is gone.
+    """
+    try:
+        source = Path(json.loads((Path(folder) / MARKER_NAME).read_text())["source"])
+    except (OSError, ValueError, KeyError) as e:
+        raise FileNotFoundError(f"{str(folder)!r} is not a folder prepared from a GGUF file "
+                                f"(quantization='gguf' takes a .gguf file): {e}") from None
+    if not source.is_file():
+        raise FileNotFoundError(f"the GGUF file {str(source)!r} (of {str(folder)!r}) no longer exists")
+    return source
+
+
+class GGUFQuantizedModel:
+    """A model family class with its weights read from a GGUF file, the attention and MLP
+    projections kept in their block formats (the extension "quantization").
+
+    load_weights(folder): folder as gguf_model_dir made it.
+
+    Raises:
+        ValueError: a projection of an unsupported type (naming the tensor and the
+            type), a tensor of the wrong shape, or one missing.
+        FileNotFoundError: the folder's GGUF file is gone.
+    """
+
+    def load_weights(self, folder: str | os.PathLike) -> None:
+        import gguf
+        import numpy as np
+        from gguf.quants import dequantize
+
+        src = gguf_source(folder)
+        reader = gguf.GGUFReader(src)
+        family, _ = _read_family(reader, src)
+        arch = family.gguf_arch
+        n_head = _field(reader, f"{arch}.attention.head_count")
+        n_kv = _field(reader, f"{arch}.attention.head_count_kv", n_head)
+        methods: dict[str, GGUFLinearMethod] = {}
+        loaded: set[str] = set()
+        for t in reader.tensors:
+            hf_name = gguf_to_hf_tensor_name(t.name, arch)
+            if hf_name is None:
+                continue
+            type_id, shape = int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist()))
+            target = self._packed_layer(hf_name)
+            if target is not None:
+                check_type(t.name, type_id)
+            if target is not None and type_id in BLOCK_FORMATS:
+                data = np.asarray(t.data)                    # uint8 [rows, k / 32 * block bytes]
+            else:
+                data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            if family.permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
+                data = unpermute_qk(data, n_head if ".attn_q." in t.name else n_kv)
+            data = torch.from_numpy(np.array(data, order="C", copy=True))
+            if target is None:
+                key = self._load_one(hf_name, data, src)
+            else:
+                layer_name, matrix = target
+                layer = self.get_submodule(layer_name)
+                if layer_name not in methods:
+                    methods[layer_name] = GGUFLinearMethod(*layer.weight.shape)
+                start = layer.offsets[matrix] if hasattr(layer, "offsets") else 0
+                methods[layer_name].add(t.name, start, type_id if type_id in BLOCK_FORMATS else 0, data)
+                key = f"{layer_name}.weight" + (f"#{matrix}" if hasattr(layer, "offsets") else "")
+            if key:
+                loaded.add(key)
+        for layer_name, method in methods.items():
+            method.finalize(layer_name)
+            layer = self.get_submodule(layer_name)
+            layer.weight, layer.quant_method = None, method     # the fp32 weight is freed
+        self._check_loaded(loaded, src)
+
+    def _packed_layer(self, hf_name: str) -> tuple[str, str] | None:
+        """(our layer's name, the checkpoint matrix) for a projection's weight, else None."""
+        *path, matrix, leaf = hf_name.removeprefix("model.").split(".")
+        if leaf != "weight" or matrix not in PACKED_LAYERS:
+            return None
+        return ".".join([*path, PACKED_LAYERS[matrix]]), matrix

