@@ -10,8 +10,9 @@ Two steps:
 - `GGUFQuantizedModel` is the extension the engine puts in front of the model's family
   class when config.quantization is "gguf" (extensions.MODEL). Its `load_weights` reads
   the file: the attention and MLP projections keep their blocks (Q8_0, Q4_0, Q4_1) in a
-  GGUFLinearMethod (layers/quantization/gguf.py), which `_linear` runs; everything else
-  (embeddings, norms, the LM head, biases) is dequantized and loaded as from safetensors.
+  GGUFLinearMethod (layers/quantization/gguf.py), which `_linear` runs, and so do the
+  embedding and LM head when the file has them in blocks (a GGUFEmbedding); everything
+  else (norms, biases, float matrices) is dequantized and loaded as from safetensors.
   Q and K rows are un-permuted as gguf_convert.py does, here whole packed rows at a time.
 """
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..layers.quantization.gguf import BLOCK_FORMATS, FLOAT_TYPES, GGUFLinearMethod, check_type
+from ..layers.parallel import VocabParallelEmbedding
+from ..layers.quantization.gguf import BLOCK_FORMATS, GGUFEmbedding, GGUFLinearMethod, check_type
 from ..utils.files import apply_umask_permissions, move_into_place
 from ..utils.paths import cache_dir
 from .gguf_convert import _field, _read_family, _write_config, _write_tokenizer, gguf_to_hf_tensor_name, unpermute_qk
@@ -155,7 +157,7 @@ class GGUFQuantizedModel:
             if hf_name is None:
                 continue
             type_id, shape = int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist()))
-            target = self._packed_layer(hf_name)
+            target = self._packed_layer(hf_name, type_id)
             if target is not None:
                 check_type(t.name, type_id)
             if target is not None and type_id in BLOCK_FORMATS:
@@ -181,11 +183,16 @@ class GGUFQuantizedModel:
             method.finalize(layer_name)
             layer = self.get_submodule(layer_name)
             layer.weight, layer.quant_method = None, method     # the fp32 weight is freed
+            if isinstance(layer, VocabParallelEmbedding):
+                GGUFEmbedding.from_layer(layer)                  # lookups widen their rows
         self._check_loaded(loaded, src)
 
-    def _packed_layer(self, hf_name: str) -> tuple[str, str] | None:
-        """(our layer's name, the checkpoint matrix) for a projection's weight, else None."""
+    def _packed_layer(self, hf_name: str, type_id: int) -> tuple[str, str] | None:
+        """(our layer's name, the checkpoint matrix) for a projection's weight, or for the
+        embedding or an untied LM head in a block format; else None."""
         *path, matrix, leaf = hf_name.removeprefix("model.").split(".")
+        if matrix in ("embed_tokens", "lm_head") and leaf == "weight" and type_id in BLOCK_FORMATS:
+            return (matrix, matrix) if getattr(self, matrix) is not None else None
         if leaf != "weight" or matrix not in PACKED_LAYERS:
             return None
         return ".".join([*path, PACKED_LAYERS[matrix]]), matrix

@@ -27,11 +27,13 @@ from nanopaged.model.model_loader import load_model, resolve_model
 T = gguf.GGMLQuantizationType
 PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 QUANT = {name: dict.fromkeys(PARTS, t) for name, t in (("Q8_0", T.Q8_0), ("Q4_0", T.Q4_0), ("Q4_1", T.Q4_1))}
-# one fused layer of three types, another of two, and a float matrix among them
+# one fused layer of three types, another of two, a float matrix among them; the
+# embedding (the tied head) in blocks as SmolLM2's file has it (Q8_0)
 QUANT["mixed"] = {"attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.F32,
-                  "ffn_gate": T.Q4_1, "ffn_up": T.Q8_0, "ffn_down": T.Q4_0}
-CASES = [("LlamaForCausalLM", "llama", q) for q in QUANT] + [("Qwen2ForCausalLM", "qwen2", "Q4_1"),
-                                                             ("Qwen3ForCausalLM", "qwen3", "Q8_0")]
+                  "ffn_gate": T.Q4_1, "ffn_up": T.Q8_0, "ffn_down": T.Q4_0, "token_embd": T.Q8_0}
+QUANT["untied"] = {**QUANT["Q8_0"], "token_embd": T.Q4_1, "output": T.Q4_0}
+CASES = [("LlamaForCausalLM", "llama", q) for q in ("Q8_0", "Q4_0", "Q4_1", "mixed")] + [
+    ("Qwen2ForCausalLM", "qwen2", "Q4_1"), ("Qwen3ForCausalLM", "qwen3", "untied")]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [30, 31, 32], list(range(100, 121))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
 
@@ -83,7 +85,14 @@ def test_projections_keep_the_files_bytes_and_no_fp32_copy(files):
     stored = sum(attn[p].n_bytes if attn[p].tensor_type != T.F32 else 0 for p in ("attn_q", "attn_k", "attn_v"))
     widened = sum(attn[p].n_elements * 4 for p in ("attn_q", "attn_k", "attn_v") if attn[p].tensor_type == T.F32)
     assert layer.self_attn.qkv_proj.quant_method.nbytes == stored + widened
-    assert model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.quant_method is None
+    for name, vocab in (("token_embd", model.embed_tokens), ("output", model.lm_head)):
+        t = next((t for t in reader.tensors if t.name == f"{name}.weight"), None)
+        if t is None:
+            assert vocab is None                                         # tied
+        elif t.tensor_type == T.F32:
+            assert vocab.weight.dtype == torch.float32 and vocab.quant_method is None
+        else:                                                            # the file's blocks, no fp32 copy
+            assert vocab.weight is None and vocab.quant_method.nbytes == t.n_bytes
 
 
 def test_engine_gives_the_dequantized_models_ids_and_logprobs(files):

@@ -134,8 +134,8 @@ def write_gguf_from_hf(hf_folder: Path, path: Path, arch: str, *, drop: tuple[st
     ``Qwen3Model`` (``conversion/qwen.py``) only rename. F32 tensors; the tokenizer is
     the folder's byte-level BPE written as a ``gpt2`` vocabulary with its merges; no
     ``output.weight`` when the checkpoint ties its embeddings. ``drop`` leaves out the
-    named GGUF tensors (to make a broken file). ``quant`` maps a layer tensor's part
-    (``attn_q``, ``ffn_down`` ...) to a ``GGMLQuantizationType``: those weights are written
+    named GGUF tensors (to make a broken file). ``quant`` maps a tensor's part (``attn_q``,
+    ``ffn_down``, ``token_embd``, ``output`` ...) to a ``GGMLQuantizationType``: those weights are written
     quantized by ``gguf.quants.quantize``, as llama.cpp's quantizer writes them.
     """
     import json
@@ -184,7 +184,8 @@ def write_gguf_from_hf(hf_folder: Path, path: Path, arch: str, *, drop: tuple[st
         elif arch == "llama" and ".k_proj." in name:
             arr = llama_cpp_permute(arr, n_kv)
         gguf_name = hf_to_gguf_tensor_name(name)
-        qtype = (quant or {}).get(gguf_name.split(".")[2]) if gguf_name.startswith("blk.") else None
+        part = gguf_name.split(".")[2 if gguf_name.startswith("blk.") else 0]
+        qtype = (quant or {}).get(part)
         if gguf_name in drop:
             continue
         if qtype is not None and gguf_name.endswith(".weight"):

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..parallel import VocabParallelEmbedding
+
 QK = 32                                     # weights per block (QK4_0, QK4_1, QK8_0)
 
 
@@ -175,3 +177,27 @@ class GGUFLinearMethod:
             else:
                 cols.copy_(layer.ops.linear(x, seg.weight))
         return out if out_dtype in (None, torch.float32) else out.to(out_dtype)
+
+
+class GGUFEmbedding(VocabParallelEmbedding):
+    """The embedding (and the LM head tied to it, or an untied one) kept in the file's
+    blocks, one rank: a lookup widens only the rows it reads (`dequantize`, the same
+    values F.embedding would read from the dequantized matrix) and the head's logits run
+    through `quant_method` (`_linear`). The loader turns a loaded VocabParallelEmbedding
+    into one (`from_layer`) once its quant_method is set.
+
+    forward(input_ids [n] int64) -> [n, hidden_size] float32.
+    """
+
+    @classmethod
+    def from_layer(cls, layer: VocabParallelEmbedding) -> "GGUFEmbedding":
+        """`layer` itself, its class changed: its weight already given up for quant_method."""
+        if layer.quant_method is None or layer.tp.size != 1 or len(layer.quant_method.segments) != 1:
+            raise ValueError("GGUFEmbedding needs one rank and a quant_method of one block type")
+        layer.__class__ = cls
+        return layer
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        seg = self.quant_method.segments[0]
+        rows = seg.weight[input_ids]                                          # [n, row bytes] or [n, hidden]
+        return dequantize(rows, seg.type_id) if seg.type_id in BLOCK_FORMATS else rows
