@@ -108,6 +108,16 @@ def test_engine_gives_the_dequantized_models_ids_and_logprobs(files):
         assert len(set(a.outputs[0].token_ids)) > 1                  # not a degenerate model
 
 
+def test_the_pytorch_reference_runs_it_too(files):
+    """attention_backend="torch": each projection dequantized, then F.linear (TorchOps)."""
+    gguf_file, dequantized = files
+    kw = dict(block_size=4, num_gpu_blocks=128, attention_backend="torch")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = LLM(str(gguf_file), quantization="gguf", **kw).generate(PROMPTS, params, use_tqdm=False)
+    want = LLM(str(dequantized), dtype="float32", **kw).generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
 def test_a_folder_holding_one_gguf_is_the_file(files, tmp_path):
     gguf_file, _ = files
     (tmp_path / "m").mkdir()
