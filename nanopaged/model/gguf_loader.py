@@ -129,7 +129,8 @@ def gguf_source(folder: str | os.PathLike) -> Path:
 
 class GGUFQuantizedModel:
     """A model family class with its weights read from a GGUF file, the attention and MLP
-    projections kept in their block formats (the extension "quantization").
+    projections (and an embedding or LM head in blocks) kept in their block formats (the
+    extension "quantization").
 
     load_weights(folder): folder as gguf_model_dir made it.
 
