@@ -271,7 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("number", nargs="?", type=int)
     ap.add_argument("--dir", default=DEFAULT_DIR, help=f"where your exercise files are (default ./{DEFAULT_DIR})")
     args = ap.parse_args(argv)
-    logging.getLogger("nanopaged").setLevel(logging.WARNING)   # the checks' engines start quietly
+    quiet, level = logging.getLogger("nanopaged"), logging.getLogger("nanopaged").level
+    quiet.setLevel(logging.WARNING)              # the checks' engines start quietly
+    try:
+        return _command(args)
+    finally:
+        quiet.setLevel(level)                    # main() called in a process that goes on: as it was
+
+
+def _command(args: argparse.Namespace) -> int:
     exercises = all_exercises()
     folder = Path(args.dir)
     if args.command == "list":

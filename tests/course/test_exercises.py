@@ -135,3 +135,18 @@ def test_list_says_passed_for_the_file_whose_check_passed(tmp_path, capsys):
         assert listed(1) == "started"             # the failing check forgot the pass
     finally:
         logging.getLogger("nanopaged").setLevel(level)
+
+
+def test_main_leaves_the_logging_level_as_it_found_it(tmp_path, capsys):
+    """The CLI quiets nanopaged's logger while it runs; called in a process that goes on
+    (a test worker), it puts the level back (a later test's caplog once saw no INFO)."""
+    import logging
+    from nanopaged.exercises.runner import main
+    logger = logging.getLogger("nanopaged")
+    before = logger.level
+    try:
+        logger.setLevel(logging.INFO)
+        assert main(["list", "--dir", str(tmp_path)]) == 0
+        assert logger.level == logging.INFO
+    finally:
+        logger.setLevel(before)
