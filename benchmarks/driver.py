@@ -8,6 +8,7 @@
                                       --dashboard-viewer]
                     [--sections tp] [--sections vllm --vllm-python PATH] [--max-output 128]
                     [--sections soak --soak-rounds 8]
+                    [--sections quant --llamacpp-python PATH]
                     [--sections spec --spec-requests 8 --spec-max-tokens 48 --spec-batches 1,8
                                      --spec-k 2,4 --spec-draft-layers 10 --spec-draft-k 4 --spec-rounds 2]
 
@@ -65,6 +66,13 @@ spec:       (not in the default list: 5-8 minutes) speculative decoding (issue 2
             ratio, acceptance (accepted / proposed), accepted tokens per verify step, and
             whether every output is the baseline's token for token (targets: n-gram
             >= 1.5x on copy at batch 1, >= 0.95x on chat; benchmarks/spec.py).
+quant:      (not in the default list: a few minutes, llama.cpp's venv for its rows) the
+            default model's Q4_1 GGUF run as shipped (quantization="gguf") vs its fp32
+            folder vs llama.cpp (llama-cpp-python) on the same file and threads: batch-1
+            ms/token, throughput (llama.cpp serving one request after another), resident
+            weight bytes vs the file, bytes read per decoded token vs the DRAM roofline
+            (targets: batch 1 >= llama.cpp's speed, throughput >= 5x, resident <= 1.25x
+            the file; benchmarks/quant.py).
 vllm:       (not in the default list: needs vLLM's own venv) nanopaged vs vLLM's CPU
             backend on the throughput workload and batch-1 decode, vLLM in a child
             process of its own interpreter (benchmarks/vllm.py says how to make its venv).
@@ -87,6 +95,7 @@ from .kernels import bench_kernels
 from .memory import bench_memory_utilization
 from .overlap import bench_overlap
 from .pp import bench_pp
+from .quant import bench_quant
 from .prefix import bench_prefix_caching
 from .pressure import bench_memory_pressure
 from .sampling import bench_sampling
@@ -113,12 +122,16 @@ def main() -> None:
                     help="the workload's outputs are U[32, this] tokens (throughput, vllm; default 128)")
     ap.add_argument("--vllm-python", default=None,
                     help="vllm: the interpreter of vLLM's venv (else $NANOPAGED_VLLM_PYTHON or ./.venv-vllm)")
+    ap.add_argument("--llamacpp-python", default=None,
+                    help="quant: the interpreter of llama-cpp-python's venv (else $NANOPAGED_LLAMACPP_PYTHON "
+                         "or ./.venv-llamacpp)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
     ap.add_argument("--sections",
                     default="throughput,chat,sampling,structured,overlap,prefix,sharing,pressure,memory,kernels",
-                    help="comma-separated, from the list above; serve, soak, spec, tp, pp and vllm are not in the default")
+                    help="comma-separated, from the list above; serve, soak, spec, tp, pp, quant and vllm are not in "
+                         "the default")
     ap.add_argument("--kernels", action="store_true", help="only the kernels section")
     ap.add_argument("--request-rates", default="0.5,2,inf", help="serve: requests per second")
     ap.add_argument("--serve-requests", type=int, default=32, help="serve: requests per rate")
@@ -155,6 +168,8 @@ def main() -> None:
         bench_tp()
     if "pp" in sections:
         bench_pp()
+    if "quant" in sections:
+        bench_quant(args.model, args)
     if "sampling" in sections:
         bench_sampling(args.model, args)
     if "overlap" in sections:

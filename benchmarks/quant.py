@@ -1,0 +1,226 @@
+"""bench.py's `quant` section: GGUF weights run as shipped (issue 37), side by side in one
+run with llama.cpp itself on the same file with the same threads.
+
+    python bench.py --sections quant [--llamacpp-python PATH] [--num-requests 32]
+
+Three engines, one after another in this run:
+- nanopaged, quantization="gguf": the default model's Q4_1 file as shipped;
+- nanopaged on the fp32 folder converted from that file (today's default, the "before");
+- llama.cpp (llama-cpp-python 0.3.36) on the same file, in a child process of its own
+  venv (made once: `python3 -m venv .venv-llamacpp && .venv-llamacpp/bin/pip install
+  llama-cpp-python==0.3.36`; found by --llamacpp-python, $NANOPAGED_LLAMACPP_PYTHON or
+  ./.venv-llamacpp; without one its rows are skipped and the howto printed).
+
+Measured:
+- batch 1: one 32-token prompt, (time for 65 greedy tokens - time for 1) / 64, best of
+  three: ms per output token, and the ratio llama.cpp / nanopaged (>= 1.0: we are at
+  least as fast);
+- throughput: bench.py's workload (--num-requests requests, prompts U[32, 256] token ids,
+  outputs U[32, --max-output], greedy, ignore_eos): nanopaged gets them all at once and
+  batches them; llama.cpp's Python API serves one sequence at a time, so it runs them one
+  after another. Tokens/s and the ratio;
+- weights: bytes resident in the model (the packed blocks plus what is kept in fp32:
+  norms; computed from the loaded tensors) against the file's size;
+- bytes per decoded token: the weights a batch-1 step reads (every projection and the LM
+  head once; the embedding row and norms are noise) plus the KV it reads at the mean
+  context, against this machine's read bandwidth (a large torch reduction, best of five,
+  the same threads): the DRAM roofline's ms/token, and the share of it each run reaches.
+The greedy tokens of llama.cpp are compared too: it rounds activations to 8 bits in its
+matmuls (Q8_1), we do not, so they may part after some tokens; reported, not required.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .common import run_nanopaged, workload
+from .tp import machine
+
+LLAMACPP_HOWTO = ("python3 -m venv .venv-llamacpp && .venv-llamacpp/bin/pip install "
+                  "llama-cpp-python==0.3.36")
+PROMPT_TOKENS, DECODE_TOKENS = 32, 64
+
+# Run by llama-cpp-python's interpreter: argv[1] is a JSON file with the spec; JSON out.
+LLAMACPP_SCRIPT = '''
+import json, sys, time
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    from llama_cpp import Llama
+    llm = Llama(model_path=spec["gguf"], n_ctx=1024, n_batch=512, n_threads=spec["threads"],
+                n_threads_batch=spec["threads"], seed=0, verbose=False)
+
+    def gen(prompt, n):
+        llm.reset()                          # no prefix reuse between calls
+        out = []
+        for tok in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(tok)
+            if len(out) == n:
+                return out
+
+    gen(spec["batch1_prompt"], 4)            # warm-up
+    times = {}
+    for n in (1, spec["decode_tokens"] + 1):
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            ids = gen(spec["batch1_prompt"], n)
+            best = min(best, time.perf_counter() - t)
+        times[n] = best
+    batch1_ids = ids
+    t = time.perf_counter()
+    tokens = 0
+    for prompt, n in zip(spec["prompts"], spec["out_lens"]):
+        tokens += len(gen(prompt, n))
+    wall = time.perf_counter() - t
+    print(json.dumps(dict(times=times, batch1_ids=batch1_ids, wall=wall, tokens=tokens)))
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def find_llamacpp_python(explicit: str | None) -> str | None:
+    """llama-cpp-python's interpreter: the flag, $NANOPAGED_LLAMACPP_PYTHON, or ./.venv-llamacpp."""
+    path = explicit or os.environ.get("NANOPAGED_LLAMACPP_PYTHON")
+    if path:
+        return path
+    local = Path(__file__).resolve().parent.parent / ".venv-llamacpp" / "bin" / "python"
+    return str(local) if local.is_file() else None
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the loaded weights: "resident" (every parameter and packed block once) and
+    "per_token" (what a batch-1 decode step reads: the projections and the LM head)."""
+    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            resident += method.nbytes
+            per_token += method.nbytes
+        elif module.__class__.__name__ in ("ColumnParallelLinear", "RowParallelLinear"):
+            per_token += module.weight.numel() * module.weight.element_size()
+    head = getattr(model, "lm_head", None) or getattr(model, "embed_tokens", None)
+    if head is not None and getattr(head, "quant_method", None) is None:
+        per_token += head.weight.numel() * head.weight.element_size()
+    return dict(resident=resident, per_token=per_token)
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes per second this machine reads from DRAM: a 512 MiB float32 tensor summed by
+    torch with `threads` threads, best of five (far larger than any cache)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.ones(128 << 20)
+        a.sum()
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            a.sum()
+            best = min(best, time.perf_counter() - t)
+        return a.numel() * 4 / best
+    finally:
+        torch.set_num_threads(old)
+
+
+def run_engine(model: str, quantization: str | None, batch1_prompt, prompts, out_lens) -> dict:
+    """One nanopaged engine: batch-1 ms/token (best of three), the workload, its weights."""
+    from nanopaged import LLM, SamplingParams
+
+    llm = LLM(model, dtype="float32", quantization=quantization, enable_prefix_caching=False)
+    try:
+        def one(n):
+            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            t = time.perf_counter()
+            out = llm.generate([batch1_prompt], params, use_tqdm=False)
+            return time.perf_counter() - t, out[0].outputs[0].token_ids
+
+        one(4)                                                             # warm-up
+        t1 = min(one(1)[0] for _ in range(3))
+        runs = [one(DECODE_TOKENS + 1) for _ in range(3)]
+        batch1 = (min(t for t, _ in runs) - t1) / DECODE_TOKENS
+        wall, tokens = run_nanopaged(llm, prompts, out_lens)
+        return dict(batch1=batch1, ids=list(runs[0][1]), wall=wall, tokens=tokens,
+                    **weight_bytes(llm.engine.model_runner.model), kv_per_token=_kv_per_token(llm))
+    finally:
+        llm.shutdown()
+
+
+def _kv_per_token(llm) -> int:
+    """KV bytes a token of context holds over all layers: the cache's bytes over its slots."""
+    cache = llm.engine.model_runner.kv_cache      # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    return cache[:, :, 0, 0].numel() * cache.element_size()
+
+
+def run_llamacpp(python: str, gguf: Path, threads: int, batch1_prompt, prompts, out_lens) -> dict | None:
+    """llama.cpp on the same file in its own interpreter; None (and why) if it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script, spec = Path(tmp) / "run_llamacpp.py", Path(tmp) / "spec.json"
+        script.write_text(LLAMACPP_SCRIPT)
+        spec.write_text(json.dumps(dict(gguf=str(gguf), threads=threads, batch1_prompt=batch1_prompt,
+                                        decode_tokens=DECODE_TOKENS, prompts=prompts, out_lens=out_lens)))
+        proc = subprocess.run([python, str(script), str(spec)], capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        print(f"  llama.cpp failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+        return None
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    times = {int(k): v for k, v in r["times"].items()}
+    return dict(batch1=(times[DECODE_TOKENS + 1] - times[1]) / DECODE_TOKENS, ids=r["batch1_ids"][:DECODE_TOKENS + 1],
+                wall=r["wall"], tokens=r["tokens"])
+
+
+def bench_quant(model: str | None, args) -> None:
+    """The default model's Q4_1 file as shipped vs its fp32 folder vs llama.cpp."""
+    from nanopaged.model.model_loader import ensure_default_gguf, ensure_default_model
+
+    if model is not None:
+        print("quant: measures the default model's GGUF file; --model is ignored here")
+    gguf = ensure_default_gguf(progress=False)
+    folder = str(ensure_default_model(progress=False))
+    threads = torch.get_num_threads()
+    prompts, out_lens = workload(args.num_requests, 49152, max_output=args.max_output)
+    batch1_prompt = [random.Random(7).randrange(100, 49152) for _ in range(PROMPT_TOKENS)]
+    print(f"quant: {machine()}; {threads} threads each; float32 activations; {gguf.name} "
+          f"({gguf.stat().st_size / 1e6:.1f} MB); batch 1: a {PROMPT_TOKENS}-token prompt, "
+          f"{DECODE_TOKENS} tokens; throughput: {len(prompts)} requests, {sum(out_lens)} output tokens")
+    bandwidth = read_bandwidth(threads)
+    rows = {"nanopaged gguf (as shipped)": run_engine(str(gguf), "gguf", batch1_prompt, prompts, out_lens),
+            "nanopaged fp32 folder": run_engine(folder, None, batch1_prompt, prompts, out_lens)}
+    python = find_llamacpp_python(getattr(args, "llamacpp_python", None))
+    peer = None
+    if python is None:
+        print(f"  llama.cpp: no interpreter found; make one with: {LLAMACPP_HOWTO}")
+    else:
+        peer = run_llamacpp(python, gguf, threads, batch1_prompt, prompts, out_lens)
+    ours = rows["nanopaged gguf (as shipped)"]
+    context = PROMPT_TOKENS + DECODE_TOKENS / 2                        # mean context of the decode
+    print(f"  read bandwidth (torch sum of 512 MiB, {threads} threads): {bandwidth / 1e9:.1f} GB/s")
+    for label, r in rows.items():
+        step = r["per_token"] + r["kv_per_token"] * context
+        print(f"  {label}: batch 1 {1e3 * r['batch1']:.1f} ms/token, throughput {r['tokens'] / r['wall']:.1f} tok/s; "
+              f"weights resident {r['resident'] / 1e6:.1f} MB ({r['resident'] / gguf.stat().st_size:.2f}x the file); "
+              f"a decode step reads {step / 1e6:.1f} MB: roofline {1e3 * step / bandwidth:.1f} ms/token, "
+              f"reached {100 * step / bandwidth / r['batch1']:.0f}%")
+    same = ours["ids"] == rows["nanopaged fp32 folder"]["ids"]
+    print(f"  gguf vs fp32 folder: same batch-1 greedy tokens: {same}; batch 1 "
+          f"{rows['nanopaged fp32 folder']['batch1'] / ours['batch1']:.2f}x faster")
+    if peer is not None:
+        agree = next((i for i, (a, b) in enumerate(zip(peer["ids"], ours["ids"])) if a != b), len(ours["ids"]))
+        print(f"  llama.cpp (llama-cpp-python 0.3.36): batch 1 {1e3 * peer['batch1']:.1f} ms/token, "
+              f"serving one after another {peer['tokens'] / peer['wall']:.1f} tok/s; same greedy tokens as ours "
+              f"for the first {agree} of {len(ours['ids'])}")
+        print(f"  ratios (target): batch 1 llama.cpp / nanopaged = {peer['batch1'] / ours['batch1']:.2f}x (>= 1.0); "
+              f"throughput nanopaged / llama.cpp serial = "
+              f"{(ours['tokens'] / ours['wall']) / (peer['tokens'] / peer['wall']):.2f}x (>= 5); "
+              f"resident / file = {ours['resident'] / gguf.stat().st_size:.2f}x (<= 1.25)")
+
