@@ -134,7 +134,7 @@ def test_unsupported_type_in_a_projection_is_named(tmp_path):
 
 
 def test_config_refuses_an_unknown_method():
-    with pytest.raises(ValueError, match=r"quantization must be None or one of \('gguf',\), got 'int4'"):
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \('gguf', 'int8'\), got 'int4'"):
         EngineConfig(quantization="int4")
 
 
