@@ -81,16 +81,13 @@ def check_pipeline_parallel(model_config: ModelConfig, pipeline_parallel_size: i
 
 
 def check_quantization(config: EngineConfig) -> None:
-    """Quantized weights (config.quantization) run in float32, in one pipeline stage so far
-    (tensor parallelism splits them: layers/quantization/).
+    """Quantized weights (config.quantization) run in float32 so far (on any tp x pp grid:
+    the loaders split them).
 
     Raises:
-        ValueError: another dtype, or pipeline_parallel_size > 1 (naming them).
+        ValueError: another dtype (naming it).
     """
     q = config.quantization
-    if q is not None and config.pipeline_parallel_size > 1:
-        raise ValueError(f"quantization={q!r} runs in one pipeline stage so far, but "
-                         f"pipeline_parallel_size={config.pipeline_parallel_size}")
     if q is not None and config.torch_dtype != torch.float32:
         raise ValueError(f"quantization={q!r} runs in float32 so far, got dtype={config.dtype!r}")
 

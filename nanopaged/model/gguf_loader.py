@@ -15,7 +15,9 @@ Two steps:
   else (norms, biases, float matrices) is dequantized and loaded as from safetensors.
   Q and K rows are un-permuted as gguf_convert.py does, here whole packed rows at a time.
   Under tensor parallelism a rank keeps its rows (column-parallel) or its whole blocks of
-  columns (row-parallel: `_shard`); an embedding in blocks is then widened and split.
+  columns (row-parallel: `_shard`); an embedding in blocks is then widened and split. A
+  pipeline stage reads only its layers' tensors (and a tied head on a later stage than
+  the embedding's is widened).
 """
 from __future__ import annotations
 
@@ -157,7 +159,7 @@ class GGUFQuantizedModel:
         loaded: set[str] = set()
         for t in reader.tensors:
             hf_name = gguf_to_hf_tensor_name(t.name, arch)
-            if hf_name is None:
+            if hf_name is None or not self._holds(hf_name):
                 continue
             type_id, shape = int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist()))
             target = self._packed_layer(hf_name, type_id)
@@ -191,13 +193,24 @@ class GGUFQuantizedModel:
                 GGUFEmbedding.from_layer(layer)                  # lookups widen their rows
         self._check_loaded(loaded, src)
 
+    def _holds(self, hf_name: str) -> bool:
+        """False for a tensor of a layer another pipeline stage holds (a stage holds layers
+        [start_layer, end_layer): model/pipeline_stage.py); such a tensor is not read."""
+        kind, _, rest = hf_name.removeprefix("model.").partition(".")
+        if kind != "layers":
+            return True
+        index = int(rest.partition(".")[0])
+        return getattr(self, "start_layer", 0) <= index < getattr(self, "end_layer", len(self.layers))
+
     def _packed_layer(self, hf_name: str, type_id: int) -> tuple[str, str] | None:
         """(our layer's name, the checkpoint matrix) for a projection's weight, or for the
         embedding or an untied LM head in a block format; else None."""
         *path, matrix, leaf = hf_name.removeprefix("model.").split(".")
         if matrix in ("embed_tokens", "lm_head") and leaf == "weight" and type_id in BLOCK_FORMATS:
-            vocab = getattr(self, matrix)             # at tp > 1 widened and split (VocabParallelEmbedding.load)
-            return (matrix, matrix) if vocab is not None and vocab.tp.size == 1 else None
+            # at tp > 1 widened and split (VocabParallelEmbedding.load); on a pipeline stage
+            # without it (a PPMissingLayer) or with the tied head, _load_one decides
+            vocab = getattr(self, matrix)
+            return (matrix, matrix) if isinstance(vocab, VocabParallelEmbedding) and vocab.tp.size == 1 else None
         if leaf != "weight" or matrix not in PACKED_LAYERS:
             return None
         return ".".join([*path, PACKED_LAYERS[matrix]]), matrix

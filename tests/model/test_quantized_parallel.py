@@ -1,8 +1,11 @@
-"""Tensor parallelism on quantized weights (quantization="int8" and "gguf"): a rank holds
-the tp = 1 model's quantized rows of a column-parallel layer and columns of a row-parallel
-one (int8: the row scales of the whole row; GGUF: whole blocks, a split that cuts one is
-refused by name), and the engine at tp=2 gives tp=1's greedy ids, logprobs within fp32's
-rounding of the split sums (1e-5, as tests/worker/test_tensor_parallel.py).
+"""Tensor and pipeline parallelism on quantized weights (quantization="int8" and "gguf").
+
+- tp: a rank holds the tp = 1 model's quantized rows of a column-parallel layer and
+  columns of a row-parallel one (int8: the row scales of the whole row; GGUF: whole
+  blocks, a split that cuts one is refused by name), and the engine at tp=2 gives tp=1's
+  greedy ids, logprobs within fp32's rounding of the split sums (1e-5, as
+  tests/worker/test_tensor_parallel.py).
+- pp: a stage loads and quantizes only its layers; the engine at pp=2 gives pp=1's ids.
 
 Loading needs no collective, so the ranks' shards are loaded here one after another with
 a stand-in process group; the engine tests start real worker processes (gloo).
@@ -18,6 +21,7 @@ from nanopaged import LLM, SamplingParams, extensions
 from nanopaged.config import EngineConfig
 from nanopaged.exercises.tiny_model import make_tiny_model
 from nanopaged.layers.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+from nanopaged.layers.pipeline import PPGroup
 from nanopaged.layers.quantization import gguf as gguf_method
 from nanopaged.layers.quantization.int8 import dequantize
 from nanopaged.model import gguf_loader
@@ -46,10 +50,11 @@ def models(tmp_path_factory):
     return {"int8": root / "hf", "gguf": root / "model.gguf"}
 
 
-def _load(path, quantization, rank=0, size=1):
-    config = EngineConfig(quantization=quantization)
+def _load(path, quantization, rank=0, size=1, pp=None):
+    config = EngineConfig(quantization=quantization, pipeline_parallel_size=pp.size if pp else 1,
+                          distributed_executor_backend="mp" if pp else None)
     tp = TPGroup(rank, size, object() if size > 1 else None)      # loading calls no collective
-    return load_model(resolve_model(str(path), quantization=quantization), torch.float32, "cpu", 64, tp,
+    return load_model(resolve_model(str(path), quantization=quantization), torch.float32, "cpu", 64, tp, pp,
                       model_class=lambda family: extensions.build_class(family, "model", config))
 
 
@@ -90,11 +95,24 @@ def test_a_split_that_cuts_a_gguf_block_is_named(models):
 
 
 @pytest.mark.parametrize("quantization", ["int8", "gguf"])
-def test_engine_at_tp2_equals_tp1(models, quantization):
+def test_a_pipeline_stage_holds_only_its_layers_quantized(models, quantization):
+    whole = _load(models[quantization], quantization)
+    for stage in range(2):
+        model = _load(models[quantization], quantization, pp=PPGroup(stage, 2, object()))
+        held = [i for i, layer in enumerate(model.layers) if hasattr(layer, "self_attn")]
+        assert held == [stage]
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            layer = model.layers[stage].get_submodule(name)
+            assert layer.weight is None and torch.equal(_dense(layer), _dense(whole.layers[stage].get_submodule(name)))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "gguf"])
+@pytest.mark.parametrize("grid", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"])
+def test_engine_on_two_ranks_equals_one(models, quantization, grid):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     kw = dict(quantization=quantization, block_size=4, num_gpu_blocks=64, attention_backend="cpu")
     want = LLM(str(models[quantization]), **kw).generate(PROMPTS, params, use_tqdm=False)
-    llm = LLM(str(models[quantization]), tensor_parallel_size=2, **kw)
+    llm = LLM(str(models[quantization]), **grid, **kw)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     for ours, ref in zip(got, want):
         assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
