@@ -41,7 +41,7 @@ def cpu_has_bf16_dot_products() -> bool:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
-QUANTIZATION_METHODS = ("gguf",)
+QUANTIZATION_METHODS = ("gguf", "int8")
 
 
 @dataclass(frozen=True)
@@ -213,8 +213,8 @@ class EngineConfig:
             chunks of at most this many bytes, and the Processor refuses a request
             whose own rows per step (n, or beam_width) need more. None = max_num_seqs
             rows: max_num_seqs x vocab_size x 4 bytes (issue 34).
-        quantization: None or "gguf" (vLLM's): model is a .gguf file or a folder holding one
-            (None: the default's Q4_1 file), run as shipped (model/gguf_loader.py).
+        quantization: None; "gguf": a .gguf file (or folder holding one) run as shipped (gguf_loader.py);
+            "int8": a folder's projections quantized at load, per output row (quantization/int8.py).
     """
 
     model: str | os.PathLike | None = None

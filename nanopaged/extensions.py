@@ -30,7 +30,8 @@ ENABLED: dict[str, Callable] = {
     "speculative_decoding": lambda config: config.speculative_config is not None,
     "beam_search": lambda config: True,
     "structured_outputs": lambda config: True,
-    "quantization": lambda config: config.quantization is not None,
+    "quantization": lambda config: config.quantization == "gguf",
+    "int8_quantization": lambda config: config.quantization == "int8",
 }
 PER_REQUEST = {"beam_search", "structured_outputs"}
 
@@ -58,6 +59,7 @@ ENGINE_CORE: dict[str, str] = {
 MODEL: dict[str, str] = {
     "pipeline_parallel": "nanopaged.model.pipeline_stage:PipelineStageModel",
     "quantization": "nanopaged.model.gguf_loader:GGUFQuantizedModel",     # weights read packed
+    "int8_quantization": "nanopaged.layers.quantization.int8:Int8QuantizedModel",   # quantized at load
 }
 PARTS = {"scheduler": SCHEDULER, "model_runner": MODEL_RUNNER, "engine_core": ENGINE_CORE, "model": MODEL}
 
@@ -75,6 +77,7 @@ MODULES: dict[str, list[str]] = {
                            "nanopaged.engine.structured_output_core", "nanopaged.worker.structured_output_runner"],
     "dashboard": ["nanopaged.engine.dashboard", "nanopaged.dashboard_messages"],
     "quantization": ["nanopaged.model.gguf_loader", "nanopaged.layers.quantization"],
+    "int8_quantization": ["nanopaged.layers.quantization.int8"],
     "worker_processes": ["nanopaged.worker.multiproc_executor", "nanopaged.worker.multinode",
                          "nanopaged.worker.headless", "nanopaged.worker.stage_progress"],
 }

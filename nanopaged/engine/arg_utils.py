@@ -81,15 +81,13 @@ def check_pipeline_parallel(model_config: ModelConfig, pipeline_parallel_size: i
 
 
 def check_quantization(config: EngineConfig) -> None:
-    """Quantized weights (config.quantization) run in float32 on one rank so far.
+    """Quantized weights (config.quantization) run in float32 so far (on any tp x pp grid:
+    the loaders split them).
 
     Raises:
-        ValueError: another dtype, or more than one rank (naming them).
+        ValueError: another dtype (naming it).
     """
     q = config.quantization
-    if q is not None and config.world_size > 1:
-        raise ValueError(f"quantization={q!r} runs on one rank so far, but tensor_parallel_size="
-                         f"{config.tensor_parallel_size} x pipeline_parallel_size={config.pipeline_parallel_size}")
     if q is not None and config.torch_dtype != torch.float32:
         raise ValueError(f"quantization={q!r} runs in float32 so far, got dtype={config.dtype!r}")
 
@@ -168,7 +166,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "max_logits_bytes": (int, "BYTES", "most bytes of fp32 logits a step holds at once (not given: "
                          "max_num_seqs rows)"),
     "quantization": (str, "METHOD", "gguf: run a .gguf file's (--model) linear weights in their block formats "
-                     "(Q8_0, Q4_0, Q4_1; float32, one rank) (not given: the folder's weights as stored)"),
+                     "(Q8_0, Q4_0, Q4_1; float32); int8: quantize a folder's linear weights to int8 "
+                     "at load, a scale per output row (float32) (not given: the folder's weights as stored)"),
 }
 
 

@@ -97,6 +97,11 @@ class TorchOps:
 
         out.copy_(F.linear(x, dequantize(qweight, type_id)))
 
+    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x [m, k] float32 @ (qweight int8 [n, k] * scale float32 [n] per row)^T -> [m, n]
+        float32 (layers/quantization/int8.py): here dequantized, then F.linear."""
+        return F.linear(x, qweight.float() * scale[:, None])
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
         """RMSNorm as transformers' LlamaRMSNorm (mean of squares in fp32, rounded to x's
@@ -183,6 +188,16 @@ class KernelOps(TorchOps):
         if not hasattr(self.ops, "gguf_linear") or x.dtype != torch.float32:
             return super().gguf_linear(out, x, qweight, type_id)
         self.ops.gguf_linear(out, x.contiguous(), qweight, type_id)
+
+    def int8_linear(self, x, qweight, scale):
+        """The CPU kernel's int8_linear: each row widened and scaled in registers, summed as
+        `linear` sums the dequantized weights (the same bits, batch-invariant). Other
+        dtypes and CUDA: the reference."""
+        if not hasattr(self.ops, "int8_linear") or x.dtype != torch.float32:
+            return super().int8_linear(x, qweight, scale)
+        out = torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
+        self.ops.int8_linear(out, x.contiguous(), qweight, scale)
+        return out
 
     def rms_norm(self, x, weight, eps, residual=None):
         """One fused pass (kernels/paged_attention_cpu.cpp); with `residual`, in place:

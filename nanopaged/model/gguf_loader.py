@@ -14,6 +14,10 @@ Two steps:
   embedding and LM head when the file has them in blocks (a GGUFEmbedding); everything
   else (norms, biases, float matrices) is dequantized and loaded as from safetensors.
   Q and K rows are un-permuted as gguf_convert.py does, here whole packed rows at a time.
+  Under tensor parallelism a rank keeps its rows (column-parallel) or its whole blocks of
+  columns (row-parallel: `_shard`); an embedding in blocks is then widened and split. A
+  pipeline stage reads only its layers' tensors (and a tied head on a later stage than
+  the embedding's is widened).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..layers.parallel import VocabParallelEmbedding
-from ..layers.quantization.gguf import BLOCK_FORMATS, GGUFEmbedding, GGUFLinearMethod, check_type
+from ..layers.quantization.gguf import BLOCK_FORMATS, GGUFEmbedding, GGUFLinearMethod, check_type, type_name
 from ..utils.files import apply_umask_permissions, move_into_place
 from ..utils.paths import cache_dir
 from .gguf_convert import _field, _read_family, _write_config, _write_tokenizer, gguf_to_hf_tensor_name, unpermute_qk
@@ -155,7 +159,7 @@ class GGUFQuantizedModel:
         loaded: set[str] = set()
         for t in reader.tensors:
             hf_name = gguf_to_hf_tensor_name(t.name, arch)
-            if hf_name is None:
+            if hf_name is None or not self._holds(hf_name):
                 continue
             type_id, shape = int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist()))
             target = self._packed_layer(hf_name, type_id)
@@ -176,6 +180,7 @@ class GGUFQuantizedModel:
                 if layer_name not in methods:
                     methods[layer_name] = GGUFLinearMethod(*layer.weight.shape)
                 start = layer.offsets[matrix] if hasattr(layer, "offsets") else 0
+                data = _shard(t.name, layer, matrix, data, type_id if type_id in BLOCK_FORMATS else 0)
                 methods[layer_name].add(t.name, start, type_id if type_id in BLOCK_FORMATS else 0, data)
                 key = f"{layer_name}.weight" + (f"#{matrix}" if hasattr(layer, "offsets") else "")
             if key:
@@ -188,12 +193,55 @@ class GGUFQuantizedModel:
                 GGUFEmbedding.from_layer(layer)                  # lookups widen their rows
         self._check_loaded(loaded, src)
 
+    def _holds(self, hf_name: str) -> bool:
+        """False for a tensor of a layer another pipeline stage holds (a stage holds layers
+        [start_layer, end_layer): model/pipeline_stage.py); such a tensor is not read."""
+        kind, _, rest = hf_name.removeprefix("model.").partition(".")
+        if kind != "layers":
+            return True
+        index = int(rest.partition(".")[0])
+        return getattr(self, "start_layer", 0) <= index < getattr(self, "end_layer", len(self.layers))
+
     def _packed_layer(self, hf_name: str, type_id: int) -> tuple[str, str] | None:
         """(our layer's name, the checkpoint matrix) for a projection's weight, or for the
         embedding or an untied LM head in a block format; else None."""
         *path, matrix, leaf = hf_name.removeprefix("model.").split(".")
         if matrix in ("embed_tokens", "lm_head") and leaf == "weight" and type_id in BLOCK_FORMATS:
-            return (matrix, matrix) if getattr(self, matrix) is not None else None
+            # at tp > 1 widened and split (VocabParallelEmbedding.load); on a pipeline stage
+            # without it (a PPMissingLayer) or with the tied head, _load_one decides
+            vocab = getattr(self, matrix)
+            return (matrix, matrix) if isinstance(vocab, VocabParallelEmbedding) and vocab.tp.size == 1 else None
         if leaf != "weight" or matrix not in PACKED_LAYERS:
             return None
         return ".".join([*path, PACKED_LAYERS[matrix]]), matrix
+
+
+def _shard(name: str, layer, matrix: str, data: torch.Tensor, type_id: int) -> torch.Tensor:
+    """This rank's share of a projection's matrix `data` (packed bytes uint8 [rows, row
+    bytes] of block type `type_id`, or floats [rows, k] for type 0): its rows of a
+    column-parallel layer, its columns of a row-parallel one, as ColumnParallelLinear /
+    RowParallelLinear.load take them; the row scales and mins of a block stay with it.
+
+    Raises:
+        ValueError: a row-parallel split that cuts a block (naming the tensor, k, the
+            tensor_parallel_size and the block size).
+    """
+    tp = layer.tp
+    if tp.size == 1:
+        return data
+    if hasattr(layer, "parts"):                                   # column-parallel: whole rows
+        _, first, n = layer.parts[matrix]
+        return data[first:first + n]
+    k = layer.input_size
+    per_rank = k // tp.size
+    if type_id == 0:
+        return data[:, tp.rank * per_rank:(tp.rank + 1) * per_rank]
+    import gguf
+
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
+    if per_rank % block:
+        raise ValueError(f"GGUF tensor {name!r}: tensor_parallel_size={tp.size} splits its k={k} columns into "
+                         f"{per_rank} per rank, which cuts its {type_name(type_id)} blocks of {block}; "
+                         f"choose a tensor_parallel_size that leaves each rank whole blocks")
+    row_bytes = per_rank // block * block_bytes
+    return data[:, tp.rank * row_bytes:(tp.rank + 1) * row_bytes]
