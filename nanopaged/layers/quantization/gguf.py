@@ -181,6 +181,14 @@ class GGUFLinearMethod:
         """Bytes the layer's weight takes (the packed bytes, and any widened matrix)."""
         return sum(s.weight.numel() * s.weight.element_size() for s in self.segments)
 
+    def bytes_by_format(self) -> dict[str, int]:
+        """nbytes by format: GGML's block type names ("Q4_1"), "float32" for a widened matrix."""
+        held: dict[str, int] = {}
+        for s in self.segments:
+            name = BLOCK_FORMATS[s.type_id].name if s.type_id in BLOCK_FORMATS else "float32"
+            held[name] = held.get(name, 0) + s.weight.numel() * s.weight.element_size()
+        return held
+
     def apply(self, layer, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.output_size, dtype=torch.float32, device=x.device)
