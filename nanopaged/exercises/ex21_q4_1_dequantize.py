@@ -113,7 +113,7 @@ def check_random_blocks_bit_for_bit():
 
 def check_edge_cases():
     """d = 0 (every weight is m), negative and zero m, subnormal fp16 d and m, the largest fp16 d: still gguf-py's bits"""
-    q = [[(7 * j + b) % 16 for j in range(32)] for b in range(6)]
+    q = [[(7 * j + 3 * (j // 16) + b) % 16 for j in range(32)] for b in range(6)]     # weight j, j + 16 differ
     tiny = 2.0 ** -24                                          # the smallest subnormal fp16
     d = [0.0, 0.25, tiny, 3 * tiny, 65504.0, -0.125]
     m = [-3.5, 0.0, -tiny, 5 * tiny, -65504.0, 2.0]
