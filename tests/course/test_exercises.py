@@ -156,6 +156,9 @@ def test_main_leaves_the_logging_level_as_it_found_it(tmp_path, capsys):
     ("nibbles interleaved", ("q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1)",
                              "q = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(n, -1, 32)"),
      "weight i + 16 in its HIGH nibble"),
+    ("nibble halves swapped", ("q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1)",
+                               "q = torch.cat((nibbles >> 4, nibbles & 0xF), dim=-1)"),
+     "The halves are swapped"),
     ("m forgotten", ("return (q.float() * d + m).reshape(n, -1)", "return (q.float() * d).reshape(n, -1)"),
      "without the block's minimum: add m"),
 ])
