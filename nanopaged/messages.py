@@ -266,9 +266,11 @@ class PreemptionCosts:
 
 @dataclass
 class WeightsInfo:
-    """The weights a model holds resident, by format: what every decode step reads
-    (Worker.describe_weights, once at start; the EngineCore sums its ranks' with
-    `combine`). The tracer's header and the dashboard show it (chapter 21).
+    """The weights a model holds resident, by format (Worker.describe_weights, once at
+    start; the EngineCore sums its ranks' with `combine`: tensor-parallel shards, and
+    each pipeline stage's own copy of a tied embedding). A decode step reads all of it
+    but the embedding rows it does not look up. The tracer's header and the dashboard
+    show it (chapter 21).
 
     Attributes:
         bytes_by_format: format -> bytes. A dtype's name ("float32", "bfloat16") for

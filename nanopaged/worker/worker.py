@@ -123,8 +123,8 @@ class Worker:
         return min(_DEFAULT_CPU_KV_BYTES, _free_host_memory() // 4)
 
     def describe_weights(self) -> WeightsInfo:
-        """The bytes this rank's weights hold resident, by format (its model and a draft
-        model): what each decode step reads."""
+        """The bytes this rank's weights hold resident, by format (its model, and a draft
+        model's)."""
         return WeightsInfo.combine([weights_info(m) for m in (self.model, self.draft_model) if m is not None])
 
     def initialize_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
