@@ -126,6 +126,8 @@ class DashboardSnapshot:
         in_flight: the batches sent down the pipeline and not yet taken in, oldest first
             (the oldest is the furthest along), each {"request_ids", "seq_ids"}: at most
             pipeline_parallel_size - 1 between two steps ([] at pp=1).
+        weight_bytes: the model's weights as the workers hold them, format -> bytes
+            (messages.WeightsInfo.bytes_by_format: "float32", or GGUF's "Q4_1", ...).
         stages: pipeline parallelism in a server's engine core: one DashboardStage per
             stage, first to last, what its workers reported as the snapshot was taken;
             [] at pp=1, and in the tracer's replay (read between its steps, the workers'
@@ -150,3 +152,4 @@ class DashboardSnapshot:
     pipeline_parallel_size: int = 1
     in_flight: list[dict] = field(default_factory=list)
     stages: list[DashboardStage] = field(default_factory=list)
+    weight_bytes: dict[str, int] = field(default_factory=dict)

@@ -12,7 +12,8 @@ them:
     EngineCore           --EngineCoreOutputs-->   OutputProcessor     (tokens out)
     OutputProcessor      --RequestOutput-->       the user            (outputs.py)
 
-plus PreemptionCosts, which the runner measures once at start and the scheduler reads.
+plus PreemptionCosts, which the runner measures once at start and the scheduler reads,
+and WeightsInfo, what each worker's weights hold (for the tracer and the dashboard).
 
 Nothing here holds a live object of another layer (no Sequence, no block manager, no
 tokenizer): ids, token ids, numbers and SamplingParams only. A *sequence* (one of a
@@ -261,6 +262,45 @@ class PreemptionCosts:
 
     def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
         return 2 * num_blocks * self.seconds_per_block_swap < num_tokens * self.seconds_per_token_recompute
+
+
+@dataclass
+class WeightsInfo:
+    """The weights a model holds resident, by format (Worker.describe_weights, once at
+    start; the EngineCore sums its ranks' with `combine`: tensor-parallel shards, and
+    each pipeline stage's own copy of a tied embedding). A decode step reads all of it
+    but the embedding rows it does not look up. The tracer's header and the dashboard
+    show it (chapter 21).
+
+    Attributes:
+        bytes_by_format: format -> bytes. A dtype's name ("float32", "bfloat16") for
+            plain parameters; a quantized layer's own names for what its quant_method
+            holds (GGUF's block types: "Q4_1", "Q8_0", ...; "float32" for a matrix it
+            widened).
+    """
+
+    bytes_by_format: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """All the resident bytes of the weights."""
+        return sum(self.bytes_by_format.values())
+
+    def describe(self) -> str:
+        """"Q4_1 66.4 MB + Q8_0 30.1 MB + float32 0.1 MB = 96.6 MB": each format's share,
+        the biggest first (MB: 10^6 bytes); "float32 538.1 MB" for one format."""
+        parts = [f"{name} {size / 1e6:.1f} MB" for name, size in
+                 sorted(self.bytes_by_format.items(), key=lambda kv: (-kv[1], kv[0]))]
+        return " + ".join(parts) + (f" = {self.nbytes / 1e6:.1f} MB" if len(parts) > 1 else "")
+
+    @staticmethod
+    def combine(infos: list["WeightsInfo"]) -> "WeightsInfo":
+        """The sum of several ranks' weights (each holds its own shard)."""
+        total: dict[str, int] = {}
+        for info in infos:
+            for name, size in info.bytes_by_format.items():
+                total[name] = total.get(name, 0) + size
+        return WeightsInfo(total)
 
 
 # -- EngineCore -> OutputProcessor -------------------------------------------------------

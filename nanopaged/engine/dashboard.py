@@ -103,8 +103,8 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
     """The engine's state as it is now, as a DashboardSnapshot.
 
     Args:
-        engine_core: an EngineCore or an LLMEngine: anything with `scheduler` and
-            `block_manager` (read only, never changed).
+        engine_core: an EngineCore or an LLMEngine: anything with `scheduler`,
+            `block_manager` and `weights` (read only, never changed).
         steps: the decisions to include (oldest first), e.g. from a DashboardSampler.
         step: the number of the last step the snapshot includes.
         now: the snapshot's `time` (seconds since the engine started).
@@ -159,7 +159,8 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
         running=[g.request_id for g in s.running], waiting=[g.request_id for g in s.waiting],
         swapped=[g.request_id for g in s.swapped], steps=list(steps), stats=stats,
         pipeline_parallel_size=getattr(engine_core.config, "pipeline_parallel_size", 1),
-        in_flight=_batches(in_flight_batches(engine_core) or [], named), stages=pipeline_stages(engine_core, named))
+        in_flight=_batches(in_flight_batches(engine_core) or [], named), stages=pipeline_stages(engine_core, named),
+        weight_bytes=dict(engine_core.weights.bytes_by_format))
 
 
 class DashboardSampler:

@@ -24,7 +24,7 @@ from ..core.block_manager import BlockManager
 from ..core.scheduler import Scheduler
 from ..events import Observers
 from ..extensions import build_class
-from ..messages import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from ..messages import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput, WeightsInfo
 from ..model.config import ModelConfig
 from ..worker.executor import Executor
 from ..layers.backends import get_ops
@@ -43,6 +43,9 @@ class EngineCore:
         model_path: the local Hugging Face folder of the model.
         model_config: its ModelConfig.
         observers: where the scheduler and block manager publish events (events.py).
+
+    `weights` (a WeightsInfo): the bytes the workers' weights hold, by format, asked of
+    every rank once at start.
     """
 
     def __init__(self, config: EngineConfig, model_path, model_config: ModelConfig,
@@ -53,6 +56,8 @@ class EngineCore:
         self.executor = Executor.create(config, model_path, model_config, self.attn_backend)
         try:
             num_gpu_blocks, num_cpu_blocks = self._initialize_kv_caches()
+            # what the ranks' weights hold resident, by format (the tracer and dashboard show it)
+            self.weights: WeightsInfo = WeightsInfo.combine(self.executor.collective_rpc("describe_weights"))
         except BaseException:
             self.executor.shutdown()
             raise

@@ -62,6 +62,7 @@ class LLMEngine:
     block_manager = property(lambda self: self.engine_core.block_manager)
     model_runner = property(lambda self: self.engine_core.model_runner)
     attn_backend = property(lambda self: self.engine_core.attn_backend)
+    weights = property(lambda self: self.engine_core.weights)        # WeightsInfo
     requests = property(lambda self: self.engine_core.scheduler.requests,
                         doc="request_id -> SequenceGroup of every unfinished request")
     num_steps = property(lambda self: self.engine_core.num_steps)

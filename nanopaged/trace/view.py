@@ -99,7 +99,7 @@ class TraceView:
                              f"model {e.model_path.name} · block size {bm.block_size} · {bm.num_gpu_blocks} "
                              f"device blocks · {bm.num_cpu_blocks} CPU blocks · preemption "
                              f"{e.config.preemption_mode} · prefix caching "
-                             f"{'on' if bm.enable_prefix_caching else 'off'}")
+                             f"{'on' if bm.enable_prefix_caching else 'off'} · weights {e.weights.describe()}")
         sc = e.config.speculative_config
         if sc is not None:
             body.append(f" · speculative decoding: {sc.method}, {sc.num_speculative_tokens} drafts a step"

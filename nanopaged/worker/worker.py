@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 
 from .. import extensions
-from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput, WeightsInfo
 from ..model.config import ModelConfig
 from ..model.model_loader import load_model
 from ..layers.backends import TorchOps
@@ -122,6 +122,11 @@ class Worker:
             return int(free * _CUDA_KV_FRACTION)
         return min(_DEFAULT_CPU_KV_BYTES, _free_host_memory() // 4)
 
+    def describe_weights(self) -> WeightsInfo:
+        """The bytes this rank's weights hold resident, by format (its model, and a draft
+        model's)."""
+        return WeightsInfo.combine([weights_info(m) for m in (self.model, self.draft_model) if m is not None])
+
     def initialize_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Build this rank's model runner, with its KV pool of num_gpu_blocks blocks (the
         EngineCore's choice) and swap pool of num_cpu_blocks; the class is the base with
@@ -165,6 +170,25 @@ class Worker:
         (PPGroup.stats: pp_send_seconds, pp_recv_seconds, pp_bytes_sent, pp_num_hops)."""
         return {"comm_seconds": self.tp.comm_seconds, "num_collectives": self.tp.num_collectives,
                 **self.pp.stats()}
+
+
+def weights_info(model: torch.nn.Module) -> WeightsInfo:
+    """The model's resident weights by format: its parameters by dtype, plus what each
+    quantized layer's quant_method holds (its `bytes_by_format()`, or `nbytes` under
+    the method's class name for a method without one)."""
+    held: dict[str, int] = {}
+    for p in model.parameters():
+        name = str(p.dtype).removeprefix("torch.")
+        held[name] = held.get(name, 0) + p.numel() * p.element_size()
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        if method is None:
+            continue
+        formats = method.bytes_by_format() if hasattr(method, "bytes_by_format") else \
+            {type(method).__name__: method.nbytes}
+        for name, size in formats.items():
+            held[name] = held.get(name, 0) + size
+    return WeightsInfo(held)
 
 
 def _free_host_memory() -> int:

@@ -105,7 +105,8 @@ def test_python_blocks_parser():
 # The chapters of the base engine, and each extension's chapter (extensions.MODULES' keys).
 BASE_CHAPTERS = [p for p in CHAPTERS if re.match(r"(0[1-9]|11)[a-z]?-", p.name)]
 EXTENSION_CHAPTERS = {"10": "beam_search", "16": "async_scheduling", "17": "worker_processes",
-                      "18": "structured_outputs", "19": "speculative_decoding", "20": "pipeline_parallel"}
+                      "18": "structured_outputs", "19": "speculative_decoding", "20": "pipeline_parallel",
+                      "21": "quantization"}
 
 
 def files_paragraph(text: str) -> str:

@@ -89,7 +89,7 @@ def test_the_command_line_start_check_hint_reset(tmp_path, capsys):
     code, out = run("reset", "1", process=False)   # an untouched stub: nothing worth a .bak
     assert code == 0 and not (tmp_path / "ex01_block_table.py.bak").exists(), out
     code, out = run("start", process=False)
-    assert code == 1 and "`start` needs an exercise number (0 to 20)" in out, out
+    assert code == 1 and "`start` needs an exercise number (0 to 21)" in out, out
     piped = subprocess.run(f"{sys.executable} -m nanopaged.exercise list | head -1", shell=True,
                            capture_output=True, text=True, timeout=120)
     assert piped.stdout.count("\n") == 1 and "Traceback" not in piped.stderr, piped.stderr
@@ -150,3 +150,28 @@ def test_main_leaves_the_logging_level_as_it_found_it(tmp_path, capsys):
         assert logger.level == logging.INFO
     finally:
         logger.setLevel(before)
+
+
+@pytest.mark.parametrize("slip,replace,says", [
+    ("nibbles interleaved", ("q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1)",
+                             "q = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).reshape(n, -1, 32)"),
+     "weight i + 16 in its HIGH nibble"),
+    ("nibble halves swapped", ("q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1)",
+                               "q = torch.cat((nibbles >> 4, nibbles & 0xF), dim=-1)"),
+     "The halves are swapped"),
+    ("m forgotten", ("return (q.float() * d + m).reshape(n, -1)", "return (q.float() * d).reshape(n, -1)"),
+     "without the block's minimum: add m"),
+])
+def test_q4_1_dequantizer_slips_fail_every_check_and_say_why(slip, replace, says, tmp_path):
+    """Exercise 21: the two usual slips of a Q4_1 dequantizer fail the bit-for-bit checks
+    with a message naming the slip, and the engine check with the tokens it produced."""
+    ex = EXERCISES[21]
+    path = exercise_file(ex, tmp_path)
+    wrong = reference_source(ex).replace(*replace)
+    assert wrong != reference_source(ex)
+    path.write_text(wrong)
+    results = run_checks(ex, path)
+    assert all(why is not None for _, why in results), (slip, results)
+    *unit, (_, engine) = results
+    assert all(says in why for _, why in unit), (slip, unit)
+    assert "with your dequantizer the model says" in engine and "with the engine's ' Paris" in engine, engine

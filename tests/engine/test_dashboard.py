@@ -415,3 +415,12 @@ def test_the_board_carries_each_stages_word_and_another_hosts_stage_is_unknown(t
     assert board.read() == [(0, "idle"), (41, "idle"), (40, "preparing")]
     executor = type("Grid", (), {"stage_board": board, "tensor_parallel_size": 2, "num_local_ranks": 4})()
     assert MultiprocExecutor.stage_progress(executor) == [(0, "idle"), (41, "idle"), None]     # ranks 4, 5 remote
+
+
+def test_a_float32_model_shows_float32_weights_of_its_parameters_bytes(tiny_model_dir):
+    """The snapshot's weight_bytes: the engine's WeightsInfo, one format for a float32
+    model, its parameters' bytes."""
+    eng = engine(tiny_model_dir, dtype="float32")
+    params = sum(p.numel() * p.element_size() for p in eng.model_runner.model.parameters())
+    assert snapshot(eng).weight_bytes == eng.weights.bytes_by_format == {"float32": params}
+    assert eng.weights.describe() == f"float32 {params / 1e6:.1f} MB"

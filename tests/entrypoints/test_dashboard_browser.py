@@ -479,3 +479,28 @@ def test_the_tracers_replay_page_steps_back_and_forth_in_chromium(browser, tmp_p
     assert position()[0] == count - 2
     browser.find_element(By.TAG_NAME, "body").send_keys(Keys.ARROW_RIGHT)
     assert position()[0] == count - 1
+
+
+def test_the_header_names_the_weights_formats_and_bytes_in_chromium(browser, tmp_path):
+    """A snapshot's weight_bytes, drawn in the header (#weights) as
+    messages.WeightsInfo.describe words it (the tracer's header), with data-bytes the
+    total and data-formats the biggest share first; chapter 13's figures: float32."""
+    from nanopaged.dashboard_messages import DashboardSnapshot
+    from nanopaged.messages import WeightsInfo
+    from nanopaged.trace.replay import replay_page
+    read = ("var w = document.getElementById('weights'); return [w.textContent, w.getAttribute('data-bytes'),"
+            " w.getAttribute('data-formats'), document.getElementById('replay-position').getAttribute('data-index')];")
+    held = {"float32": 140544, "Q8_0": 30081024, "Q4_1": 66355200}      # SmolLM2's file, as shipped
+    snap = DashboardSnapshot(step=1, time=0.0, block_size=4, num_gpu_blocks=2, num_cpu_blocks=0, gpu_ref_count=[0, 0],
+                             gpu_cached=[False, False], gpu_owners=[[], []], cpu_owners={}, requests=[], running=[],
+                             waiting=[], swapped=[], weight_bytes=held)
+    page = tmp_path / "weights.html"
+    page.write_text(replay_page([snap]))
+    browser.get(page.as_uri())
+    text, total, formats, _ = _poll(lambda: browser.execute_script(read), lambda w: w[3] == "1", 10, "the page to load")
+    assert text == "weights " + WeightsInfo(held).describe() == \
+        "weights Q4_1 66.4 MB + Q8_0 30.1 MB + float32 0.1 MB = 96.6 MB", text
+    assert (int(total), formats) == (sum(held.values()), "Q4_1,Q8_0,float32")
+    browser.get(Path(FIGURES, "trace-fig6.html").as_uri())
+    text, total, formats, _ = _poll(lambda: browser.execute_script(read), lambda w: w[3] == "1", 10, "the figure to load")
+    assert text.startswith("weights float32 ") and formats == "float32" and int(total) > 500e6, text

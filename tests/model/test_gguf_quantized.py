@@ -166,3 +166,31 @@ def test_default_model_runs_from_its_q4_1_file_as_shipped(default_model_dir):
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_the_tracer_and_dashboard_name_the_weights_formats_and_bytes(tmp_path, capsys):
+    """The engine's WeightsInfo (Worker.describe_weights) of a mixed GGUF: each block
+    type's bytes are the file's tensors of that type, float32 the rest (norms, a widened
+    matrix), in all the parameters plus each layer's quant_method bytes; the dashboard's
+    snapshot carries it and the tracer's header prints it."""
+    from nanopaged.engine.dashboard import build_snapshot
+    from nanopaged.trace.cli import main
+
+    make_tiny_model(tmp_path / "hf", "LlamaForCausalLM")
+    write_gguf_from_hf(tmp_path / "hf", tmp_path / "mixed.gguf", "llama", quant=QUANT["mixed"])
+    llm = LLM(str(tmp_path / "mixed.gguf"), quantization="gguf", block_size=4, num_gpu_blocks=16,
+              attention_backend="cpu")
+    weights = llm.engine.weights
+    assert set(weights.bytes_by_format) == {"Q8_0", "Q4_0", "Q4_1", "float32"}
+    reader = gguf.GGUFReader(tmp_path / "mixed.gguf")
+    for name in ("Q8_0", "Q4_0", "Q4_1"):
+        assert weights.bytes_by_format[name] == sum(int(t.n_bytes) for t in reader.tensors
+                                                    if t.tensor_type.name == name), name
+    model = llm.engine.model_runner.model
+    assert weights.nbytes == sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(m.quant_method.nbytes for m in model.modules() if getattr(m, "quant_method", None) is not None)
+    assert build_snapshot(llm.engine, [], 0, 0.0).weight_bytes == weights.bytes_by_format
+    assert main(["--model", str(tmp_path / "mixed.gguf"), "--quantization", "gguf", "--prompt", "Hi",
+                 "--max-tokens", "1", "--attention-backend", "cpu"]) == 0
+    header = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert f"weights {weights.describe()}" in header, header

@@ -74,11 +74,25 @@ def dequantize(qweight: torch.Tensor, type_id: int) -> torch.Tensor:
     if fmt is Q8_0:
         q = blocks[..., 2:].contiguous().view(torch.int8).float()
         return (q * d).reshape(n, -1)
-    nibbles = blocks[..., 4:] if fmt is Q4_1 else blocks[..., 2:]
+    if fmt is Q4_1:
+        return dequantize_q4_1(qweight)
+    nibbles = blocks[..., 2:]
     q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1)          # low nibbles: weights 0..15
-    if fmt is Q4_0:
-        return ((q.to(torch.int8) - 8).float() * d).reshape(n, -1)
+    return ((q.to(torch.int8) - 8).float() * d).reshape(n, -1)
+
+
+def dequantize_q4_1(qweight: torch.Tensor) -> torch.Tensor:
+    """The packed rows uint8 [n, k / 32 * 20] of a Q4_1 matrix -> float32 [n, k]
+    (exercise 21). Each 20-byte block holds 32 weights: d (fp16, bytes 0-1), m (fp16,
+    bytes 2-3), then 16 bytes whose low nibble of byte i is q of weight i and high nibble
+    q of weight i + 16; w = q * d + m, d and m widened to float32 first, then one fp32
+    multiply and one fp32 add (gguf.quants.dequantize's values, bit for bit)."""
+    n = qweight.shape[0]
+    blocks = qweight.reshape(n, -1, 20)                           # [n, k / 32, 20]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, k / 32, 1]
     m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    nibbles = blocks[..., 4:]                                     # [n, k / 32, 16]
+    q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1)          # low nibbles: weights 0..15
     return (q.float() * d + m).reshape(n, -1)
 
 
@@ -166,6 +180,14 @@ class GGUFLinearMethod:
     def nbytes(self) -> int:
         """Bytes the layer's weight takes (the packed bytes, and any widened matrix)."""
         return sum(s.weight.numel() * s.weight.element_size() for s in self.segments)
+
+    def bytes_by_format(self) -> dict[str, int]:
+        """nbytes by format: GGML's block type names ("Q4_1"), "float32" for a widened matrix."""
+        held: dict[str, int] = {}
+        for s in self.segments:
+            name = BLOCK_FORMATS[s.type_id].name if s.type_id in BLOCK_FORMATS else "float32"
+            held[name] = held.get(name, 0) + s.weight.numel() * s.weight.element_size()
+        return held
 
     def apply(self, layer, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         x = x.contiguous()

@@ -30,6 +30,8 @@
  *                           #pipeline-batches li[data-batch] (1 = oldest, the furthest along)
  *                           data-request-ids (comma-separated): the batches in flight now
  *   #replay-position        data-index (1-based), data-count
+ *   #weights                the model's weights (weight_bytes): data-bytes (all of them, resident),
+ *                           data-formats ("Q4_1,Q8_0,float32": the biggest share first)
  */
 (function () {
   "use strict";
@@ -408,6 +410,19 @@
     var st = s.stats || {};
     $("stats").textContent = "step " + s.step + " · " + (st.num_preemptions || 0) + " preemptions · " +
       (st.num_copy_on_write || 0) + " copy-on-write";
+    drawWeights(s.weight_bytes || {});
+  }
+
+  // "weights Q4_1 66.4 MB + Q8_0 30.1 MB + float32 0.1 MB = 96.6 MB", as messages.WeightsInfo.describe says it
+  function drawWeights(bytes) {
+    var names = Object.keys(bytes).sort(function (a, b) { return bytes[b] - bytes[a] || (a < b ? -1 : 1); });
+    var total = names.reduce(function (sum, n) { return sum + bytes[n]; }, 0);
+    var mb = function (b) { return (b / 1e6).toFixed(1) + " MB"; };
+    var el = $("weights");
+    el.setAttribute("data-bytes", names.length ? String(total) : "");
+    el.setAttribute("data-formats", names.join(","));
+    el.textContent = names.length ? "weights " + names.map(function (n) { return n + " " + mb(bytes[n]); }).join(" + ") +
+      (names.length > 1 ? " = " + mb(total) : "") : "";
   }
 
   function status(state, text, step) {
