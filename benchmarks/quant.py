@@ -98,14 +98,16 @@ def find_llamacpp_python(explicit: str | None) -> str | None:
 
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """Bytes of the loaded weights: "resident" (every parameter and packed block once) and
-    "per_token" (what a batch-1 decode step reads: the projections and the LM head)."""
-    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the loaded weights: "resident" (the engine's own count, worker.weights_info:
+    every parameter and packed block once) and "per_token" (what a batch-1 decode step
+    reads: the projections and the LM head)."""
+    from nanopaged.worker.worker import weights_info
+
+    resident = weights_info(model).nbytes
     per_token = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
-            resident += method.nbytes
             per_token += method.nbytes
         elif module.__class__.__name__ in ("ColumnParallelLinear", "RowParallelLinear"):
             per_token += module.weight.numel() * module.weight.element_size()

@@ -174,8 +174,7 @@ class Worker:
 
 def weights_info(model: torch.nn.Module) -> WeightsInfo:
     """The model's resident weights by format: its parameters by dtype, plus what each
-    quantized layer's quant_method holds (its `bytes_by_format()`, or `nbytes` under
-    the method's class name for a method without one)."""
+    quantized layer's quant_method holds (its `bytes_by_format()`)."""
     held: dict[str, int] = {}
     for p in model.parameters():
         name = str(p.dtype).removeprefix("torch.")
@@ -184,9 +183,7 @@ def weights_info(model: torch.nn.Module) -> WeightsInfo:
         method = getattr(layer, "quant_method", None)
         if method is None:
             continue
-        formats = method.bytes_by_format() if hasattr(method, "bytes_by_format") else \
-            {type(method).__name__: method.nbytes}
-        for name, size in formats.items():
+        for name, size in method.bytes_by_format().items():
             held[name] = held.get(name, 0) + size
     return WeightsInfo(held)
 

@@ -104,6 +104,11 @@ def test_engine_gives_the_dequantized_models_ids_and_logprobs(files):
     folder, dequantized, hf, _ = files
     int8 = LLM(str(folder), quantization="int8", **KW)
     assert int8.engine.config.dtype == "float32"                     # "auto" with quantization
+    model = int8.engine.model_runner.model                           # what the tracer shows
+    methods = [m.quant_method for m in model.modules() if getattr(m, "quant_method", None) is not None]
+    assert int8.engine.weights.bytes_by_format["int8"] == sum(m.qweight.numel() for m in methods) > 0
+    assert int8.engine.weights.nbytes == sum(m.nbytes for m in methods) + sum(
+        p.numel() * 4 for p in model.parameters())
     reference = LLM(str(dequantized), dtype="float32", **KW)
     got, want = (llm.generate(PROMPTS, GREEDY, use_tqdm=False) for llm in (int8, reference))
     for prompt, a, b in zip(PROMPTS, got, want):

@@ -67,6 +67,11 @@ class Int8LinearMethod:
         """Bytes the layer's weight takes: the int8 rows and the fp32 scales."""
         return self.qweight.numel() + self.scale.numel() * 4
 
+    def bytes_by_format(self) -> dict[str, int]:
+        """nbytes by format, as the tracer and dashboard show it: the rows as "int8", the
+        scales as "float32"."""
+        return {"int8": self.qweight.numel(), "float32": self.scale.numel() * 4}
+
     def apply(self, layer, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         y = layer.ops.int8_linear(x, self.qweight, self.scale)
         return y if out_dtype in (None, torch.float32) else y.to(out_dtype)
