@@ -2,7 +2,8 @@
 stay in their block formats (layers/quantization/gguf.py, model/gguf_loader.py).
 
 Each tiny random checkpoint (make_tiny_model) is written as llama.cpp writes a quantized
-GGUF (tests/model/tiny_gguf.py, the weights quantized by gguf.quants.quantize), then
+GGUF (tests/model/tiny_gguf.py, the weights quantized by gguf.quants.quantize, the
+K-quants by tests/gguf_blocks.py), then
 loaded two ways: packed, and dequantized by the converter (convert_gguf_to_hf, today's
 route). The two must give the same logits bit for bit (float32, the C++ kernels) and
 the same greedy ids and logprobs through the engine.
@@ -32,8 +33,20 @@ QUANT = {name: dict.fromkeys(PARTS, t) for name, t in (("Q8_0", T.Q8_0), ("Q4_0"
 QUANT["mixed"] = {"attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.F32,
                   "ffn_gate": T.Q4_1, "ffn_up": T.Q8_0, "ffn_down": T.Q4_0, "token_embd": T.Q8_0}
 QUANT["untied"] = {**QUANT["Q8_0"], "token_embd": T.Q4_1, "output": T.Q4_0}
-CASES = [("LlamaForCausalLM", "llama", q) for q in ("Q8_0", "Q4_0", "Q4_1", "mixed")] + [
-    ("Qwen2ForCausalLM", "qwen2", "Q4_1"), ("Qwen3ForCausalLM", "qwen3", "untied")]
+# K-quants (tests/gguf_blocks.py writes them): one type throughout, embedding included;
+# llama.cpp's Q4_K_M mix (Q6_K for attn_v and ffn_down, Q4_K elsewhere; an untied head in
+# Q6_K); the 5-bit formats side by side
+QUANT.update({name: {**dict.fromkeys(PARTS, t), "token_embd": t} for name, t in (("Q4_K", T.Q4_K), ("Q6_K", T.Q6_K))})
+QUANT["Q4_K_M"] = {**dict.fromkeys(PARTS, T.Q4_K), "attn_v": T.Q6_K, "ffn_down": T.Q6_K,
+                   "token_embd": T.Q4_K, "output": T.Q6_K}
+QUANT["Q5"] = {**dict.fromkeys(PARTS, T.Q5_K), "attn_k": T.Q5_0, "ffn_up": T.Q5_1, "token_embd": T.Q5_K}
+K_QUANT_CASES = ("Q4_K", "Q6_K", "Q4_K_M", "Q5")
+CASES = [("LlamaForCausalLM", "llama", q) for q in ("Q8_0", "Q4_0", "Q4_1", "mixed", "Q4_K", "Q6_K", "Q4_K_M")] + [
+    ("Qwen2ForCausalLM", "qwen2", "Q4_1"), ("Qwen3ForCausalLM", "qwen3", "untied"),
+    ("Qwen3ForCausalLM", "qwen3", "Q4_K_M"), ("Qwen2ForCausalLM", "qwen2", "Q5")]
+# a K-quant's rows are whole super-blocks of 256: every matrix's k (hidden, heads x
+# head_dim, intermediate) a multiple of 256
+K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [30, 31, 32], list(range(100, 121))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
 
@@ -50,7 +63,8 @@ def files(request, tmp_path_factory):
     """(the quantized GGUF, the folder the converter dequantizes it into)."""
     architecture, arch, quant = request.param
     root = tmp_path_factory.mktemp(f"{arch}-{quant}")
-    make_tiny_model(root / "hf", architecture, tie=arch != "qwen3")
+    sizes = K_QUANT_SIZES if quant in K_QUANT_CASES else {}
+    make_tiny_model(root / "hf", architecture, tie=arch != "qwen3", **sizes)
     write_gguf_from_hf(root / "hf", root / "model.gguf", arch, quant=QUANT[quant])
     return root / "model.gguf", convert_gguf_to_hf(root / "model.gguf", root / "dequantized", progress=False)
 
@@ -127,10 +141,11 @@ def test_a_folder_holding_one_gguf_is_the_file(files, tmp_path):
 
 
 def test_unsupported_type_in_a_projection_is_named(tmp_path):
+    """MXFP4 (gpt-oss's 4-bit floats; gguf has a quantizer for it) is not run here."""
     make_tiny_model(tmp_path / "hf", "LlamaForCausalLM")
-    write_gguf_from_hf(tmp_path / "hf", tmp_path / "q5.gguf", "llama", quant={"ffn_up": T.Q5_0})
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' has type Q5_0"):
-        LLM(str(tmp_path / "q5.gguf"), quantization="gguf", num_gpu_blocks=16, attention_backend="cpu")
+    write_gguf_from_hf(tmp_path / "hf", tmp_path / "fp4.gguf", "llama", quant={"ffn_up": T.MXFP4})
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' has type MXFP4"):
+        LLM(str(tmp_path / "fp4.gguf"), quantization="gguf", num_gpu_blocks=16, attention_backend="cpu")
 
 
 def test_config_refuses_an_unknown_method():
