@@ -39,6 +39,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -1075,8 +1076,9 @@ inline float half_at(const uint8_t* p) {                // an fp16 stored in the
 // converted. bytes(p) widens kLanes consecutive bytes from p (sbytes: as int8).
 #if defined(__AVX512F__)
 using ivec = __m512i;
-inline ivec bytes(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline ivec sbytes(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline ivec bytes(const uint8_t* p) { return _mm512_cvtepu8_epi32(load16(p)); }
+inline ivec sbytes(const uint8_t* p) { return _mm512_cvtepi8_epi32(load16(p)); }
 inline ivec iset1(int v) { return _mm512_set1_epi32(v); }
 inline ivec iand(ivec a, int v) { return _mm512_and_si512(a, iset1(v)); }
 inline ivec ior(ivec a, ivec b) { return _mm512_or_si512(a, b); }
@@ -1091,8 +1093,9 @@ inline mm::vec to_float(ivec a) { return _mm512_cvtepi32_ps(a); }
 inline mm::vec vmul(mm::vec a, mm::vec b) { return _mm512_mul_ps(a, b); }
 #elif defined(__AVX2__)
 using ivec = __m256i;
-inline ivec bytes(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-inline ivec sbytes(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline ivec bytes(const uint8_t* p) { return _mm256_cvtepu8_epi32(load8(p)); }
+inline ivec sbytes(const uint8_t* p) { return _mm256_cvtepi8_epi32(load8(p)); }
 inline ivec iset1(int v) { return _mm256_set1_epi32(v); }
 inline ivec iand(ivec a, int v) { return _mm256_and_si256(a, iset1(v)); }
 inline ivec ior(ivec a, ivec b) { return _mm256_or_si256(a, b); }
@@ -1119,19 +1122,24 @@ inline mm::vec to_float(ivec a) { return static_cast<float>(a); }
 inline mm::vec vmul(mm::vec a, mm::vec b) { return a * b; }
 #endif
 
-// One row's block, its scales read once: widen(s) is its vector s, elements
-// [s * kLanes, (s + 1) * kLanes) widened and scaled (a vector never straddles a sub-block).
+// One row's block, its scales read once. A block is walked in groups of kGroup elements
+// (a run of the K-quants' nibbles: a loop over g), each kGroup / kLanes vectors unrolled
+// (widen<T>), so the nibble, bit and byte positions are constants.
+// widen<T>(g): elements [g * kGroup + T * kLanes, ... + kLanes), widened and scaled (a
+// vector never straddles a sub-block).
 template <int64_t Q>
-struct Block {                                           // the 32-weight formats
+struct Block {                                           // the 32-weight formats: one group
+  static constexpr int kGroup = 32;
   static constexpr int kHead = Q == kQ8_0 || Q == kQ4_0 ? 2 : Q == kQ4_1 ? 4 : Q == kQ5_0 ? 6 : 8;  // bytes before qs
   const uint8_t* p;
   float d, m = 0.f;
   explicit Block(const uint8_t* block) : p(block), d(half_at(block)) {
     if constexpr (Q == kQ4_1 || Q == kQ5_1) m = half_at(block + 2);
   }
-  mm::vec widen(int s) const {
+  template <int T>
+  mm::vec widen(int) const {
     using namespace mm;
-    const int e = s * static_cast<int>(kLanes);
+    constexpr int e = T * static_cast<int>(kLanes);
     if constexpr (Q == kQ8_0) return vmul(to_float(sbytes(p + kHead + e)), vset1(d));
     const ivec b = bytes(p + kHead + e % 16);           // element e's byte, in its high nibble from 16
     ivec q = iand(e >= 16 ? ishr(b, 4) : b, 0xF);
@@ -1147,49 +1155,84 @@ struct Block {                                           // the 32-weight format
 };
 
 template <int64_t Q>
-struct KBlock {                                          // Q4_K and Q5_K
+struct KBlock {                                          // Q4_K and Q5_K: groups of 64, 32 bytes of nibbles
+  static constexpr int kGroup = 64;
   float ds[8], ndm[8];                                   // d * sc and -(dmin * mn), exact
   const uint8_t* p;
   explicit KBlock(const uint8_t* block) : p(block) {
     const float d = half_at(block), dmin = half_at(block + 2);
     const uint8_t* s = block + 4;
+#if defined(__AVX2__)
+    // the loop below in lanes (measured at batch 1: Q4_K's matvec took ~1.5x Q4_0's time
+    // with the loop, ~1.1x without)
+    int32_t word[3];
+    std::memcpy(word, s, 12);
+    const __m128i a = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word[0]));      // scales 0-3, top bits 4-7's
+    const __m128i b = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word[1]));      // mins 0-3, ...
+    const __m128i c = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word[2]));      // low 4 bits of scale / min 4-7
+    const __m128i six = _mm_set1_epi32(63), four = _mm_set1_epi32(0xF);
+    const __m256i sc = _mm256_setr_m128i(_mm_and_si128(a, six),
+                                         _mm_or_si128(_mm_and_si128(c, four), _mm_slli_epi32(_mm_srli_epi32(a, 6), 4)));
+    const __m256i mn = _mm256_setr_m128i(_mm_and_si128(b, six),
+                                         _mm_or_si128(_mm_srli_epi32(c, 4), _mm_slli_epi32(_mm_srli_epi32(b, 6), 4)));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sc)));
+    _mm256_storeu_ps(ndm, _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(mn)));   // -(dmin * mn), exact
+#else
     for (int i = 0; i < 4; ++i) {
       ds[i] = d * (s[i] & 63);
       ndm[i] = -(dmin * (s[i + 4] & 63));
       ds[i + 4] = d * ((s[i + 8] & 0xF) | ((s[i] >> 6) << 4));
       ndm[i + 4] = -(dmin * ((s[i + 8] >> 4) | ((s[i + 4] >> 6) << 4)));
     }
+#endif
   }
-  mm::vec widen(int s) const {
+  template <int T>
+  mm::vec widen(int g) const {
     using namespace mm;
-    const int e = s * static_cast<int>(kLanes), sub = e / 32, l = e % 32;
-    const uint8_t* qs = p + (Q == kQ5_K ? 48 : 16);
-    const ivec b = bytes(qs + 32 * (e / 64) + l);
-    ivec q = iand(e % 64 >= 32 ? ishr(b, 4) : b, 0xF);
+    constexpr int e = T * static_cast<int>(kLanes), high = e >= 32, l = e % 32;
+    const int sub = 2 * g + high;
+    const ivec b = bytes(p + (Q == kQ5_K ? 48 : 16) + 32 * g + l);
+    ivec q = iand(high ? ishr(b, 4) : b, 0xF);
     if constexpr (Q == kQ5_K) q = ior(q, ishl(iand(ishr(bytes(p + 16 + l), sub), 1), 4));
     return vfma(to_float(q), vset1(ds[sub]), vset1(ndm[sub]));   // the product exact: one rounding
   }
 };
 
-struct Q6Block {
+struct Q6Block {                                         // groups of 128: 64 bytes of ql, 32 of qh
+  static constexpr int kGroup = 128;
   float ds[16];                                          // d * sc, exact
   const uint8_t* p;
   explicit Q6Block(const uint8_t* block) : p(block) {
     const float d = half_at(block + 208);
+#if defined(__AVX2__)
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_storeu_ps(ds + 8, _mm256_mul_ps(_mm256_set1_ps(d),
+                                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+#else
     for (int i = 0; i < 16; ++i) ds[i] = d * static_cast<int8_t>(block[192 + i]);
+#endif
   }
-  mm::vec widen(int s) const {
+  template <int T>
+  mm::vec widen(int g) const {
     using namespace mm;
-    const int e = s * static_cast<int>(kLanes), h = e / 128, i = e % 128;
-    const ivec b = bytes(p + 64 * h + i % 64);
+    constexpr int i = T * static_cast<int>(kLanes);
+    const ivec b = bytes(p + 64 * g + i % 64);
     const ivec lo = iand(i >= 64 ? ishr(b, 4) : b, 0xF);
-    const ivec hi = iand(ishr(bytes(p + 128 + 32 * h + i % 32), 2 * (i / 32)), 3);
-    return vmul(to_float(isub(ior(lo, ishl(hi, 4)), 32)), vset1(ds[e / 16]));   // rounds once, as numpy
+    const ivec hi = iand(ishr(bytes(p + 128 + 32 * g + i % 32), 2 * (i / 32)), 3);
+    return vmul(to_float(isub(ior(lo, ishl(hi, 4)), 32)), vset1(ds[8 * g + i / 16]));   // rounds once, as numpy
   }
 };
 
 template <int64_t Q>
-using BlockOf = std::conditional_t<Q == kQ6_K, Q6Block, std::conditional_t<Q == kQ4_K || Q == kQ5_K, KBlock<Q>, Block<Q>>>;
+using BlockOf =
+    std::conditional_t<Q == kQ6_K, Q6Block, std::conditional_t<Q == kQ4_K || Q == kQ5_K, KBlock<Q>, Block<Q>>>;
+
+template <int N, typename F>
+inline void unroll(F&& f) {                              // f(0), ..., f(N - 1), the index a constant
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(
+      std::make_integer_sequence<int, N>{});
+}
 
 // res[r][c] = x_r . w_c for R rows of x and 4 packed weight rows of `blocks` blocks:
 // dot_tile's accumulators, loads and sums, with each weight vector widened from its block.
@@ -1211,14 +1254,16 @@ inline void qdot_tile(const float* const* xs, const uint8_t* const* ws, int64_t 
 #endif
     const BlockOf<Q> blk[4] = {BlockOf<Q>(ws[0] + b * kB), BlockOf<Q>(ws[1] + b * kB),
                                BlockOf<Q>(ws[2] + b * kB), BlockOf<Q>(ws[3] + b * kB)};
-    for (int s = 0; s < kW / kLanes; ++s) {
-      vec xv[R];
-      for (int r = 0; r < R; ++r) xv[r] = vload(xs[r] + b * kW + s * kLanes, kLanes);
-      for (int c = 0; c < 4; ++c) {
-        const vec w = blk[c].widen(s);
-        for (int r = 0; r < R; ++r) acc[r][c] = vfma(xv[r], w, acc[r][c]);
-      }
-    }
+    constexpr int kGroup = BlockOf<Q>::kGroup;
+    for (int g = 0; g < kW / kGroup; ++g)
+      unroll<kGroup / kLanes>([&](auto t) {              // the group's vectors, in k's order
+        vec xv[R];
+        for (int r = 0; r < R; ++r) xv[r] = vload(xs[r] + b * kW + g * kGroup + t * kLanes, kLanes);
+        for (int c = 0; c < 4; ++c) {
+          const vec w = blk[c].template widen<decltype(t)::value>(g);
+          for (int r = 0; r < R; ++r) acc[r][c] = vfma(xv[r], w, acc[r][c]);
+        }
+      });
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) res[r][c] = vsum(acc[r][c]);

@@ -55,7 +55,8 @@ class BlockFormat:
 # GGML's numbers (gguf.GGMLQuantizationType)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (BlockFormat("Q4_0", 2, 18), BlockFormat("Q4_1", 3, 20), BlockFormat("Q5_0", 6, 22),
                                 BlockFormat("Q5_1", 7, 24), BlockFormat("Q8_0", 8, 34))
-Q4_K, Q5_K, Q6_K = BlockFormat("Q4_K", 12, 144, 256), BlockFormat("Q5_K", 13, 176, 256), BlockFormat("Q6_K", 14, 210, 256)
+Q4_K, Q5_K, Q6_K = (BlockFormat("Q4_K", 12, 144, 256), BlockFormat("Q5_K", 13, 176, 256),
+                    BlockFormat("Q6_K", 14, 210, 256))
 BLOCK_FORMATS = {f.type_id: f for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)}
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}      # widened to fp32 at load
 
