@@ -3,10 +3,10 @@ stay in their block formats (layers/quantization/gguf.py, model/gguf_loader.py).
 
 Each tiny random checkpoint (make_tiny_model) is written as llama.cpp writes a quantized
 GGUF (tests/model/tiny_gguf.py, the weights quantized by gguf.quants.quantize, the
-K-quants by tests/gguf_blocks.py), then
-loaded two ways: packed, and dequantized by the converter (convert_gguf_to_hf, today's
-route). The two must give the same logits bit for bit (float32, the C++ kernels) and
-the same greedy ids and logprobs through the engine.
+K-quants by tests/gguf_blocks.py), then loaded two ways: packed, and dequantized by the
+converter (convert_gguf_to_hf, today's route). The two must give the same logits bit for
+bit (float32, the C++ kernels) and the same greedy ids and logprobs through the engine,
+which stays batch-invariant.
 """
 from __future__ import annotations
 
@@ -120,6 +120,21 @@ def test_engine_gives_the_dequantized_models_ids_and_logprobs(files):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
         assert len(set(a.outputs[0].token_ids)) > 1                  # not a degenerate model
+
+
+def test_engine_is_batch_invariant(files):
+    """The longest prompt's greedy ids and logprobs alone, in the whole batch, with one
+    other (prefill chunks shared with it), and alone again: the same floats each time."""
+    llm = LLM(str(files[0]), quantization="gguf", block_size=4, num_gpu_blocks=128, attention_backend="cpu",
+              max_num_batched_tokens=16, max_num_seqs=8, enable_prefix_caching=False)
+
+    def target(prompts):
+        out = llm.generate(prompts, GREEDY, use_tqdm=False)[prompts.index(PROMPTS[2])].outputs[0]
+        return out.token_ids, out.logprobs
+    alone = target([PROMPTS[2]])
+    assert target(PROMPTS) == alone
+    assert target([PROMPTS[0], PROMPTS[2]]) == alone
+    assert target([PROMPTS[2]]) == alone
 
 
 def test_the_pytorch_reference_runs_it_too(files):
