@@ -45,8 +45,9 @@ CASES = [("LlamaForCausalLM", "llama", q) for q in ("Q8_0", "Q4_0", "Q4_1", "mix
     ("Qwen2ForCausalLM", "qwen2", "Q4_1"), ("Qwen3ForCausalLM", "qwen3", "untied"),
     ("Qwen3ForCausalLM", "qwen3", "Q4_K_M"), ("Qwen2ForCausalLM", "qwen2", "Q5")]
 # a K-quant's rows are whole super-blocks of 256: every matrix's k (hidden, heads x
-# head_dim, intermediate) a multiple of 256
-K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+# head_dim, intermediate) a multiple of 256; weights at half make_tiny_model's scale keep
+# the logits at the hidden-64 models' size (sums of 4x more terms)
+K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64, initializer_range=0.15)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [30, 31, 32], list(range(100, 121))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
 
@@ -86,6 +87,24 @@ def test_logits_equal_the_dequantized_models_bit_for_bit(files):
         got = paged_logits(packed, tokens, block_size, prefill)
         want = paged_logits(reference, tokens, block_size, prefill)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), block_size
+
+
+def test_transformers_on_the_dequantized_weights_agrees(files):
+    """The issue's bar: transformers running the dequantized weights gives the packed
+    model's logits within 1e-4 (prefill and decode rows) and the engine's greedy ids."""
+    import transformers
+
+    gguf_file, dequantized = files
+    packed = _model(resolve_model(str(gguf_file), quantization="gguf"), "gguf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
+    tokens = list(range(40, 52))
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0]
+        ids = hf.generate(torch.tensor([PROMPTS[2]]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                          min_new_tokens=GREEDY.max_tokens)[0, len(PROMPTS[2]):].tolist()
+    torch.testing.assert_close(paged_logits(packed, tokens, 4, 5), want, atol=1e-4, rtol=0)
+    llm = LLM(str(gguf_file), quantization="gguf", block_size=4, num_gpu_blocks=64, attention_backend="cpu")
+    assert llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ids
 
 
 def test_projections_keep_the_files_bytes_and_no_fp32_copy(files):
