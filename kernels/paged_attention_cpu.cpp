@@ -1085,9 +1085,9 @@ inline ivec ior(ivec a, ivec b) { return _mm512_or_si512(a, b); }
 inline ivec isub(ivec a, int v) { return _mm512_sub_epi32(a, iset1(v)); }
 inline ivec ishr(ivec a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
 inline ivec ishl(ivec a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
-inline ivec ibits(uint32_t word) {                      // lane i: bit i of word
-  return iand(_mm512_srlv_epi32(iset1(static_cast<int>(word)), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8,
-                                                                                  9, 10, 11, 12, 13, 14, 15)), 1);
+inline ivec ibits(ivec word, int first) {              // lane i: bit first + i of word (a broadcast)
+  const ivec at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return iand(_mm512_srlv_epi32(word, _mm512_add_epi32(at, iset1(first))), 1);
 }
 inline mm::vec to_float(ivec a) { return _mm512_cvtepi32_ps(a); }
 inline mm::vec vmul(mm::vec a, mm::vec b) { return _mm512_mul_ps(a, b); }
@@ -1102,8 +1102,8 @@ inline ivec ior(ivec a, ivec b) { return _mm256_or_si256(a, b); }
 inline ivec isub(ivec a, int v) { return _mm256_sub_epi32(a, iset1(v)); }
 inline ivec ishr(ivec a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
 inline ivec ishl(ivec a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
-inline ivec ibits(uint32_t word) {
-  return iand(_mm256_srlv_epi32(iset1(static_cast<int>(word)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), 1);
+inline ivec ibits(ivec word, int first) {
+  return iand(_mm256_srlv_epi32(word, _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), iset1(first))), 1);
 }
 inline mm::vec to_float(ivec a) { return _mm256_cvtepi32_ps(a); }
 inline mm::vec vmul(mm::vec a, mm::vec b) { return _mm256_mul_ps(a, b); }
@@ -1117,7 +1117,7 @@ inline ivec ior(ivec a, ivec b) { return a | b; }
 inline ivec isub(ivec a, int v) { return a - v; }
 inline ivec ishr(ivec a, int n) { return static_cast<ivec>(static_cast<uint32_t>(a) >> n); }
 inline ivec ishl(ivec a, int n) { return a << n; }
-inline ivec ibits(uint32_t word) { return word & 1; }
+inline ivec ibits(ivec word, int first) { return (static_cast<uint32_t>(word) >> first) & 1; }
 inline mm::vec to_float(ivec a) { return static_cast<float>(a); }
 inline mm::vec vmul(mm::vec a, mm::vec b) { return a * b; }
 #endif
@@ -1133,8 +1133,14 @@ struct Block {                                           // the 32-weight format
   static constexpr int kHead = Q == kQ8_0 || Q == kQ4_0 ? 2 : Q == kQ4_1 ? 4 : Q == kQ5_0 ? 6 : 8;  // bytes before qs
   const uint8_t* p;
   float d, m = 0.f;
+  ivec qh = iset1(0);                                    // Q5: the fifth bits, in every lane
   explicit Block(const uint8_t* block) : p(block), d(half_at(block)) {
     if constexpr (Q == kQ4_1 || Q == kQ5_1) m = half_at(block + 2);
+    if constexpr (Q == kQ5_0 || Q == kQ5_1) {
+      int32_t bits;
+      std::memcpy(&bits, block + kHead - 4, 4);
+      qh = iset1(bits);
+    }
   }
   template <int T>
   mm::vec widen(int) const {
@@ -1143,11 +1149,7 @@ struct Block {                                           // the 32-weight format
     if constexpr (Q == kQ8_0) return vmul(to_float(sbytes(p + kHead + e)), vset1(d));
     const ivec b = bytes(p + kHead + e % 16);           // element e's byte, in its high nibble from 16
     ivec q = iand(e >= 16 ? ishr(b, 4) : b, 0xF);
-    if constexpr (Q == kQ5_0 || Q == kQ5_1) {
-      uint32_t qh;
-      std::memcpy(&qh, p + kHead - 4, 4);
-      q = ior(q, ishl(ibits(qh >> e), 4));
-    }
+    if constexpr (Q == kQ5_0 || Q == kQ5_1) q = ior(q, ishl(ibits(qh, e), 4));
     if constexpr (Q == kQ4_0) return vmul(to_float(isub(q, 8)), vset1(d));
     if constexpr (Q == kQ5_0) return vmul(to_float(isub(q, 16)), vset1(d));
     return vfma(to_float(q), vset1(d), vset1(m));        // q * d exact: one rounding, as numpy's

@@ -17,16 +17,17 @@ QK weights along k. A block is fp16 scales and small integers q:
 
 In Q4_0/Q4_1/Q5 blocks the low nibble of byte i is weight i, the high nibble weight i + 16,
 and bit i of the 4 bytes (little-endian) a Q5 weight's fifth bit. The K-quants ("super-
-blocks") order their nibbles in runs: see `dequantize`. A layer keeps those bytes (uint8
-[rows, k / QK * block bytes]): SmolLM2's Q4_1 file is 5 bits a weight where fp32 is 32,
-Q4_K 4.5, and a decode step is a walk through the weights. Its matmul
+blocks") order their nibbles in runs (`dequantize`; the kernel's comment has the bytes). A layer
+keeps those bytes (uint8 [rows, k / QK * block bytes]): SmolLM2's Q4_1 file is 5 bits a
+weight where fp32 is 32, Q4_K 4.5, and a decode step is a walk through the weights. Its matmul
 (`ops.gguf_linear`, kernels/paged_attention_cpu.cpp) widens each block in registers and
 sums exactly as the fp32 matmul does on the dequantized weights, bit for bit.
 `dequantize` is the plain-PyTorch reference, equal to `gguf.quants.dequantize`.
 
 A fused layer (qkv_proj, gate_up_proj) stacks several of the file's matrices, which may
 have different types (a Q4_K_M file mixes Q4_K and Q6_K), so a layer holds segments: runs
-of rows of one type, each computing its columns of y. F32/F16/BF16 matrices are widened to fp32.
+of rows of one type, each computing its columns of y. F32/F16/BF16 matrices are widened
+to fp32.
 """
 from __future__ import annotations
 
