@@ -39,6 +39,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -1024,25 +1025,42 @@ void linear_amx(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& 
 #endif
 
 // ---- GGUF block formats: y = x W^T with W kept as the file's bytes ------------------------
-// llama.cpp's ggml-quants: a weight row of k values is k / 32 blocks, each a scale d
-// (fp16) and 32 quants q:
-//   Q8_0, 34 bytes: d, 32 int8                  w = q * d
-//   Q4_0, 18 bytes: d, 16 bytes of nibbles      w = (q - 8) * d
-//   Q4_1, 20 bytes: d, m (fp16), 16 bytes       w = q * d + m
-// In a Q4 block the low nibble of byte i is element i and the high nibble element i + 16.
+// llama.cpp's ggml-quants: a weight row of k values is k / QK blocks of QK weights, each
+// fp16 scales and small integers q (the table in nanopaged/layers/quantization/gguf.py):
+//   Q8_0,  34 bytes / 32: d, 32 int8                            w = q * d
+//   Q4_0,  18 bytes / 32: d, 16 bytes of nibbles                w = (q - 8) * d
+//   Q4_1,  20 bytes / 32: d, m (fp16), 16 bytes                 w = q * d + m
+//   Q5_0,  22 bytes / 32: d, qh (uint32: bit i = q_i's 5th), 16 bytes    w = (q - 16) * d
+//   Q5_1,  24 bytes / 32: d, m, qh, 16 bytes                    w = q * d + m
+// In these the low nibble of byte i is element i and the high nibble element i + 16. The
+// K-quants are super-blocks of 256 with 6- or 8-bit scales per sub-block:
+//   Q4_K, 144 bytes: d, dmin (fp16), 12 bytes packing 8 six-bit scales sc and mins mn, then
+//         128 bytes: byte 32j + l holds element 64j + l (low nibble) and 64j + 32 + l (high);
+//         sub-block e / 32:                                 w = (d * sc) * q - dmin * mn
+//   Q5_K, 176 bytes: Q4_K's head, 32 bytes qh (bit s of byte l: 5th bit of element 32s + l),
+//         then Q4_K's 128 bytes of nibbles
+//   Q6_K, 210 bytes: 128 bytes ql, 64 bytes qh, 16 int8 scales, d. Element e = 128h + 32j + l:
+//         low 4 bits from byte 64h + (e % 128) % 64 of ql (high nibble when e % 128 >= 64),
+//         top 2 from bits 2j of byte 32h + l of qh; sub-block e / 16:  w = (d * sc) * (q - 32)
 // Each block is widened to fp32 in registers as it is read, a vector at a time, and fed to
 // the same FMAs in the same order as linear_kernel's fp32 loop above: the result is that
 // loop's on the dequantized weights, bit for bit (so batch-invariant). The widened values
-// are gguf.quants.dequantize's: q * d is exact in fp32 (11 x 8 bits), so q * d + m rounds
-// once, fused or not. A decode step reads each packed byte once: Q4_1 is 5 bits a weight
-// where fp32 is 32. nanopaged/layers/quantization/gguf.py holds the layer side.
+// are gguf.quants.dequantize's, which rounds each op to fp32. d * sc is exact (11-bit
+// fp16 mantissa x 6 or 8 bits); q * d and (d * sc) * q for 4- or 5-bit q are exact too
+// (<= 22 bits), so q * d + m and (d * sc) * q - dmin * mn round once: a fused
+// multiply-add gives the same bits. Q6_K's (d * sc) * q (up to 25 bits) may round, so it is
+// a plain multiply, as numpy's. A decode step reads each packed byte once: Q4_1 is 5 bits
+// a weight, Q4_K 4.5, where fp32 is 32. nanopaged/layers/quantization/gguf.py holds the
+// layer side.
 namespace ggml {
 
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;     // GGML's type numbers
-constexpr int64_t kBlock = 32;                          // weights per block
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8;   // GGML's type numbers
+constexpr int64_t kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 template <int64_t Q>
-constexpr int64_t kBlockBytes = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : 20;
-constexpr int kSub = kBlock / mm::kLanes;               // vectors per block
+constexpr int64_t kWeights = Q >= kQ4_K ? 256 : 32;     // weights per block (QK_K or QK)
+template <int64_t Q>
+constexpr int64_t kBytes = Q == kQ8_0 ? 34 : Q == kQ4_0 ? 18 : Q == kQ4_1 ? 20 : Q == kQ5_0 ? 22
+                         : Q == kQ5_1 ? 24 : Q == kQ4_K ? 144 : Q == kQ5_K ? 176 : 210;
 
 inline float half_at(const uint8_t* p) {                // an fp16 stored in the block (exact)
   uint16_t bits;
@@ -1054,43 +1072,168 @@ inline float half_at(const uint8_t* p) {                // an fp16 stored in the
 #endif
 }
 
-// Vector s of a block: its elements [s * kLanes, (s + 1) * kLanes), widened and scaled.
-template <int64_t Q>
-inline mm::vec dequant(const uint8_t* block, int s, float d, float m) {
-  using namespace mm;
-  const uint8_t* qs = block + (Q == kQ4_1 ? 4 : 2);
-  [[maybe_unused]] const int off = (s * kLanes) % 16;   // Q4: the byte holding element s * kLanes
-  [[maybe_unused]] const bool high = s * kLanes >= 16;  // ... in its high nibble
+// Integer lanes, one per fp32 lane of mm::vec: the quants are assembled in these, then
+// converted. bytes(p) widens kLanes consecutive bytes from p (sbytes: as int8).
 #if defined(__AVX512F__)
-  __m512i q;
-  if constexpr (Q == kQ8_0) {
-    q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + s * 16)));
-  } else {
-    q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-    q = _mm512_and_si512(high ? _mm512_srli_epi32(q, 4) : q, _mm512_set1_epi32(0xF));
-    if constexpr (Q == kQ4_0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(8));
-  }
-  const vec w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), vset1(d));
-  if constexpr (Q == kQ4_1) return _mm512_add_ps(w, vset1(m));
-  return w;
+using ivec = __m512i;
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline ivec bytes(const uint8_t* p) { return _mm512_cvtepu8_epi32(load16(p)); }
+inline ivec sbytes(const uint8_t* p) { return _mm512_cvtepi8_epi32(load16(p)); }
+inline ivec iset1(int v) { return _mm512_set1_epi32(v); }
+inline ivec iand(ivec a, int v) { return _mm512_and_si512(a, iset1(v)); }
+inline ivec ior(ivec a, ivec b) { return _mm512_or_si512(a, b); }
+inline ivec isub(ivec a, int v) { return _mm512_sub_epi32(a, iset1(v)); }
+inline ivec ishr(ivec a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline ivec ishl(ivec a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+inline ivec ibits(ivec word, int first) {              // lane i: bit first + i of word (a broadcast)
+  const ivec at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return iand(_mm512_srlv_epi32(word, _mm512_add_epi32(at, iset1(first))), 1);
+}
+inline mm::vec to_float(ivec a) { return _mm512_cvtepi32_ps(a); }
+inline mm::vec vmul(mm::vec a, mm::vec b) { return _mm512_mul_ps(a, b); }
 #elif defined(__AVX2__)
-  __m256i q;
-  if constexpr (Q == kQ8_0) {
-    q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + s * 8)));
-  } else {
-    q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + off)));
-    q = _mm256_and_si256(high ? _mm256_srli_epi32(q, 4) : q, _mm256_set1_epi32(0xF));
-    if constexpr (Q == kQ4_0) q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
-  }
-  const vec w = _mm256_mul_ps(_mm256_cvtepi32_ps(q), vset1(d));
-  if constexpr (Q == kQ4_1) return _mm256_add_ps(w, vset1(m));
-  return w;
+using ivec = __m256i;
+inline __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline ivec bytes(const uint8_t* p) { return _mm256_cvtepu8_epi32(load8(p)); }
+inline ivec sbytes(const uint8_t* p) { return _mm256_cvtepi8_epi32(load8(p)); }
+inline ivec iset1(int v) { return _mm256_set1_epi32(v); }
+inline ivec iand(ivec a, int v) { return _mm256_and_si256(a, iset1(v)); }
+inline ivec ior(ivec a, ivec b) { return _mm256_or_si256(a, b); }
+inline ivec isub(ivec a, int v) { return _mm256_sub_epi32(a, iset1(v)); }
+inline ivec ishr(ivec a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline ivec ishl(ivec a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+inline ivec ibits(ivec word, int first) {
+  return iand(_mm256_srlv_epi32(word, _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), iset1(first))), 1);
+}
+inline mm::vec to_float(ivec a) { return _mm256_cvtepi32_ps(a); }
+inline mm::vec vmul(mm::vec a, mm::vec b) { return _mm256_mul_ps(a, b); }
 #else
-  if constexpr (Q == kQ8_0) return static_cast<float>(static_cast<int8_t>(qs[s])) * d;
-  const int q = high ? qs[off] >> 4 : qs[off] & 0xF;
-  if constexpr (Q == kQ4_0) return static_cast<float>(q - 8) * d;
-  return static_cast<float>(q) * d + m;
+using ivec = int32_t;
+inline ivec bytes(const uint8_t* p) { return *p; }
+inline ivec sbytes(const uint8_t* p) { return static_cast<int8_t>(*p); }
+inline ivec iset1(int v) { return v; }
+inline ivec iand(ivec a, int v) { return a & v; }
+inline ivec ior(ivec a, ivec b) { return a | b; }
+inline ivec isub(ivec a, int v) { return a - v; }
+inline ivec ishr(ivec a, int n) { return static_cast<ivec>(static_cast<uint32_t>(a) >> n); }
+inline ivec ishl(ivec a, int n) { return a << n; }
+inline ivec ibits(ivec word, int first) { return (static_cast<uint32_t>(word) >> first) & 1; }
+inline mm::vec to_float(ivec a) { return static_cast<float>(a); }
+inline mm::vec vmul(mm::vec a, mm::vec b) { return a * b; }
 #endif
+
+// One row's block, its scales read once. A block is walked in groups of kGroup elements
+// (a run of the K-quants' nibbles: a loop over g), each kGroup / kLanes vectors unrolled
+// (widen<T>), so the nibble, bit and byte positions are constants.
+// widen<T>(g): elements [g * kGroup + T * kLanes, ... + kLanes), widened and scaled (a
+// vector never straddles a sub-block).
+template <int64_t Q>
+struct Block {                                           // the 32-weight formats: one group
+  static constexpr int kGroup = 32;
+  static constexpr int kHead = Q == kQ8_0 || Q == kQ4_0 ? 2 : Q == kQ4_1 ? 4 : Q == kQ5_0 ? 6 : 8;  // bytes before qs
+  const uint8_t* p;
+  float d, m = 0.f;
+  ivec qh = iset1(0);                                    // Q5: the fifth bits, in every lane
+  explicit Block(const uint8_t* block) : p(block), d(half_at(block)) {
+    if constexpr (Q == kQ4_1 || Q == kQ5_1) m = half_at(block + 2);
+    if constexpr (Q == kQ5_0 || Q == kQ5_1) {
+      int32_t bits;
+      std::memcpy(&bits, block + kHead - 4, 4);
+      qh = iset1(bits);
+    }
+  }
+  template <int T>
+  mm::vec widen(int) const {
+    using namespace mm;
+    constexpr int e = T * static_cast<int>(kLanes);
+    if constexpr (Q == kQ8_0) return vmul(to_float(sbytes(p + kHead + e)), vset1(d));
+    const ivec b = bytes(p + kHead + e % 16);           // element e's byte, in its high nibble from 16
+    ivec q = iand(e >= 16 ? ishr(b, 4) : b, 0xF);
+    if constexpr (Q == kQ5_0 || Q == kQ5_1) q = ior(q, ishl(ibits(qh, e), 4));
+    if constexpr (Q == kQ4_0) return vmul(to_float(isub(q, 8)), vset1(d));
+    if constexpr (Q == kQ5_0) return vmul(to_float(isub(q, 16)), vset1(d));
+    return vfma(to_float(q), vset1(d), vset1(m));        // q * d exact: one rounding, as numpy's
+  }
+};
+
+template <int64_t Q>
+struct KBlock {                                          // Q4_K and Q5_K: groups of 64, 32 bytes of nibbles
+  static constexpr int kGroup = 64;
+  float ds[8], ndm[8];                                   // d * sc and -(dmin * mn), exact
+  const uint8_t* p;
+  explicit KBlock(const uint8_t* block) : p(block) {
+    const float d = half_at(block), dmin = half_at(block + 2);
+    const uint8_t* s = block + 4;
+#if defined(__AVX2__)
+    // the loop below in lanes (measured at batch 1: Q4_K's matvec took ~1.5x Q4_0's time
+    // with the loop, ~1.1x without)
+    int32_t word[3];
+    std::memcpy(word, s, 12);
+    const __m128i a = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word[0]));      // scales 0-3, top bits 4-7's
+    const __m128i b = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word[1]));      // mins 0-3, ...
+    const __m128i c = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(word[2]));      // low 4 bits of scale / min 4-7
+    const __m128i six = _mm_set1_epi32(63), four = _mm_set1_epi32(0xF);
+    const __m256i sc = _mm256_setr_m128i(_mm_and_si128(a, six),
+                                         _mm_or_si128(_mm_and_si128(c, four), _mm_slli_epi32(_mm_srli_epi32(a, 6), 4)));
+    const __m256i mn = _mm256_setr_m128i(_mm_and_si128(b, six),
+                                         _mm_or_si128(_mm_srli_epi32(c, 4), _mm_slli_epi32(_mm_srli_epi32(b, 6), 4)));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sc)));
+    _mm256_storeu_ps(ndm, _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(mn)));   // -(dmin * mn), exact
+#else
+    for (int i = 0; i < 4; ++i) {
+      ds[i] = d * (s[i] & 63);
+      ndm[i] = -(dmin * (s[i + 4] & 63));
+      ds[i + 4] = d * ((s[i + 8] & 0xF) | ((s[i] >> 6) << 4));
+      ndm[i + 4] = -(dmin * ((s[i + 8] >> 4) | ((s[i + 4] >> 6) << 4)));
+    }
+#endif
+  }
+  template <int T>
+  mm::vec widen(int g) const {
+    using namespace mm;
+    constexpr int e = T * static_cast<int>(kLanes), high = e >= 32, l = e % 32;
+    const int sub = 2 * g + high;
+    const ivec b = bytes(p + (Q == kQ5_K ? 48 : 16) + 32 * g + l);
+    ivec q = iand(high ? ishr(b, 4) : b, 0xF);
+    if constexpr (Q == kQ5_K) q = ior(q, ishl(iand(ishr(bytes(p + 16 + l), sub), 1), 4));
+    return vfma(to_float(q), vset1(ds[sub]), vset1(ndm[sub]));   // the product exact: one rounding
+  }
+};
+
+struct Q6Block {                                         // groups of 128: 64 bytes of ql, 32 of qh
+  static constexpr int kGroup = 128;
+  float ds[16];                                          // d * sc, exact
+  const uint8_t* p;
+  explicit Q6Block(const uint8_t* block) : p(block) {
+    const float d = half_at(block + 208);
+#if defined(__AVX2__)
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_storeu_ps(ds + 8, _mm256_mul_ps(_mm256_set1_ps(d),
+                                           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+#else
+    for (int i = 0; i < 16; ++i) ds[i] = d * static_cast<int8_t>(block[192 + i]);
+#endif
+  }
+  template <int T>
+  mm::vec widen(int g) const {
+    using namespace mm;
+    constexpr int i = T * static_cast<int>(kLanes);
+    const ivec b = bytes(p + 64 * g + i % 64);
+    const ivec lo = iand(i >= 64 ? ishr(b, 4) : b, 0xF);
+    const ivec hi = iand(ishr(bytes(p + 128 + 32 * g + i % 32), 2 * (i / 32)), 3);
+    return vmul(to_float(isub(ior(lo, ishl(hi, 4)), 32)), vset1(ds[8 * g + i / 16]));   // rounds once, as numpy
+  }
+};
+
+template <int64_t Q>
+using BlockOf =
+    std::conditional_t<Q == kQ6_K, Q6Block, std::conditional_t<Q == kQ4_K || Q == kQ5_K, KBlock<Q>, Block<Q>>>;
+
+template <int N, typename F>
+inline void unroll(F&& f) {                              // f(0), ..., f(N - 1), the index a constant
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(
+      std::make_integer_sequence<int, N>{});
 }
 
 // res[r][c] = x_r . w_c for R rows of x and 4 packed weight rows of `blocks` blocks:
@@ -1098,31 +1241,31 @@ inline mm::vec dequant(const uint8_t* block, int s, float d, float m) {
 template <int64_t Q, int R>
 inline void qdot_tile(const float* const* xs, const uint8_t* const* ws, int64_t blocks, float (&res)[4][4]) {
   using namespace mm;
-  const int64_t ahead = 4 * blocks * kBlockBytes<Q>;     // the next 4 rows: they follow in memory
+  constexpr int64_t kW = kWeights<Q>, kB = kBytes<Q>;
+  const int64_t ahead = 4 * blocks * kB;                 // the next 4 rows: they follow in memory
   vec acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk[4];
-    float d[4], m[4] = {};
-    for (int c = 0; c < 4; ++c) {
-      blk[c] = ws[c] + b * kBlockBytes<Q>;
 #if defined(__AVX2__) || defined(__AVX512F__)
-      // at decode sizes the packed rows stream from memory, and (measured) the hardware
-      // prefetcher alone left a 30 MB Q8_0 matrix at a third of its in-cache speed
-      _mm_prefetch(reinterpret_cast<const char*>(blk[c] + ahead), _MM_HINT_T0);
+    // at decode sizes the packed rows stream from memory, and (measured) the hardware
+    // prefetcher alone left a 30 MB Q8_0 matrix at a third of its in-cache speed
+    for (int c = 0; c < 4; ++c)
+      for (int64_t o = 0; o < kB; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ws[c] + b * kB + ahead + o), _MM_HINT_T0);
 #endif
-      d[c] = half_at(blk[c]);
-      if constexpr (Q == kQ4_1) m[c] = half_at(blk[c] + 2);
-    }
-    for (int s = 0; s < kSub; ++s) {
-      vec xv[R];
-      for (int r = 0; r < R; ++r) xv[r] = vload(xs[r] + b * kBlock + s * kLanes, kLanes);
-      for (int c = 0; c < 4; ++c) {
-        const vec w = dequant<Q>(blk[c], s, d[c], m[c]);
-        for (int r = 0; r < R; ++r) acc[r][c] = vfma(xv[r], w, acc[r][c]);
-      }
-    }
+    const BlockOf<Q> blk[4] = {BlockOf<Q>(ws[0] + b * kB), BlockOf<Q>(ws[1] + b * kB),
+                               BlockOf<Q>(ws[2] + b * kB), BlockOf<Q>(ws[3] + b * kB)};
+    constexpr int kGroup = BlockOf<Q>::kGroup;
+    for (int g = 0; g < kW / kGroup; ++g)
+      unroll<kGroup / kLanes>([&](auto t) {              // the group's vectors, in k's order
+        vec xv[R];
+        for (int r = 0; r < R; ++r) xv[r] = vload(xs[r] + b * kW + g * kGroup + t * kLanes, kLanes);
+        for (int c = 0; c < 4; ++c) {
+          const vec w = blk[c].template widen<decltype(t)::value>(g);
+          for (int r = 0; r < R; ++r) acc[r][c] = vfma(xv[r], w, acc[r][c]);
+        }
+      });
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) res[r][c] = vsum(acc[r][c]);
@@ -1136,7 +1279,7 @@ void gguf_linear_kernel(float* out, int64_t ldo, const float* x, const uint8_t* 
                         int64_t n) {
   constexpr int64_t kRowsPerTask = 32;
   constexpr int64_t kTileRows = mm::kLanes >= 16 ? 4 : 2;
-  const int64_t blocks = k / kBlock, row_bytes = blocks * kBlockBytes<Q>;
+  const int64_t blocks = k / kWeights<Q>, row_bytes = blocks * kBytes<Q>;
   const int64_t chunk = std::max<int64_t>(kTileRows, (256 * 1024 / (k * sizeof(float))) / kTileRows * kTileRows);
   at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i0 = 0; i0 < m; i0 += chunk)
@@ -1164,23 +1307,38 @@ void gguf_linear_kernel(float* out, int64_t ldo, const float* x, const uint8_t* 
   });
 }
 
+// (weights, bytes) of a block of GGML type qtype; (0, 0) for a type not run here
+inline std::pair<int64_t, int64_t> geometry(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return {kWeights<kQ4_0>, kBytes<kQ4_0>};
+    case kQ4_1: return {kWeights<kQ4_1>, kBytes<kQ4_1>};
+    case kQ5_0: return {kWeights<kQ5_0>, kBytes<kQ5_0>};
+    case kQ5_1: return {kWeights<kQ5_1>, kBytes<kQ5_1>};
+    case kQ8_0: return {kWeights<kQ8_0>, kBytes<kQ8_0>};
+    case kQ4_K: return {kWeights<kQ4_K>, kBytes<kQ4_K>};
+    case kQ5_K: return {kWeights<kQ5_K>, kBytes<kQ5_K>};
+    case kQ6_K: return {kWeights<kQ6_K>, kBytes<kQ6_K>};
+    default: return {0, 0};
+  }
+}
+
 }  // namespace ggml
 
 // out [m, n] fp32 (rows may be further apart: a column slice) = x [m, k] fp32 @ W^T, W the
-// packed rows of a GGUF tensor: qweight [n, k / 32 * block bytes] uint8, of GGML type qtype
-// (2 Q4_0, 3 Q4_1, 8 Q8_0).
+// packed rows of a GGUF tensor: qweight [n, k / QK * block bytes] uint8, of GGML type qtype
+// (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K).
 void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
   using namespace ggml;
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, "gguf_linear: GGML type ", qtype,
-              " is not supported (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  const auto [qk, bytes] = geometry(qtype);
+  TORCH_CHECK(qk > 0, "gguf_linear: GGML type ", qtype, " is not supported (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, "
+              "Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat && x.device().is_cpu() &&
-              x.size(1) % kBlock == 0, "gguf_linear: x must be contiguous float32 [m, k] on the CPU with k a "
-              "multiple of 32, got ", x.scalar_type(), " ", x.sizes());
+              x.size(1) % qk == 0, "gguf_linear: x must be contiguous float32 [m, k] on the CPU with k a "
+              "multiple of ", qk, ", got ", x.scalar_type(), " ", x.sizes());
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
-  const int64_t bytes = qtype == kQ8_0 ? kBlockBytes<kQ8_0> : qtype == kQ4_0 ? kBlockBytes<kQ4_0> : kBlockBytes<kQ4_1>;
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == torch::kUInt8 &&
-              qweight.size(1) == k / kBlock * bytes, "gguf_linear: qweight must be contiguous uint8 [n, ",
-              k / kBlock * bytes, "] for k = ", k, ", got ", qweight.scalar_type(), " ", qweight.sizes());
+              qweight.size(1) == k / qk * bytes, "gguf_linear: qweight must be contiguous uint8 [n, ",
+              k / qk * bytes, "] for k = ", k, ", got ", qweight.scalar_type(), " ", qweight.sizes());
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat && out.size(0) == m && out.size(1) == n &&
               out.stride(1) == 1 && (m <= 1 || out.stride(0) >= n), "gguf_linear: out must be float32 [", m,
               ", ", n, "] with contiguous rows, got ", out.scalar_type(), " ", out.sizes());
@@ -1188,9 +1346,17 @@ void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
   float* o = out.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const uint8_t* w = qweight.data_ptr<uint8_t>();
-  if (qtype == kQ8_0) gguf_linear_kernel<kQ8_0>(o, out.stride(0), xp, w, m, k, n);
-  else if (qtype == kQ4_0) gguf_linear_kernel<kQ4_0>(o, out.stride(0), xp, w, m, k, n);
-  else gguf_linear_kernel<kQ4_1>(o, out.stride(0), xp, w, m, k, n);
+  const int64_t ldo = out.stride(0);
+  switch (qtype) {
+    case kQ4_0: return gguf_linear_kernel<kQ4_0>(o, ldo, xp, w, m, k, n);
+    case kQ4_1: return gguf_linear_kernel<kQ4_1>(o, ldo, xp, w, m, k, n);
+    case kQ5_0: return gguf_linear_kernel<kQ5_0>(o, ldo, xp, w, m, k, n);
+    case kQ5_1: return gguf_linear_kernel<kQ5_1>(o, ldo, xp, w, m, k, n);
+    case kQ8_0: return gguf_linear_kernel<kQ8_0>(o, ldo, xp, w, m, k, n);
+    case kQ4_K: return gguf_linear_kernel<kQ4_K>(o, ldo, xp, w, m, k, n);
+    case kQ5_K: return gguf_linear_kernel<kQ5_K>(o, ldo, xp, w, m, k, n);
+    default: return gguf_linear_kernel<kQ6_K>(o, ldo, xp, w, m, k, n);
+  }
 }
 
 // ---- int8 weights, one fp32 scale per output row: y = x (q * scale)^T ---------------------
@@ -1315,7 +1481,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_blocks", &copy_blocks, "Copy KV blocks within the pool (copy-on-write, CPU)");
   m.def("swap_blocks", &swap_blocks, "Copy KV blocks between two pools (swap, CPU)");
   m.def("linear", &linear, "x W^T, batch-invariant, fp32 or bf16 (CPU)");
-  m.def("gguf_linear", &gguf_linear, "x W^T, W in a GGUF block format (Q8_0, Q4_0, Q4_1), fp32 (CPU)");
+  m.def("gguf_linear", &gguf_linear, "x W^T, W in a GGUF block format (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K), "
+        "fp32 (CPU)");
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   m.def("linear_amx", &linear_amx, "x W^T on AMX tiles, W packed, bf16 (CPU)");
 #endif

@@ -91,7 +91,7 @@ class TorchOps:
 
     def gguf_linear(self, out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> None:
         """out [m, n] float32 (a view: rows may be further apart) = x [m, k] float32 @ W^T,
-        W the packed rows uint8 [n, k / 32 * block bytes] of GGML block type `type_id`
+        W the packed rows uint8 [n, k / QK * block bytes] of GGML block type `type_id`
         (layers/quantization/gguf.py): here dequantized, then F.linear."""
         from .quantization.gguf import dequantize     # only quantized models get here
 

@@ -9,10 +9,11 @@ Two steps:
   written: they stay in the GGUF.
 - `GGUFQuantizedModel` is the extension the engine puts in front of the model's family
   class when config.quantization is "gguf" (extensions.MODEL). Its `load_weights` reads
-  the file: the attention and MLP projections keep their blocks (Q8_0, Q4_0, Q4_1) in a
-  GGUFLinearMethod (layers/quantization/gguf.py), which `_linear` runs, and so do the
-  embedding and LM head when the file has them in blocks (a GGUFEmbedding); everything
-  else (norms, biases, float matrices) is dequantized and loaded as from safetensors.
+  the file: the attention and MLP projections keep their blocks (Q8_0, Q4_0/1, Q5_0/1,
+  Q4_K, Q5_K, Q6_K) in a GGUFLinearMethod (layers/quantization/gguf.py), which `_linear`
+  runs, and so do the embedding and LM head when the file has them in blocks (a
+  GGUFEmbedding); everything else (norms, biases, float matrices) is dequantized and
+  loaded as from safetensors.
   Q and K rows are un-permuted as gguf_convert.py does, here whole packed rows at a time.
   Under tensor parallelism a rank keeps its rows (column-parallel) or its whole blocks of
   columns (row-parallel: `_shard`); an embedding in blocks is then widened and split. A

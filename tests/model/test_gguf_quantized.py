@@ -2,10 +2,11 @@
 stay in their block formats (layers/quantization/gguf.py, model/gguf_loader.py).
 
 Each tiny random checkpoint (make_tiny_model) is written as llama.cpp writes a quantized
-GGUF (tests/model/tiny_gguf.py, the weights quantized by gguf.quants.quantize), then
-loaded two ways: packed, and dequantized by the converter (convert_gguf_to_hf, today's
-route). The two must give the same logits bit for bit (float32, the C++ kernels) and
-the same greedy ids and logprobs through the engine.
+GGUF (tests/model/tiny_gguf.py, the weights quantized by gguf.quants.quantize, the
+K-quants by tests/gguf_blocks.py), then loaded two ways: packed, and dequantized by the
+converter (convert_gguf_to_hf, today's route). The two must give the same logits bit for
+bit (float32, the C++ kernels) and the same greedy ids and logprobs through the engine,
+which stays batch-invariant.
 """
 from __future__ import annotations
 
@@ -32,8 +33,21 @@ QUANT = {name: dict.fromkeys(PARTS, t) for name, t in (("Q8_0", T.Q8_0), ("Q4_0"
 QUANT["mixed"] = {"attn_q": T.Q8_0, "attn_k": T.Q4_0, "attn_v": T.Q4_1, "attn_output": T.F32,
                   "ffn_gate": T.Q4_1, "ffn_up": T.Q8_0, "ffn_down": T.Q4_0, "token_embd": T.Q8_0}
 QUANT["untied"] = {**QUANT["Q8_0"], "token_embd": T.Q4_1, "output": T.Q4_0}
-CASES = [("LlamaForCausalLM", "llama", q) for q in ("Q8_0", "Q4_0", "Q4_1", "mixed")] + [
-    ("Qwen2ForCausalLM", "qwen2", "Q4_1"), ("Qwen3ForCausalLM", "qwen3", "untied")]
+# K-quants (tests/gguf_blocks.py writes them): one type throughout, embedding included;
+# llama.cpp's Q4_K_M mix (Q6_K for attn_v and ffn_down, Q4_K elsewhere; an untied head in
+# Q6_K); the 5-bit formats side by side
+QUANT.update({name: {**dict.fromkeys(PARTS, t), "token_embd": t} for name, t in (("Q4_K", T.Q4_K), ("Q6_K", T.Q6_K))})
+QUANT["Q4_K_M"] = {**dict.fromkeys(PARTS, T.Q4_K), "attn_v": T.Q6_K, "ffn_down": T.Q6_K,
+                   "token_embd": T.Q4_K, "output": T.Q6_K}
+QUANT["Q5"] = {**dict.fromkeys(PARTS, T.Q5_K), "attn_k": T.Q5_0, "ffn_up": T.Q5_1, "token_embd": T.Q5_K}
+K_QUANT_CASES = ("Q4_K", "Q6_K", "Q4_K_M", "Q5")
+CASES = [("LlamaForCausalLM", "llama", q) for q in ("Q8_0", "Q4_0", "Q4_1", "mixed", "Q4_K", "Q6_K", "Q4_K_M")] + [
+    ("Qwen2ForCausalLM", "qwen2", "Q4_1"), ("Qwen3ForCausalLM", "qwen3", "untied"),
+    ("Qwen3ForCausalLM", "qwen3", "Q4_K_M"), ("Qwen2ForCausalLM", "qwen2", "Q5")]
+# a K-quant's rows are whole super-blocks of 256: every matrix's k (hidden, heads x
+# head_dim, intermediate) a multiple of 256; weights at half make_tiny_model's scale keep
+# the logits at the hidden-64 models' size (sums of 4x more terms)
+K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=64, initializer_range=0.15)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [30, 31, 32], list(range(100, 121))]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
 
@@ -50,7 +64,8 @@ def files(request, tmp_path_factory):
     """(the quantized GGUF, the folder the converter dequantizes it into)."""
     architecture, arch, quant = request.param
     root = tmp_path_factory.mktemp(f"{arch}-{quant}")
-    make_tiny_model(root / "hf", architecture, tie=arch != "qwen3")
+    sizes = K_QUANT_SIZES if quant in K_QUANT_CASES else {}
+    make_tiny_model(root / "hf", architecture, tie=arch != "qwen3", **sizes)
     write_gguf_from_hf(root / "hf", root / "model.gguf", arch, quant=QUANT[quant])
     return root / "model.gguf", convert_gguf_to_hf(root / "model.gguf", root / "dequantized", progress=False)
 
@@ -72,6 +87,24 @@ def test_logits_equal_the_dequantized_models_bit_for_bit(files):
         got = paged_logits(packed, tokens, block_size, prefill)
         want = paged_logits(reference, tokens, block_size, prefill)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), block_size
+
+
+def test_transformers_on_the_dequantized_weights_agrees(files):
+    """The issue's bar: transformers running the dequantized weights gives the packed
+    model's logits within 1e-4 (prefill and decode rows) and the engine's greedy ids."""
+    import transformers
+
+    gguf_file, dequantized = files
+    packed = _model(resolve_model(str(gguf_file), quantization="gguf"), "gguf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
+    tokens = list(range(40, 52))
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0]
+        ids = hf.generate(torch.tensor([PROMPTS[2]]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                          min_new_tokens=GREEDY.max_tokens)[0, len(PROMPTS[2]):].tolist()
+    torch.testing.assert_close(paged_logits(packed, tokens, 4, 5), want, atol=1e-4, rtol=0)
+    llm = LLM(str(gguf_file), quantization="gguf", block_size=4, num_gpu_blocks=64, attention_backend="cpu")
+    assert llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ids
 
 
 def test_projections_keep_the_files_bytes_and_no_fp32_copy(files):
@@ -108,6 +141,21 @@ def test_engine_gives_the_dequantized_models_ids_and_logprobs(files):
         assert len(set(a.outputs[0].token_ids)) > 1                  # not a degenerate model
 
 
+def test_engine_is_batch_invariant(files):
+    """The longest prompt's greedy ids and logprobs alone, in the whole batch, with one
+    other (prefill chunks shared with it), and alone again: the same floats each time."""
+    llm = LLM(str(files[0]), quantization="gguf", block_size=4, num_gpu_blocks=128, attention_backend="cpu",
+              max_num_batched_tokens=16, max_num_seqs=8, enable_prefix_caching=False)
+
+    def target(prompts):
+        out = llm.generate(prompts, GREEDY, use_tqdm=False)[prompts.index(PROMPTS[2])].outputs[0]
+        return out.token_ids, out.logprobs
+    alone = target([PROMPTS[2]])
+    assert target(PROMPTS) == alone
+    assert target([PROMPTS[0], PROMPTS[2]]) == alone
+    assert target([PROMPTS[2]]) == alone
+
+
 def test_the_pytorch_reference_runs_it_too(files):
     """attention_backend="torch": each projection dequantized, then F.linear (TorchOps)."""
     gguf_file, dequantized = files
@@ -127,10 +175,11 @@ def test_a_folder_holding_one_gguf_is_the_file(files, tmp_path):
 
 
 def test_unsupported_type_in_a_projection_is_named(tmp_path):
+    """MXFP4 (gpt-oss's 4-bit floats; gguf has a quantizer for it) is not run here."""
     make_tiny_model(tmp_path / "hf", "LlamaForCausalLM")
-    write_gguf_from_hf(tmp_path / "hf", tmp_path / "q5.gguf", "llama", quant={"ffn_up": T.Q5_0})
-    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' has type Q5_0"):
-        LLM(str(tmp_path / "q5.gguf"), quantization="gguf", num_gpu_blocks=16, attention_backend="cpu")
+    write_gguf_from_hf(tmp_path / "hf", tmp_path / "fp4.gguf", "llama", quant={"ffn_up": T.MXFP4})
+    with pytest.raises(ValueError, match=r"'blk\.0\.ffn_up\.weight' has type MXFP4"):
+        LLM(str(tmp_path / "fp4.gguf"), quantization="gguf", num_gpu_blocks=16, attention_backend="cpu")
 
 
 def test_config_refuses_an_unknown_method():

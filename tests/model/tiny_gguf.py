@@ -136,11 +136,13 @@ def write_gguf_from_hf(hf_folder: Path, path: Path, arch: str, *, drop: tuple[st
     ``output.weight`` when the checkpoint ties its embeddings. ``drop`` leaves out the
     named GGUF tensors (to make a broken file). ``quant`` maps a tensor's part (``attn_q``,
     ``ffn_down``, ``token_embd``, ``output`` ...) to a ``GGMLQuantizationType``: those weights are written
-    quantized by ``gguf.quants.quantize``, as llama.cpp's quantizer writes them.
+    quantized in llama.cpp's layout, by ``gguf.quants.quantize`` or, for the K-quants (rows
+    of whole 256-weight super-blocks), by tests/gguf_blocks.py.
     """
     import json
 
     import gguf
+    from gguf_blocks import quantize
     from safetensors.numpy import load_file
 
     config = json.loads((hf_folder / "config.json").read_text())
@@ -189,7 +191,7 @@ def write_gguf_from_hf(hf_folder: Path, path: Path, arch: str, *, drop: tuple[st
         if gguf_name in drop:
             continue
         if qtype is not None and gguf_name.endswith(".weight"):
-            q = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
+            q = quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
             w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name, np.ascontiguousarray(arr, dtype=np.float32))

@@ -1,23 +1,33 @@
 """GGUF's block-quantized linear weights, run as the file stores them. vLLM:
 `vllm/model_executor/layers/quantization/gguf.py` (GGUFLinearMethod).
 
-llama.cpp (ggml-quants.c) stores a matrix W [n, k] row by row, each row k / 32 blocks of
-32 weights along k. A block is a scale d (fp16) and 32 small integers q:
+llama.cpp (ggml-quants.c) stores a matrix W [n, k] row by row, each row k / QK blocks of
+QK weights along k. A block is fp16 scales and small integers q:
 
-    Q8_0  34 bytes: d, 32 int8                   w = q * d
-    Q4_0  18 bytes: d, 16 bytes of nibbles       w = (q - 8) * d
-    Q4_1  20 bytes: d, m (fp16), 16 bytes        w = q * d + m
+    Q8_0    34 bytes / 32: d, 32 int8                          w = q * d
+    Q4_0    18 bytes / 32: d, 16 bytes of nibbles              w = (q - 8) * d
+    Q4_1    20 bytes / 32: d, m (fp16), 16 bytes               w = q * d + m
+    Q5_0    22 bytes / 32: d, 4 bytes of 5th bits, 16 bytes    w = (q - 16) * d
+    Q5_1    24 bytes / 32: d, m, 4 bytes of 5th bits, 16 bytes w = q * d + m
+    Q4_K   144 bytes / 256: d, dmin, 12 bytes of 6-bit scales and mins (8 of each),
+           128 bytes of nibbles                    w = (d * sc) * q - dmin * mn  (sub-block of 32)
+    Q5_K   176 bytes / 256: Q4_K's, plus 32 bytes of 5th bits
+    Q6_K   210 bytes / 256: 128 bytes of low nibbles, 64 of high 2 bits, 16 int8
+           scales, d                               w = (d * sc) * (q - 32)      (sub-block of 16)
 
-and in a Q4 block the low nibble of byte i is weight i, the high nibble weight i + 16.
-A layer keeps those bytes (uint8 [rows, k / 32 * block bytes]): SmolLM2's Q4_1 file is
-5 bits a weight where fp32 is 32, and a decode step is a walk through the weights. Its
-matmul (`ops.gguf_linear`, kernels/paged_attention_cpu.cpp) widens each block in
-registers and sums exactly as the fp32 matmul does on the dequantized weights, bit for
-bit. `dequantize` is the plain-PyTorch reference, equal to `gguf.quants.dequantize`.
+In Q4_0/Q4_1/Q5 blocks the low nibble of byte i is weight i, the high nibble weight i + 16,
+and bit i of the 4 bytes (little-endian) a Q5 weight's fifth bit. The K-quants ("super-
+blocks") order their nibbles in runs (`dequantize`; the kernel's comment has the bytes). A layer
+keeps those bytes (uint8 [rows, k / QK * block bytes]): SmolLM2's Q4_1 file is 5 bits a
+weight where fp32 is 32, Q4_K 4.5, and a decode step is a walk through the weights. Its matmul
+(`ops.gguf_linear`, kernels/paged_attention_cpu.cpp) widens each block in registers and
+sums exactly as the fp32 matmul does on the dequantized weights, bit for bit.
+`dequantize` is the plain-PyTorch reference, equal to `gguf.quants.dequantize`.
 
 A fused layer (qkv_proj, gate_up_proj) stacks several of the file's matrices, which may
-have different types (a Q4_K_M file mixes them), so a layer holds segments: runs of rows
-of one type, each computing its columns of y. F32/F16/BF16 matrices are widened to fp32.
+have different types (a Q4_K_M file mixes Q4_K and Q6_K), so a layer holds segments: runs
+of rows of one type, each computing its columns of y. F32/F16/BF16 matrices are widened
+to fp32.
 """
 from __future__ import annotations
 
@@ -27,21 +37,28 @@ import torch
 
 from ..parallel import VocabParallelEmbedding
 
-QK = 32                                     # weights per block (QK4_0, QK4_1, QK8_0)
-
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """One GGML block type: its name, GGML's number and bytes per block of QK weights."""
+    """One GGML block type: its name, GGML's number, bytes per block and the block's
+    weight count along k (QK: 32, or 256 for a K-quant super-block)."""
 
     name: str
     type_id: int
     block_bytes: int
+    block_weights: int = 32
+
+    def row_bytes(self, k: int) -> int:
+        """Bytes of a packed row of k weights (k a multiple of block_weights)."""
+        return k // self.block_weights * self.block_bytes
 
 
 # GGML's numbers (gguf.GGMLQuantizationType)
-Q4_0, Q4_1, Q8_0 = BlockFormat("Q4_0", 2, 18), BlockFormat("Q4_1", 3, 20), BlockFormat("Q8_0", 8, 34)
-BLOCK_FORMATS = {f.type_id: f for f in (Q4_0, Q4_1, Q8_0)}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (BlockFormat("Q4_0", 2, 18), BlockFormat("Q4_1", 3, 20), BlockFormat("Q5_0", 6, 22),
+                                BlockFormat("Q5_1", 7, 24), BlockFormat("Q8_0", 8, 34))
+Q4_K, Q5_K, Q6_K = (BlockFormat("Q4_K", 12, 144, 256), BlockFormat("Q5_K", 13, 176, 256),
+                    BlockFormat("Q6_K", 14, 210, 256))
+BLOCK_FORMATS = {f.type_id: f for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)}
 FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}      # widened to fp32 at load
 
 
@@ -63,22 +80,64 @@ def check_type(name: str, type_id: int) -> None:
                          f"does not run yet (supported: {supported})")
 
 
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """Bytes uint8 [..., 2] holding an fp16 -> float32 [..., 1] (exact)."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes [..., 12] -> 8 six-bit scales and 8 mins, int [..., 8] each:
+    bytes 0-3 hold scales 0-3 (low 6 bits), 4-7 mins 0-3, and 8-11 the low 4 bits of
+    scale / min 4-7, whose top 2 bits are the top bits of bytes 0-3 / 4-7."""
+    sc, mn, both = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    scales = torch.cat((sc & 0x3F, (both & 0xF) | ((sc >> 2) & 0x30)), dim=-1)
+    mins = torch.cat((mn & 0x3F, (both >> 4) | ((mn >> 2) & 0x30)), dim=-1)
+    return scales, mins
+
+
+def _nibbles_in_runs(qs: torch.Tensor, run: int) -> torch.Tensor:
+    """Bytes [..., r * run] -> 4-bit values [..., 2 * r * run]: each run of bytes gives
+    its `run` low nibbles, then its `run` high nibbles (the K-quants' order)."""
+    runs = qs.reshape(*qs.shape[:-1], -1, 1, run)
+    return torch.cat((runs & 0xF, runs >> 4), dim=-2).reshape(*qs.shape[:-1], -1)
+
+
 def dequantize(qweight: torch.Tensor, type_id: int) -> torch.Tensor:
-    """The packed rows uint8 [n, k / 32 * block bytes] of a Q8_0 / Q4_0 / Q4_1 matrix ->
-    float32 [n, k]: gguf.quants.dequantize's values bit for bit (d widened from fp16, then
-    q * d, (q - 8) * d or q * d + m, each op rounded to fp32)."""
+    """The packed rows uint8 [n, k / QK * block bytes] of a BLOCK_FORMATS matrix ->
+    float32 [n, k]: gguf.quants.dequantize's values bit for bit (scales widened from fp16,
+    then each op of the table above rounded to fp32, in that order)."""
     fmt = BLOCK_FORMATS[type_id]
     n = qweight.shape[0]
-    blocks = qweight.reshape(n, -1, fmt.block_bytes)             # [n, k / 32, block bytes]
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, k / 32, 1]
+    b = qweight.reshape(n, -1, fmt.block_bytes)                     # [n, blocks, block bytes]
     if fmt is Q8_0:
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()
-        return (q * d).reshape(n, -1)
+        return (b[..., 2:].contiguous().view(torch.int8).float() * _half(b[..., 0:2])).reshape(n, -1)
     if fmt is Q4_1:
-        return dequantize_q4_1(qweight)
-    nibbles = blocks[..., 2:]
-    q = torch.cat((nibbles & 0xF, nibbles >> 4), dim=-1)          # low nibbles: weights 0..15
-    return ((q.to(torch.int8) - 8).float() * d).reshape(n, -1)
+        return dequantize_q4_1(qweight)                            # exercise 21 replaces it
+    if fmt in (Q4_0, Q5_0, Q5_1):
+        d = _half(b[..., 0:2])                                      # [n, blocks, 1]
+        m = _half(b[..., 2:4]) if fmt is Q5_1 else None
+        head = {Q4_0: 2, Q5_0: 6, Q5_1: 8}[fmt]
+        q = _nibbles_in_runs(b[..., head:], 16).int()               # low nibbles: weights 0..15
+        if fmt in (Q5_0, Q5_1):                                     # bit i of a uint32: weight i's 5th
+            qh = sum(b[..., head - 4 + i].long() << (8 * i) for i in range(4))
+            q = q | (((qh[..., None] >> torch.arange(32)) & 1) << 4)
+        if m is not None:
+            return (q.float() * d + m).reshape(n, -1)
+        return ((q - (8 if fmt is Q4_0 else 16)).float() * d).reshape(n, -1)
+    if fmt is Q6_K:
+        ql = _nibbles_in_runs(b[..., 0:128], 64)                    # [n, blocks, 256] low 4 bits
+        qh = b[..., 128:192].reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+        q = (ql.int() | ((qh & 3).reshape(n, -1, 256).int() << 4)) - 32
+        ds = _half(b[..., 208:210]) * b[..., 192:208].contiguous().view(torch.int8).float()  # [n, blocks, 16]
+        return (ds[..., None] * q.reshape(n, -1, 16, 16).float()).reshape(n, -1)
+    # Q4_K / Q5_K: 8 sub-blocks of 32, w = (d * sc) * q - dmin * mn (both products exact)
+    sc, mn = _k_scales(b[..., 4:16])
+    ds, dm = _half(b[..., 0:2]) * sc.float(), _half(b[..., 2:4]) * mn.float()       # [n, blocks, 8]
+    q = _nibbles_in_runs(b[..., -128:], 32).reshape(n, -1, 8, 32)
+    if fmt is Q5_K:                                                 # bit s of byte l: sub-block s, weight l
+        qh = b[..., 16:48].reshape(n, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
+        q = q | ((qh & 1) << 4)
+    return (ds[..., None] * q.float() - dm[..., None]).reshape(n, -1)
 
 
 def dequantize_q4_1(qweight: torch.Tensor) -> torch.Tensor:
@@ -103,7 +162,7 @@ class Segment:
     Attributes:
         start: the first row (the first column of y it computes).
         type_id: a BLOCK_FORMATS key, or 0 (F32) for a widened matrix.
-        weight: uint8 [rows, k / 32 * block bytes] packed, or float32 [rows, k].
+        weight: uint8 [rows, k / QK * block bytes] packed, or float32 [rows, k].
     """
 
     start: int
@@ -121,7 +180,7 @@ class GGUFLinearMethod:
 
     Args:
         output_size: rows of the layer's whole weight (columns of y).
-        input_size: k, a multiple of 32 for the block types.
+        input_size: k, a multiple of each block type's QK (32, or 256 for K-quants).
 
     apply(layer, x [m, k] float32) -> y [m, output_size] float32 (out_dtype if given).
     """
@@ -142,9 +201,10 @@ class GGUFLinearMethod:
         fmt = BLOCK_FORMATS.get(type_id)
         k = self.input_size
         if fmt is not None:
-            if k % QK:
-                raise ValueError(f"GGUF tensor {name!r}: its {k} columns are not whole blocks of {QK}")
-            expected = (data.shape[0], k // QK * fmt.block_bytes)
+            if k % fmt.block_weights:
+                raise ValueError(f"GGUF tensor {name!r} ({fmt.name}): its {k} columns are not whole blocks "
+                                 f"of {fmt.block_weights}")
+            expected = (data.shape[0], fmt.row_bytes(k))
         else:
             data, type_id = data.float(), 0
             expected = (data.shape[0], k)
