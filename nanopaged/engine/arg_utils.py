@@ -166,8 +166,9 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "max_logits_bytes": (int, "BYTES", "most bytes of fp32 logits a step holds at once (not given: "
                          "max_num_seqs rows)"),
     "quantization": (str, "METHOD", "gguf: run a .gguf file's (--model) linear weights in their block formats "
-                     "(Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K; float32); int8: quantize a folder's linear weights to int8 "
-                     "at load, a scale per output row (float32) (not given: the folder's weights as stored)"),
+                     "(Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K; float32); int8: quantize a folder's linear "
+                     "weights to int8 at load, a scale per output row (float32) (not given: the folder's "
+                     "weights as stored)"),
 }
 
 
