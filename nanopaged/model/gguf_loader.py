@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -36,6 +37,8 @@ from ..layers.quantization.gguf import BLOCK_FORMATS, GGUFEmbedding, GGUFLinearM
 from ..utils.files import apply_umask_permissions, move_into_place
 from ..utils.paths import cache_dir
 from .gguf_convert import _field, _read_family, _write_config, _write_tokenizer, gguf_to_hf_tensor_name, unpermute_qk
+
+logger = logging.getLogger(__name__)
 
 MARKER_NAME = "nanopaged-gguf.json"     # in a prepared folder: which file holds the weights
 PREPARER_VERSION = 1                    # bump when the prepared folder's contents change
@@ -89,6 +92,8 @@ def gguf_model_dir(gguf_path: str | os.PathLike) -> Path:
             return dst
     except (OSError, ValueError):
         pass
+    logger.info("reading %s's config and tokenizer (once; the weights stay in the file; cached in %s)",
+                src.name, dst)
     try:
         reader = gguf.GGUFReader(src)
     except (ValueError, OSError) as e:

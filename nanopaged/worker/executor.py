@@ -127,6 +127,22 @@ class UniProcExecutor(Executor):
         return [getattr(self.driver_worker, method)(*args)]
 
 
+def _leave_group() -> None:
+    """Destroy torch.distributed's groups, then let gloo's worker threads finish.
+
+    A gloo thread drops its reference to a finished collective (and so to the tensor it
+    reduced, a Python object) just after the caller's wait() returned; if the
+    interpreter is already finalizing, that thread cannot take the GIL, is ended mid-
+    destructor and the process aborts ("terminate called without an active exception",
+    seen under load). The pause hands the GIL to those threads before the exit."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    time.sleep(0.2)
+
+
 class ExternalLauncherExecutor(UniProcExecutor):
     """One Worker per process, the processes started by torchrun (vLLM's
     "external_launcher"): rank and size from torchrun's RANK and WORLD_SIZE.
@@ -160,7 +176,7 @@ class ExternalLauncherExecutor(UniProcExecutor):
         # group exists, leaves it before the handlers torch registered earlier tear down
         # what it uses (a finalizer alone runs from weakref's one atexit hook, which
         # may have been registered before them).
-        self._finalizer = weakref.finalize(self, dist.destroy_process_group) if owns_group else None
+        self._finalizer = weakref.finalize(self, _leave_group) if owns_group else None
         if owns_group:
             atexit.register(self._finalizer)
         self.group, self.device = group, device

@@ -91,7 +91,8 @@ class Worker:
         self.model = load_model(model_path, config.torch_dtype, device, config.max_model_len, self.tp, self.pp,
                                 model_class=lambda family: extensions.build_class(family, "model", config))
         if rank == 0:
-            logger.info("weights loaded in %.1f s", time.perf_counter() - start)
+            logger.info("weights loaded in %.1f s: %s", time.perf_counter() - start,
+                        weights_info(self.model).describe())
         self.draft_model = None                            # speculative decoding's draft
         sc = config.speculative_config
         if sc is not None and sc.method == "draft_model":

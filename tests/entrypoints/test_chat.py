@@ -29,6 +29,15 @@ def test_bad_flag_value_is_named(tiny_model_dir):
     assert r.returncode == 1 and "top_p" in r.stderr
 
 
+@pytest.mark.parametrize("which", ["a file", "missing"])
+def test_a_bad_model_path_is_named_without_a_traceback(tmp_path, which):
+    path = tmp_path / "model.gguf"
+    if which == "a file":
+        path.write_bytes(b"GGUF")
+    r = run_chat("", "--model", str(path))
+    assert r.returncode == 1 and str(path) in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("value, words", [("{enable_thinking: false}", ["--chat-template-kwargs is not JSON"]),
                                           ("[1]", ["chat_template_kwargs must be a dict"]),
                                           ('{"tokenize": true}', ["chat_template_kwargs", "'tokenize'"])])

@@ -172,6 +172,19 @@ def test_bad_engine_flag_exits_1_naming_the_field(tiny_model_dir, capsys):
     assert "block_size" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("which", ["a file", "missing"])
+def test_a_bad_model_path_exits_1_naming_it(tiny_model_dir, tmp_path, capsys, which):
+    """A file (a .gguf without --quantization gguf) or a missing path: the error, no traceback."""
+    from nanopaged.entrypoints.openai.api_server import main
+    path = tmp_path / "model.gguf"
+    if which == "a file":
+        path.write_bytes(b"GGUF")
+    assert main(["--model", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert str(path) in err and "Traceback" not in err, err
+    assert ("quantization='gguf'" if which == "a file" else "does not exist") in err, err
+
+
 def test_speculative_decoding_through_the_server(tiny_model_dir):
     """--speculative-config takes vLLM's JSON; greedy completions (plain and streamed) are
     the engine's without speculation, and /metrics counts drafts and accepted tokens

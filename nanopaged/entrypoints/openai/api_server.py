@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _raise_terminated)     # systemd, Docker and Kubernetes stop with it
     try:
         return serve_headless(args) if args.headless else asyncio.run(serve(args))
-    except (ValueError, TypeError, RuntimeError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError) as e:     # OSError: a bad model path, a port in use
         print(f"nanopaged.entrypoints.openai.api_server: error: {e}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Terminated):
