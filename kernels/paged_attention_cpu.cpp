@@ -1153,7 +1153,7 @@ struct Block {                                           // the 32-weight format
     constexpr int e = T * static_cast<int>(kLanes);
     if constexpr (Q == kQ8_0) return vmul(to_float(sbytes(p + kHead + e)), vset1(d));
     const ivec b = bytes(p + kHead + e % 16);           // element e's byte, in its high nibble from 16
-    ivec q = iand(e >= 16 ? ishr(b, 4) : b, 0xF);
+    ivec q = e >= 16 ? ishr(b, 4) : iand(b, 0xF);        // a byte >> 4 is its high nibble alone
     if constexpr (Q == kQ5_0 || Q == kQ5_1) q = ior(q, ishl(ibits(qh, e), 4));
     if constexpr (Q == kQ4_0) return vmul(to_float(isub(q, 8)), vset1(d));
     if constexpr (Q == kQ5_0) return vmul(to_float(isub(q, 16)), vset1(d));
