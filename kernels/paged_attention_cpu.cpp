@@ -809,8 +809,8 @@ inline void dot_tile(const T* const* xs, const T* const* ws, int64_t k, float (&
     }
   };
   // whole vectors with a constant length, then the partial one: the same loads and FMAs as
-  // one loop, but (measured, AVX2) the partial load's stack buffer inside the loop kept the
-  // compiler from holding the sums in registers: ~2.5x slower at m = 16
+  // one loop with a variable length (measured, AVX2, 1 thread, [1536 x 576], m = 256: this
+  // linear ~9% faster; no change end to end)
   int64_t d = 0;
   for (; d + kLanes <= k; d += kLanes) step(d, kLanes);
   if (d < k) step(d, k - d);
