@@ -62,6 +62,9 @@ class SpeculativeConfig:
             one given for both.
         model: the draft's local Hugging Face folder ("draft_model" only). Its
             vocabulary and tokenizer must be the target's.
+        quantization: the draft's weights ("draft_model" only; vLLM's field), whatever the
+            target's are: None as stored, "gguf" (`model` a .gguf file, or a folder holding
+            one, run as shipped) or "int8" (quantized at load). float32 so far.
         disable_by_batch_size: propose nothing in a step whose batch has more running
             requests than this (vLLM's speculative_disable_by_batch_size; None = never):
             a big batch is compute bound, and checking k extra tokens per row then costs
@@ -76,6 +79,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | os.PathLike | None = None
+    quantization: str | None = None
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -87,10 +91,13 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None:
             check_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size, minimum=1,
                       rule="a positive integer")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise invalid("speculative_config.quantization", self.quantization, f"None or one of {QUANTIZATION_METHODS}")
         if self.method == "ngram":
-            if self.model is not None:
-                raise ValueError(f"speculative_config.model is for method 'draft_model', but method is "
-                                 f"'ngram' (got model={self.model!r})")
+            for name in ("model", "quantization"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} is for method 'draft_model', but method is "
+                                     f"'ngram' (got {name}={getattr(self, name)!r})")
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
                 if value is not None:
@@ -121,9 +128,8 @@ class SpeculativeConfig:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
-                                 f"'num_speculative_tokens': 4}}, or that dict as JSON text; got {value!r}, "
-                                 f"which is not JSON ({e})") from None
+                raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', 'num_speculative_tokens'"
+                                 f": 4}}, or that dict as JSON text; got {value!r}, which is not JSON ({e})") from None
         if not isinstance(value, dict):
             raise invalid("speculative_config", value, "a dict such as {'method': 'ngram', "
                           "'num_speculative_tokens': 4}")
@@ -275,8 +281,7 @@ class EngineConfig:
         check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1, rule="a positive integer")
         backends = (None, "uni", "mp", "external_launcher")
         if self.distributed_executor_backend not in backends:
-            raise ValueError(f"distributed_executor_backend must be one of {backends}, "
-                             f"got {self.distributed_executor_backend!r}")
+            raise invalid("distributed_executor_backend", self.distributed_executor_backend, f"one of {backends}")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one worker, but "
                              f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp'")
@@ -318,16 +323,13 @@ class EngineConfig:
         if self.nnodes == 1:
             return
         if self.world_size % self.nnodes:
-            raise ValueError(f"the {self.world_size} ranks (tensor_parallel_size={self.tensor_parallel_size} x "
-                             f"pipeline_parallel_size={self.pipeline_parallel_size}) do not split evenly over "
-                             f"nnodes={self.nnodes}")
+            raise ValueError(f"the {self.world_size} ranks (tensor_parallel_size={self.tensor_parallel_size} x pipeline_"
+                             f"parallel_size={self.pipeline_parallel_size}) do not split evenly over nnodes={self.nnodes}")
         if self.master_port is None:
-            raise ValueError(f"nnodes={self.nnodes} needs master_port: the port of node 0's rendezvous, "
-                             "the same on every node")
+            raise ValueError(f"nnodes={self.nnodes} needs master_port: the port of node 0's rendezvous, the same on every node")
         if self.distributed_executor_backend not in (None, "mp"):
-            raise ValueError(f"nnodes={self.nnodes} runs on the 'mp' executor, not "
-                             f"distributed_executor_backend={self.distributed_executor_backend!r} "
-                             "(torchrun's external_launcher spans hosts by itself)")
+            raise ValueError(f"nnodes={self.nnodes} runs on the 'mp' executor, not distributed_executor_backend="
+                             f"{self.distributed_executor_backend!r} (torchrun's external_launcher spans hosts by itself)")
 
     @property
     def torch_device(self) -> torch.device:
@@ -374,13 +376,11 @@ class EngineConfig:
             floor = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
             budget = max(floor, self.max_num_seqs)
         elif budget < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens={budget} is smaller "
-                             f"than max_num_seqs={self.max_num_seqs}: a full batch of decodes "
-                             "(one token each) would not fit in one step")
+            raise ValueError(f"max_num_batched_tokens={budget} is smaller than max_num_seqs={self.max_num_seqs}: "
+                             "a full batch of decodes (one token each) would not fit in one step")
         elif budget < max_model_len and not self.enable_chunked_prefill:
-            raise ValueError(f"max_num_batched_tokens={budget} is smaller "
-                             f"than max_model_len={max_model_len}: a full-length prompt "
-                             "could never be scheduled (turn on enable_chunked_prefill)")
+            raise ValueError(f"max_num_batched_tokens={budget} is smaller than max_model_len={max_model_len}: "
+                             "a full-length prompt could never be scheduled (turn on enable_chunked_prefill)")
         logits_bytes = self.max_logits_bytes
         if vocab_size is not None:
             row = vocab_size * 4                       # one row of fp32 logits

@@ -45,7 +45,11 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
     check_quantization(resolved)
     sc = resolved.speculative_config
     if sc is not None and sc.method == "draft_model":
-        draft_path = check_draft_model(sc.model, model_path, model_config, resolved.tensor_parallel_size)
+        draft_path = check_draft_model(sc.model, model_path, model_config, resolved.tensor_parallel_size,
+                                       sc.quantization)
+        if sc.quantization is not None and resolved.torch_dtype != torch.float32:
+            raise ValueError(f"speculative_config.quantization={sc.quantization!r} runs in float32 so far, "
+                             f"got dtype={resolved.dtype!r}")
         resolved = replace(resolved, speculative_config=replace(sc, model=str(draft_path)))
     return resolved, model_path, model_config
 
@@ -92,10 +96,13 @@ def check_quantization(config: EngineConfig) -> None:
         raise ValueError(f"quantization={q!r} runs in float32 so far, got dtype={config.dtype!r}")
 
 
-def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor_parallel_size: int) -> Path:
+def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor_parallel_size: int,
+                      quantization: str | None = None) -> Path:
     """The draft model's local folder, once it fits the target: the same vocabulary
     (the target checks the draft's ids as its own) and heads that split over
-    tensor_parallel_size.
+    tensor_parallel_size. With quantization="gguf" (speculative_config.quantization),
+    `draft` is a .gguf file or a folder holding one, and the folder returned is
+    gguf_loader.gguf_model_dir's for it.
 
     Raises:
         ValueError: naming speculative_config.model and what differs.
@@ -103,7 +110,7 @@ def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor
     from transformers import AutoTokenizer
 
     try:
-        draft_path = check_model_dir(draft)
+        draft_path = resolve_model(draft, quantization="gguf") if quantization == "gguf" else check_model_dir(draft)
     except (ValueError, OSError) as e:
         raise ValueError(f"speculative_config.model: {e}") from None
     draft_config = ModelConfig.from_pretrained(draft_path)

@@ -13,6 +13,7 @@ vLLM: `vllm/v1/worker/gpu_worker.py`, `cpu_worker.py`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -96,7 +97,10 @@ class Worker:
         self.draft_model = None                            # speculative decoding's draft
         sc = config.speculative_config
         if sc is not None and sc.method == "draft_model":
-            self.draft_model = load_model(sc.model, config.torch_dtype, device, config.max_model_len, self.tp)
+            draft_config = dataclasses.replace(config, quantization=sc.quantization)   # its weights' format
+            self.draft_model = load_model(sc.model, config.torch_dtype, device, config.max_model_len, self.tp,
+                                          model_class=lambda family: extensions.build_class(family, "model",
+                                                                                            draft_config))
             if rank == 0:
                 logger.info("draft model loaded from %s (%d layers)", sc.model,
                             self.draft_model.config.num_hidden_layers)

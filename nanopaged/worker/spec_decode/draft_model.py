@@ -57,8 +57,10 @@ class DraftModelProposer(Proposer):
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.device = model.embed_tokens.weight.device
-        dtype = model.embed_tokens.weight.dtype
+        # the final norm's weight: in the activations' dtype and on the device whatever
+        # format the draft's matrices are kept in (a GGUF embedding holds no fp weight)
+        self.device = model.norm.weight.device
+        dtype = model.norm.weight.dtype
         shape = (c.num_hidden_layers, 2, num_gpu_blocks, block_size, model.num_local_kv_heads, c.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.cpu_kv_cache = torch.empty((shape[0], 2, num_cpu_blocks, *shape[3:]), dtype=dtype,
