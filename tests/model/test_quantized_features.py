@@ -137,3 +137,15 @@ def test_a_bad_draft_quantization_is_named(pair):
             speculative_config={"method": "draft_model", "model": model, "quantization": "int4"})
     with pytest.raises(ValueError, match="speculative_config.quantization is for method 'draft_model'"):
         LLM(model, quantization=quantization, **KW, speculative_config={"method": "ngram", "quantization": "int8"})
+
+
+def test_load_lines_name_the_weights_file_and_the_drafts_formats(pair, capsys):
+    """The log names the .gguf the weights come from (not the folder prepared beside it),
+    and the draft's formats and bytes as the target's line does."""
+    model, quantization, _ = pair
+    draft = {"method": "draft_model", "model": model, "quantization": quantization, "num_speculative_tokens": 2}
+    LLM(model, quantization=quantization, speculative_config=draft, **KW)
+    err = capsys.readouterr().err
+    assert f"loading weights from {model} (float32" in err, err
+    fmt = "Q8_0" if quantization == "gguf" else "int8"
+    assert re.search(rf"draft model loaded from {re.escape(model)} \(\d+ layers\): .*{fmt} [\d.]+ MB", err), err
