@@ -64,7 +64,7 @@ class SpeculativeConfig:
             vocabulary and tokenizer must be the target's.
         quantization: the draft's weights ("draft_model" only; vLLM's field), whatever the
             target's are: None as stored, "gguf" (`model` a .gguf file, or a folder holding
-            one, run as shipped) or "int8" (quantized at load). float32 so far.
+            one, run as shipped) or "int8" (quantized at load).
         disable_by_batch_size: propose nothing in a step whose batch has more running
             requests than this (vLLM's speculative_disable_by_batch_size; None = never):
             a big batch is compute bound, and checking k extra tokens per row then costs
@@ -155,7 +155,7 @@ class EngineConfig:
             model (SmolLM2-135M-Instruct, fetched from PyPI and converted once).
         dtype: "auto", "float32", "bfloat16" or "float16" (or a torch.dtype). "auto" is
             bfloat16 on CUDA and CPUs with bf16 dot products (`cpu_has_bf16_dot_products`),
-            else float32 (emulated bf16 is slower: chapters/12-kernels.md), as with quantization.
+            else float32 (emulated bf16 is slower: chapters/12-kernels.md), and with quantization.
         device: "auto" (cuda if available, else cpu), "cpu" or "cuda".
         block_size: tokens per KV block (vLLM default 16; 1, 2, 4 make paging visible).
         num_gpu_blocks: blocks in the device KV pool (vLLM CacheConfig); None sizes it
@@ -177,8 +177,7 @@ class EngineConfig:
         enable_chunked_prefill: split prompts longer than the step's remaining token
             budget over several steps (on by default as in vLLM v1).
         num_cpu_blocks: blocks in the CPU swap pool; None sizes it from swap_space.
-        swap_space: GiB of host memory for the swap pool when num_cpu_blocks is None
-            (vLLM's name; default 4).
+        swap_space: GiB of host memory for the swap pool if num_cpu_blocks is None (vLLM's; 4).
         preemption_mode: "auto" (swap or recompute, whichever the costs measured at
             start say is cheaper for the request at hand), "swap" or "recompute".
         attention_backend: "auto" (the compiled kernel of the device when it builds,
@@ -220,7 +219,8 @@ class EngineConfig:
             whose own rows per step (n, or beam_width) need more. None = max_num_seqs
             rows: max_num_seqs x vocab_size x 4 bytes (issue 34).
         quantization: None; "gguf": a .gguf file (or folder holding one) run as shipped (gguf_loader.py);
-            "int8": a folder's projections quantized at load, per output row (quantization/int8.py).
+            "int8": a folder's projections quantized at load, per row (quantization/int8.py); float32
+            activations (exact vs the dequantized model) or bfloat16 ones, widened first.
     """
 
     model: str | os.PathLike | None = None

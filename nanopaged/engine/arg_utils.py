@@ -13,7 +13,6 @@ import logging
 from dataclasses import fields, replace
 from pathlib import Path
 
-import torch
 
 from ..config import EngineConfig
 from ..layers.pipeline import get_pp_indices
@@ -30,14 +29,13 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
     Raises:
         ValueError: as EngineConfig.resolve, model_loader.resolve_model,
             max_model_len_limit, llama.check_tensor_parallel (a model that does not
-            split over tensor_parallel_size), check_pipeline_parallel and
-            check_quantization; node_rank > 0 (that node runs headless).
+            split over tensor_parallel_size) and check_pipeline_parallel; node_rank > 0
+            (that node runs headless).
     """
     if config.node_rank > 0:
         raise ValueError(f"node_rank={config.node_rank}: the engine runs on node 0; start node {config.node_rank} "
                          "with `python -m nanopaged.serve --headless` and the same --nnodes, --master-addr, "
                          "--master-port")
-    check_quantization(config)  # before a .gguf is fetched or prepared: it needs only the config
     model_path = resolve_model(config.model, quantization=config.quantization)
     model_config = ModelConfig.from_pretrained(model_path)
     resolved = config.resolve(max_model_len_limit(config, model_config), model_config.vocab_size)
@@ -81,21 +79,6 @@ def check_pipeline_parallel(model_config: ModelConfig, pipeline_parallel_size: i
     get_pp_indices(model_config.num_hidden_layers, 0, pipeline_parallel_size)
 
 
-def check_quantization(config: EngineConfig) -> None:
-    """Quantized weights (config.quantization, speculative_config.quantization) run in
-    float32 so far (on any tp x pp grid: the loaders split them). Needs only the config,
-    so it runs before a model is fetched or a .gguf prepared.
-
-    Raises:
-        ValueError: another dtype (naming it).
-    """
-    sc = config.speculative_config
-    for name, q in (("quantization", config.quantization),
-                    ("speculative_config.quantization", sc.quantization if sc is not None else None)):
-        if q is not None and config.torch_dtype != torch.float32:
-            raise ValueError(f"{name}={q!r} runs in float32 so far, got dtype={config.dtype!r}")
-
-
 def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor_parallel_size: int,
                       quantization: str | None = None) -> Path:
     """The draft model's local folder, once it fits the target: the same vocabulary
@@ -137,7 +120,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
               "with --quantization gguf a .gguf file or a folder holding one "
               "(default: SmolLM2-135M-Instruct, fetched from PyPI and converted once)"),
     "dtype": (str, "DTYPE", "auto, float32, bfloat16 or float16; auto is bfloat16 on CUDA and on CPUs "
-              "with bf16 dot products, else float32 (always float32 with --quantization)"),
+              "with bf16 dot products, else float32 (float32 with --quantization: exact against the "
+              "dequantized model; bfloat16 runs it too)"),
     "device": (str, "DEVICE", "auto (cuda if available, else cpu), cpu or cuda"),
     "block_size": (int, "N", "tokens per KV block (1, 2, 4 make paging visible)"),
     "num_gpu_blocks": (int, "N", "blocks in the device KV pool (not given: sized from --kv-cache-memory-bytes)"),
@@ -176,7 +160,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "quantization": (str, "METHOD", "gguf: run a .gguf file's (--model) linear weights in their block formats "
                      "(Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K; without --model, SmolLM2's Q4_1 file as "
                      "shipped); int8: quantize a folder's linear weights to int8 at load, a scale per output "
-                     "row. Both need --dtype float32 or auto (not given: the folder's weights as stored)"),
+                     "row (not given: the folder's weights as stored)"),
 }
 
 

@@ -218,9 +218,10 @@ class GGUFQuantizedModel:
         for layer_name, method in methods.items():
             method.finalize(layer_name)
             layer = self.get_submodule(layer_name)
+            dtype = layer.weight.dtype
             layer.weight, layer.quant_method = None, method     # the fp32 weight is freed
             if isinstance(layer, VocabParallelEmbedding):
-                GGUFEmbedding.from_layer(layer)                  # lookups widen their rows
+                GGUFEmbedding.from_layer(layer, dtype)           # lookups widen their rows
         self._check_loaded(loaded, src)
 
     def _holds(self, hf_name: str) -> bool:

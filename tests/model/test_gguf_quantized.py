@@ -20,7 +20,6 @@ from tiny_gguf import write_gguf_from_hf
 
 from nanopaged import LLM, SamplingParams, extensions
 from nanopaged.config import EngineConfig
-from nanopaged.engine.arg_utils import create_engine_config
 from nanopaged.exercises.tiny_model import make_tiny_model
 from nanopaged.layers.backends import get_ops
 from nanopaged.model import gguf_loader
@@ -204,19 +203,6 @@ def test_unsupported_type_in_a_projection_is_named(tmp_path):
 def test_config_refuses_an_unknown_method():
     with pytest.raises(ValueError, match=r"quantization must be None or one of \('gguf', 'int8'\), got 'int4'"):
         EngineConfig(quantization="int4")
-
-
-def test_engine_refuses_what_quantization_does_not_run_yet(files):
-    with pytest.raises(ValueError, match="float32 so far, got dtype='bfloat16'"):
-        create_engine_config(EngineConfig(model=str(files[0]), quantization="gguf", dtype="bfloat16"))
-    # checked before the model is looked for: a missing file (or the default model's, not
-    # yet fetched) is not touched first
-    with pytest.raises(ValueError, match="quantization='gguf' runs in float32 so far"):
-        create_engine_config(EngineConfig(model="/nonexistent/x.gguf", quantization="gguf", dtype="bfloat16"))
-    draft = {"method": "draft_model", "model": "/nonexistent/d.gguf", "num_speculative_tokens": 2,
-             "quantization": "gguf"}
-    with pytest.raises(ValueError, match="speculative_config.quantization='gguf' runs in float32 so far"):
-        create_engine_config(EngineConfig(model="/nonexistent", dtype="bfloat16", speculative_config=draft))
 
 
 def test_gguf_quantization_needs_a_gguf_file(tiny_model_dir, tmp_path):

@@ -18,7 +18,6 @@ from conftest import paged_logits
 
 from nanopaged import LLM, SamplingParams, extensions
 from nanopaged.config import EngineConfig
-from nanopaged.engine.arg_utils import create_engine_config
 from nanopaged.exercises.tiny_model import make_tiny_model
 from nanopaged.layers.backends import TorchOps, get_ops
 from nanopaged.layers.quantization.int8 import dequantize, quantize
@@ -159,9 +158,3 @@ def test_quantize_rules():
     assert q.tolist() == [[50, -127, 0, 0], [0, 0, 0, 0]]
     q, _ = quantize(torch.tensor([[1.0, 3.0]]), absmax=torch.tensor([2.0]))   # a row part, its whole row's max
     assert q.tolist() == [[64, 127]]                                # 3 / (2 / 127) clamped
-
-
-def test_engine_refuses_another_dtype(tmp_path):
-    make_tiny_model(tmp_path / "hf")
-    with pytest.raises(ValueError, match="quantization='int8' runs in float32 so far, got dtype='bfloat16'"):
-        create_engine_config(EngineConfig(model=str(tmp_path / "hf"), quantization="int8", dtype="bfloat16"))

@@ -149,3 +149,50 @@ def test_load_lines_name_the_weights_file_and_the_drafts_formats(pair, capsys):
     assert f"loading weights from {model} (float32" in err, err
     fmt = "Q8_0" if quantization == "gguf" else "int8"
     assert re.search(rf"draft model loaded from {re.escape(model)} \(\d+ layers\): .*{fmt} [\d.]+ MB", err), err
+
+
+def test_bfloat16_activations_are_batch_invariant(pair):
+    """dtype="bfloat16" on quantized weights (emulated on a CPU without bf16 units): a
+    prompt's greedy ids and logprobs alone, in a batch with chunked prefills, and alone
+    again are the same floats."""
+    model, quantization, _ = pair
+    llm = LLM(model, quantization=quantization, **{**KW, "dtype": "bfloat16"}, max_num_batched_tokens=16,
+              max_num_seqs=8, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def target(prompts):
+        out = llm.generate(prompts, params, use_tqdm=False)[prompts.index(PROMPTS[2])].outputs[0]
+        return out.token_ids, out.logprobs
+    alone = target([PROMPTS[2]])
+    assert target(PROMPTS) == alone
+    assert target([PROMPTS[0], PROMPTS[2]]) == alone
+    assert target([PROMPTS[2]]) == alone
+
+
+def test_bfloat16_activations_widen_then_sum_in_float32(pair):
+    """A quantized layer given bf16 rows widens them (exact), runs the float32 matmul, and
+    rounds y once: its bf16 output is the float32 path's output rounded. The whole engine
+    in bf16 is as near its float32 self as the dequantized model is to its own: prompt
+    logprobs move by at most twice what bf16 moves the dequantized folder's."""
+    model, quantization, _ = pair
+    llm = LLM(model, quantization=quantization, **{**KW, "dtype": "bfloat16"})
+    net = llm.engine.engine_core.executor.driver_worker.model
+    layers = [m for m in net.modules() if getattr(m, "quant_method", None) is not None]
+    assert layers and net.norm.weight.dtype == torch.bfloat16
+    for layer in layers:
+        method = layer.quant_method
+        k = method.input_size if quantization == "gguf" else method.qweight.shape[1]
+        x = torch.randn(5, k).to(torch.bfloat16)
+        got = method.apply(layer, x)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, method.apply(layer, x.float()).to(torch.bfloat16))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def bf16_error(folder, quantization=None):       # largest |logprob in bf16 - in float32|
+        runs = [[next(iter(p.values())).logprob for o in LLM(folder, quantization=quantization, **{**KW, "dtype": dt})
+                 .generate(PROMPTS, params, use_tqdm=False) for p in o.prompt_logprobs[1:]]
+                for dt in ("float32", "bfloat16")]
+        return max(abs(a - b) for a, b in zip(*runs))
+    err, reference_err = bf16_error(model, quantization), bf16_error(pair[2])
+    print(f"bf16 - float32, largest |logprob| difference: {quantization} {err:.4f}, dequantized {reference_err:.4f}")
+    assert 0 < err <= 2 * reference_err + 0.01

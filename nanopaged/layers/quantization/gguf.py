@@ -182,7 +182,9 @@ class GGUFLinearMethod:
         output_size: rows of the layer's whole weight (columns of y).
         input_size: k, a multiple of each block type's QK (32, or 256 for K-quants).
 
-    apply(layer, x [m, k] float32) -> y [m, output_size] float32 (out_dtype if given).
+    apply(layer, x [m, k] float32 or bfloat16) -> y [m, output_size] in out_dtype (default
+    x's dtype): x is widened to float32 first (exact), the products of the widened weights
+    summed in float32, and y rounded to out_dtype once at the end.
     """
 
     def __init__(self, output_size: int, input_size: int) -> None:
@@ -250,7 +252,8 @@ class GGUFLinearMethod:
         return held
 
     def apply(self, layer, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        x = x.contiguous()
+        out_dtype = out_dtype or x.dtype
+        x = x.float().contiguous()
         out = torch.empty(x.shape[0], self.output_size, dtype=torch.float32, device=x.device)
         for seg in self.segments:
             cols = out[:, seg.start:seg.start + seg.rows]                    # [m, rows], rows apart
@@ -258,7 +261,7 @@ class GGUFLinearMethod:
                 layer.ops.gguf_linear(cols, x, seg.weight, seg.type_id)
             else:
                 cols.copy_(layer.ops.linear(x, seg.weight))
-        return out if out_dtype in (None, torch.float32) else out.to(out_dtype)
+        return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 class GGUFEmbedding(VocabParallelEmbedding):
@@ -268,18 +271,22 @@ class GGUFEmbedding(VocabParallelEmbedding):
     through `quant_method` (`_linear`). The loader turns a loaded VocabParallelEmbedding
     into one (`from_layer`) once its quant_method is set.
 
-    forward(input_ids [n] int64) -> [n, hidden_size] float32.
+    forward(input_ids [n] int64) -> [n, hidden_size] in the model's dtype (float32 or
+    bfloat16: the widened rows rounded once).
     """
 
     @classmethod
-    def from_layer(cls, layer: VocabParallelEmbedding) -> "GGUFEmbedding":
-        """`layer` itself, its class changed: its weight already given up for quant_method."""
+    def from_layer(cls, layer: VocabParallelEmbedding, dtype: torch.dtype) -> "GGUFEmbedding":
+        """`layer` itself, its class changed: its weight already given up for quant_method;
+        `dtype` the model's (what a lookup returns)."""
         if layer.quant_method is None or layer.tp.size != 1 or len(layer.quant_method.segments) != 1:
             raise ValueError("GGUFEmbedding needs one rank and a quant_method of one block type")
         layer.__class__ = cls
+        layer.dtype = dtype
         return layer
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         seg = self.quant_method.segments[0]
         rows = seg.weight[input_ids]                                          # [n, row bytes] or [n, hidden]
-        return dequantize(rows, seg.type_id) if seg.type_id in BLOCK_FORMATS else rows
+        rows = dequantize(rows, seg.type_id) if seg.type_id in BLOCK_FORMATS else rows
+        return rows.to(self.dtype)

@@ -53,7 +53,8 @@ class Int8LinearMethod:
         qweight: int8 [n, k], this rank's rows (or columns) of the weight.
         scale: float32 [n], each row's scale (of the whole row).
 
-    apply(layer, x [m, k] float32) -> y [m, n] float32 (out_dtype if given).
+    apply(layer, x [m, k] float32 or bfloat16) -> y [m, n] in out_dtype (default x's
+    dtype): x widened to float32 first, y rounded once at the end.
     """
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
@@ -73,8 +74,9 @@ class Int8LinearMethod:
         return {"int8": self.qweight.numel(), "float32": self.scale.numel() * 4}
 
     def apply(self, layer, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        y = layer.ops.int8_linear(x, self.qweight, self.scale)
-        return y if out_dtype in (None, torch.float32) else y.to(out_dtype)
+        out_dtype = out_dtype or x.dtype
+        y = layer.ops.int8_linear(x.float(), self.qweight, self.scale)
+        return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
 def quantized_layers(model: torch.nn.Module):
@@ -87,12 +89,15 @@ class Int8QuantizedModel:
     """A model family class whose projections are quantized to int8 after loading (the
     extension "int8_quantization", extensions.MODEL).
 
-    load_weights(folder): the family's load, then each projection's fp32 weight is
-    replaced by an Int8LinearMethod (the weight freed).
+    load_weights(folder): the family's load (the projections read in float32, whatever the
+    model's dtype), then each projection's fp32 weight is replaced by an Int8LinearMethod
+    (the weight freed).
     """
 
     def load_weights(self, folder) -> None:
         self._row_absmax: dict[str, torch.Tensor] = {}
+        for _, layer in quantized_layers(self):      # read in float32 whatever the dtype: the same
+            layer.weight.data = layer.weight.data.float()    # q and scales in float32 and bfloat16
         super().load_weights(folder)
         for name, layer in quantized_layers(self):
             q, scale = quantize(layer.weight.data, self._row_absmax.pop(name, None))
