@@ -13,7 +13,6 @@ import logging
 from dataclasses import fields, replace
 from pathlib import Path
 
-
 from ..config import EngineConfig
 from ..layers.pipeline import get_pp_indices
 from ..model.config import ModelConfig
