@@ -116,13 +116,31 @@ def test_bf16_greedy_stays_sane(default_model_dir, chat_prompts, hf_model, token
         if block_size == 16:
             assert llm.generate(prompts[1], params)[0].outputs[0].token_ids == runs[16][1]
     assert runs[16] == runs[4]
-    for prompt, ours in zip(prompts, runs[16]):
+    assert_within_fp32_near_ties(prompts, runs[16], hf_model, tokenizer)
+
+
+def assert_within_fp32_near_ties(prompts, outputs, hf_model, tokenizer):
+    """Every token of `outputs` (ids per prompt) is fp32 transformers' argmax, teacher-
+    forced on them, or within 0.25 of its top logit; the first answer names Paris."""
+    for prompt, ours in zip(prompts, outputs):
         ids = tokenizer(prompt).input_ids
         with torch.no_grad():
             logits = hf_model(torch.tensor([ids + ours])).logits[0, len(ids) - 1:-1]
         below_top = logits.max(-1).values - logits.gather(1, torch.tensor(ours)[:, None])[:, 0]
         assert below_top.max() <= 0.25, (tokenizer.decode(ours), below_top.tolist())
-    assert "Paris" in tokenizer.decode(runs[16][0])
+    assert "Paris" in tokenizer.decode(outputs[0])
+
+
+def test_bf16_on_the_q4_1_file_stays_sane(chat_prompts, hf_model, tokenizer):
+    """bf16 activations on SmolLM2's Q4_1 file as shipped (quantization="gguf"): the same
+    near-tie rule against fp32 transformers on the dequantized folder (the file's exact
+    weights), and a prompt's ids alone as in the batch."""
+    prompts = [chat_prompts[i] for i in (0, 2, 3, 5)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    llm = LLM(quantization="gguf", dtype="bfloat16", kv_cache_memory_bytes=SMALL_KV)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.generate(prompts[1], params)[0].outputs[0].token_ids == ours[1]
+    assert_within_fp32_near_ties(prompts, ours, hf_model, tokenizer)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
