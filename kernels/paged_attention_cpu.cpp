@@ -1297,12 +1297,17 @@ inline void widen_rows(float* panel, const uint8_t* w, int64_t rows, int64_t row
 // linear_kernel's tiling (tasks of 32 weight rows, x in L2-sized chunks, 4 weight rows at a
 // time, a short group repeating its last row) over packed rows; out's rows are ldo apart
 // (a column slice of a fused layer's output). Two paths, the same bits:
-// - up to kPanelFrom rows of x (decode): each block widened in registers (qdot_tile), the
-//   packed bytes read once;
-// - more rows (prefill, big batches): a task first widens its 32 weight rows into a panel
-//   of fp32 (~32 x k x 4 bytes, in L2), then runs linear_kernel's own dot_tile on it for
+// - fewer than kPanelFrom rows of x (decode): each block widened in registers (qdot_tile),
+//   the packed bytes read once;
+// - more rows (prefill, batches): a task first widens its 32 weight rows into a panel of
+//   fp32 (~32 x k x 4 bytes, in L2), then runs linear_kernel's own dot_tile on it for
 //   every row of x: a block is widened once, not once per kTileRows rows of x (measured
 //   here, m = 256: ~1.5x the fp32 matmul's time the first way, ~1.0x this way).
+// Where the panel starts to pay (2026-12-03, 2-core AMD EPYC, AVX2, 2 threads, [3072 x
+// 576-768]): from 3 rows for the K-quants (m = 7: Q4_K 0.61 -> 0.46 ms, Q6_K 0.92 -> 0.52),
+// from 5 for Q4_1 (m = 7: 0.43 -> 0.34; about equal at 3 and 4); Q8_0, cheap to widen, only
+// from 12 (the [49152 x 576] head: m = 7 5.0 ms in registers, 5.6 on a panel; m = 12 7.9
+// and 8.4; m = 15 in registers 10.2, m = 16 on a panel 7.8).
 // Both feed the FMAs the same widened values in the same order, so a row's bits do not
 // depend on which path its batch took (batch invariance).
 template <int64_t Q>
@@ -1310,7 +1315,7 @@ void gguf_linear_kernel(float* out, int64_t ldo, const float* x, const uint8_t* 
                         int64_t n) {
   constexpr int64_t kRowsPerTask = 32;
   constexpr int64_t kTileRows = mm::kLanes >= 16 ? 4 : 2;
-  constexpr int64_t kPanelFrom = 8;                      // rows of x from which a task widens a panel
+  constexpr int64_t kPanelFrom = Q == kQ8_0 ? 12 : 3;    // rows of x from which a task widens a panel
   const int64_t blocks = k / kWeights<Q>, row_bytes = blocks * kBytes<Q>;
   const bool panel = m >= kPanelFrom;
   at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {

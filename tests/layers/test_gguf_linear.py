@@ -100,19 +100,20 @@ def test_kernel_equals_fp32_linear_on_dequantized_weights(ops, qtype, m, k, n):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_kernel_rows_are_batch_invariant(ops, qtype):
-    """A row's result alone (m = 1) equals its result in batches of every size, and in a
-    column slice of a wider output (a fused layer's segment)."""
+    """A row's result alone (m = 1) equals its result in batches of every size (both of the
+    kernel's paths: widened in registers below kPanelFrom rows, 3 or 12, a panel from
+    there), and in a column slice of a wider output (a fused layer's segment)."""
     k = 3 * qk(qtype)
     qweight, _ = quantized(21, k, qtype, seed=3)
-    x = torch.randn(9, k, generator=torch.Generator().manual_seed(1))
-    alone = torch.empty(9, 21)
-    for i in range(9):
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(1))
+    alone = torch.empty(13, 21)
+    for i in range(13):
         ops.gguf_linear(alone[i:i + 1], x[i:i + 1], qweight, int(qtype))
-    for m in range(2, 10):
+    for m in range(2, 14):
         batch = torch.empty(m, 21)
         ops.gguf_linear(batch, x[:m], qweight, int(qtype))
         assert torch.equal(bits(batch), bits(alone[:m])), m
-    wide = torch.zeros(9, 40)
+    wide = torch.zeros(13, 40)
     ops.gguf_linear(wide[:, 5:26], x, qweight, int(qtype))
     assert torch.equal(bits(wide[:, 5:26]), bits(alone))
     assert not wide[:, :5].any() and not wide[:, 26:].any()
