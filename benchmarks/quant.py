@@ -24,7 +24,13 @@ Measured:
 - bytes per decoded token: the weights a batch-1 step reads (every projection and the LM
   head once; the embedding row and norms are noise) plus the KV it reads at the mean
   context, against this machine's read bandwidth (a large torch reduction, best of five,
-  the same threads): the DRAM roofline's ms/token, and the share of it each run reaches.
+  the same threads): the DRAM roofline's ms/token, and the share of it each run reaches;
+- the throughput workload's compute roofline: its matmul and attention FLOPs (every
+  prompt and output token through the projections, each sampled token through the LM
+  head, causal attention over its context) over the best float32 rate this machine's
+  cores reach (torch's MKL sgemm on [2048 x 2048] x [2048 x 2048], best of five, the
+  same threads): the most tokens/s any float32-exact engine could serve it at here,
+  and what that is as a multiple of llama.cpp's serial rate.
 The greedy tokens of llama.cpp are compared too: it rounds activations to 8 bits in its
 matmuls (Q8_1), we do not, so they may part after some tokens; reported, not required.
 """
@@ -135,6 +141,40 @@ def read_bandwidth(threads: int) -> float:
         torch.set_num_threads(old)
 
 
+def sgemm_flops(threads: int) -> float:
+    """float32 FLOP/s torch's sgemm (MKL) reaches on [2048 x 2048] @ [2048 x 2048] with
+    `threads` threads, best of five: the ceiling for any float32 matmul here."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+        a @ b
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        return 2 * 2048 ** 3 / best
+    finally:
+        torch.set_num_threads(old)
+
+
+def workload_flops(config, prompts, out_lens) -> float:
+    """FLOPs the workload needs at the least (2 per multiply-add): every prompt and output
+    token but the last through the projections (q, k, v, o, gate, up, down of every
+    layer), each output token's row through the LM head, and causal attention (q.k and
+    p.v over the context, every head). config: the model's ModelConfig."""
+    h, d = config.hidden_size, config.head_dim
+    heads, kv_heads, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    per_token = config.num_hidden_layers * (h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter)
+    macs = 0
+    for prompt, n in zip(prompts, out_lens):
+        tokens = len(prompt) + n - 1                    # the last output token is never fed back
+        context = tokens * (tokens + 1) // 2            # token t attends to t + 1 positions
+        macs += tokens * per_token + n * h * config.vocab_size + config.num_hidden_layers * 2 * heads * d * context
+    return 2 * macs
+
+
 def run_engine(model: str, quantization: str | None, batch1_prompt, prompts, out_lens) -> dict:
     """One nanopaged engine: batch-1 ms/token (best of three), the workload, its weights."""
     from nanopaged import LLM, SamplingParams
@@ -152,7 +192,9 @@ def run_engine(model: str, quantization: str | None, batch1_prompt, prompts, out
         runs = [one(DECODE_TOKENS + 1) for _ in range(3)]
         batch1 = (min(t for t, _ in runs) - t1) / DECODE_TOKENS
         wall, tokens = run_nanopaged(llm, prompts, out_lens)
+        model_config = llm.engine.model_runner.model.config
         return dict(batch1=batch1, ids=list(runs[0][1]), wall=wall, tokens=tokens,
+                    flops=workload_flops(model_config, prompts, out_lens),
                     **weight_bytes(llm.engine.model_runner.model), kv_per_token=_kv_per_token(llm))
     finally:
         llm.shutdown()
@@ -195,7 +237,7 @@ def bench_quant(model: str | None, args) -> None:
     print(f"quant: {machine()}; {threads} threads each; float32 activations; {gguf.name} "
           f"({gguf.stat().st_size / 1e6:.1f} MB); batch 1: a {PROMPT_TOKENS}-token prompt, "
           f"{DECODE_TOKENS} tokens; throughput: {len(prompts)} requests, {sum(out_lens)} output tokens")
-    bandwidth = read_bandwidth(threads)
+    bandwidth, peak = read_bandwidth(threads), sgemm_flops(threads)
     rows = {"nanopaged gguf (as shipped)": run_engine(str(gguf), "gguf", batch1_prompt, prompts, out_lens),
             "nanopaged fp32 folder": run_engine(folder, None, batch1_prompt, prompts, out_lens)}
     python = find_llamacpp_python(getattr(args, "llamacpp_python", None))
@@ -213,6 +255,10 @@ def bench_quant(model: str | None, args) -> None:
               f"weights resident {r['resident'] / 1e6:.1f} MB ({r['resident'] / gguf.stat().st_size:.2f}x the file); "
               f"a decode step reads {step / 1e6:.1f} MB: roofline {1e3 * step / bandwidth:.1f} ms/token, "
               f"reached {100 * step / bandwidth / r['batch1']:.0f}%")
+    ceiling = ours["tokens"] / (ours["flops"] / peak)                   # tok/s at the sgemm rate
+    print(f"  compute roofline of the throughput workload: {ours['flops'] / 1e12:.2f} TFLOP; torch's sgemm "
+          f"here {peak / 1e9:.0f} GFLOP/s, so at most {ceiling:.0f} tok/s in float32 "
+          f"(nanopaged gguf reached {100 * ours['tokens'] / ours['wall'] / ceiling:.0f}% of it)")
     same = ours["ids"] == rows["nanopaged fp32 folder"]["ids"]
     print(f"  gguf vs fp32 folder: same batch-1 greedy tokens: {same}; batch 1 "
           f"{rows['nanopaged fp32 folder']['batch1'] / ours['batch1']:.2f}x faster")
@@ -225,4 +271,7 @@ def bench_quant(model: str | None, args) -> None:
               f"throughput nanopaged / llama.cpp serial = "
               f"{(ours['tokens'] / ours['wall']) / (peer['tokens'] / peer['wall']):.2f}x (>= 5); "
               f"resident / file = {ours['resident'] / gguf.stat().st_size:.2f}x (<= 1.25)")
+        serial = peer["tokens"] / peer["wall"]
+        print(f"  the float32 compute roofline is {ceiling / serial:.2f}x llama.cpp's serial {serial:.1f} tok/s: "
+              f"the most throughput ratio any float32-exact engine could reach on these cores")
 

@@ -37,6 +37,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -818,8 +819,10 @@ inline void dot_tile(const T* const* xs, const T* const* ws, int64_t k, float (&
     for (int c = 0; c < 4; ++c) res[r][c] = vsum(acc[r][c]);
 }
 
+// out's rows are ldo apart (default n; gguf_linear writes a column slice of a wider out)
 template <typename T, typename O>
-void linear_kernel(O* out, const T* x, const T* w, int64_t m, int64_t k, int64_t n) {
+void linear_kernel(O* out, const T* x, const T* w, int64_t m, int64_t k, int64_t n, int64_t ldo = -1) {
+  if (ldo < 0) ldo = n;
   constexpr int64_t kRowsPerTask = 32;          // weight rows a task keeps in cache for every x row
   // rows of x a tile holds in registers: 4 x 4 sums + 4 weight vectors + x fit AVX512's 32
   // registers; AVX2 has 16, so 2 x 4 there
@@ -845,7 +848,7 @@ void linear_kernel(O* out, const T* x, const T* w, int64_t m, int64_t k, int64_t
             default: dot_tile<T, 4>(xs, ws, k, res);
           }
           for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < 4 && j + c < j1; ++c) out[(i + r) * n + j + c] = static_cast<O>(res[r][c]);
+            for (int64_t c = 0; c < 4 && j + c < j1; ++c) out[(i + r) * ldo + j + c] = static_cast<O>(res[r][c]);
         }
       }
     }
@@ -1259,6 +1262,22 @@ inline void qdot_tile(const float* const* xs, const uint8_t* const* ws, int64_t 
       for (int64_t o = 0; o < kB; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ws[c] + b * kB + ahead + o), _MM_HINT_T0);
 #endif
+    if constexpr (R == 1 && kW == 32) {
+      // one row of x on a 32-weight format: x's block in registers, then a weight row's
+      // block at a time, its scales live only while its vectors are summed (the four rows'
+      // blocks at once held 8 scales and spilled to the stack; measured 2026-12-03, AMD
+      // EPYC, AVX2, 2 threads: SmolLM2's 121 matmuls of a batch-1 step 7.8 -> 6.9 ms).
+      // Each acc[0][c] gets the same FMAs in the same order as below.
+      vec xv[kW / kLanes];
+      unroll<kW / kLanes>([&](auto t) { xv[t] = vload(xs[0] + b * kW + t * kLanes, kLanes); });
+      for (int c = 0; c < 4; ++c) {
+        const BlockOf<Q> blk(ws[c] + b * kB);
+        unroll<kW / kLanes>([&](auto t) {
+          acc[0][c] = vfma(xv[t], blk.template widen<decltype(t)::value>(0), acc[0][c]);
+        });
+      }
+      continue;
+    }
     const BlockOf<Q> blk[4] = {BlockOf<Q>(ws[0] + b * kB), BlockOf<Q>(ws[1] + b * kB),
                                BlockOf<Q>(ws[2] + b * kB), BlockOf<Q>(ws[3] + b * kB)};
     constexpr int kGroup = BlockOf<Q>::kGroup;
@@ -1294,29 +1313,59 @@ inline void widen_rows(float* panel, const uint8_t* w, int64_t rows, int64_t row
     }
 }
 
-// linear_kernel's tiling (tasks of 32 weight rows, x in L2-sized chunks, 4 weight rows at a
-// time, a short group repeating its last row) over packed rows; out's rows are ldo apart
-// (a column slice of a fused layer's output). Two paths, the same bits:
-// - fewer than kPanelFrom rows of x (decode): each block widened in registers (qdot_tile),
-//   the packed bytes read once;
-// - more rows (prefill, batches): a task first widens its 32 weight rows into a panel of
-//   fp32 (~32 x k x 4 bytes, in L2), then runs linear_kernel's own dot_tile on it for
-//   every row of x: a block is widened once, not once per kTileRows rows of x (measured
-//   here, m = 256: ~1.5x the fp32 matmul's time the first way, ~1.0x this way).
-// Where the panel starts to pay (2026-12-03, 2-core AMD EPYC, AVX2, 2 threads, [3072 x
-// 576-768]): from 3 rows for the K-quants (m = 7: Q4_K 0.61 -> 0.46 ms, Q6_K 0.92 -> 0.52),
-// from 5 for Q4_1 (m = 7: 0.43 -> 0.34; about equal at 3 and 4); Q8_0, cheap to widen, only
-// from 12 (the [49152 x 576] head: m = 7 5.0 ms in registers, 5.6 on a panel; m = 12 7.9
-// and 8.4; m = 15 in registers 10.2, m = 16 on a panel 7.8).
-// Both feed the FMAs the same widened values in the same order, so a row's bits do not
-// depend on which path its batch took (batch invariance).
+// The fp32 matrix gguf_linear_kernel widens for many rows of x, kept from call to call
+// (grow-only; its largest size is the largest layer's, <= kWholeBytes): a new buffer of
+// megabytes is fresh pages from the OS every call (glibc maps it), and touching them
+// first cost more than the widening (measured: [3072 x 576], m = 128, 1.4 ms of 5.0).
+struct Scratch {
+  static inline std::mutex mutex;
+  static float* get(int64_t floats) {                   // call with mutex held
+    static std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < floats) buf.resize(floats);
+    return buf.data();
+  }
+};
+
+// Three paths by the rows m of x, all feeding the FMAs the same widened values in the same
+// order as linear_kernel's dot_tile, so a row's bits do not depend on which path its batch
+// took (batch invariance; the tests cross every threshold):
+// - m < kPanelFrom (decode): linear_kernel's tiling (tasks of 32 weight rows, 4 at a time,
+//   a short group repeating its last row) with each block widened in registers
+//   (qdot_tile): the packed bytes are read once;
+// - m < kWholeFrom (small batches): a task first widens its 32 weight rows into a panel of
+//   fp32 (~32 x k x 4 bytes, in L2), then runs dot_tile on it for every row of x: a block
+//   is widened once, not once per kTileRows rows of x;
+// - from kWholeFrom rows (prefill, large batches): the whole matrix is widened once into
+//   a scratch kept between calls (`Scratch`; at most kWholeBytes, else the panels) and
+//   linear_kernel runs on it, x in L2-sized chunks.
+// Measured (2026-12-03, 2-core AMD EPYC, AVX2, 2 threads). Where the panel starts to pay,
+// [3072 x 576-768], m = 7: Q4_K 0.61 -> 0.46 ms, Q6_K 0.92 -> 0.52, Q4_1 0.43 -> 0.34;
+// Q8_0, cheap to widen, only from 12 rows (the [49152 x 576] head: m = 7 5.0 ms in
+// registers, 5.6 on a panel; m = 12 7.9 and 8.4). The whole matrix against the panels,
+// Q4_1 [3072 x 576]: m = 32 1.22 -> 1.01 ms, m = 128 4.98 -> 3.77, m = 4600 181 -> 134
+// (linear_kernel on fp32 weights: 0.90, 3.62, 131; the panels re-read all of x, which
+// outgrows L2, for every task); [576 x 1536] m = 32 0.46 -> 0.51, m = 4600 about equal.
+// On the 32-request workload (bench.py --sections quant) the Q4_1 file went from 105 to
+// 129 tok/s, the fp32 folder's 124.
 template <int64_t Q>
 void gguf_linear_kernel(float* out, int64_t ldo, const float* x, const uint8_t* w, int64_t m, int64_t k,
                         int64_t n) {
   constexpr int64_t kRowsPerTask = 32;
   constexpr int64_t kTileRows = mm::kLanes >= 16 ? 4 : 2;
   constexpr int64_t kPanelFrom = Q == kQ8_0 ? 12 : 3;    // rows of x from which a task widens a panel
+  constexpr int64_t kWholeFrom = 16, kWholeBytes = 64 << 20;
   const int64_t blocks = k / kWeights<Q>, row_bytes = blocks * kBytes<Q>;
+  if (m >= kWholeFrom && n * k * 4 <= kWholeBytes) {
+    std::unique_lock<std::mutex> lock(Scratch::mutex, std::try_to_lock);
+    if (lock.owns_lock()) {                              // (another thread's call: the panels)
+      float* wide = Scratch::get(n * k);
+      at::parallel_for(0, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
+        widen_rows<Q>(wide + begin * k, w + begin * row_bytes, end - begin, row_bytes, k);
+      });
+      mm::linear_kernel<float, float>(out, x, wide, m, k, n, ldo);
+      return;
+    }
+  }
   const bool panel = m >= kPanelFrom;
   at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(panel ? kRowsPerTask * k : 0);

@@ -25,7 +25,7 @@ T = gguf.GGMLQuantizationType
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
 # (m, k, n): m = 1 (decode) and batches; k odd and even multiples of 32; n not a multiple of 4
-SHAPES = [(1, 32, 1), (1, 96, 7), (2, 64, 13), (3, 160, 45), (5, 96, 33), (17, 96, 6)]
+SHAPES = [(1, 32, 1), (1, 96, 7), (2, 64, 13), (3, 160, 45), (5, 96, 33), (17, 96, 6), (40, 64, 9)]
 # the K-quants' rows are whole super-blocks of 256
 K_SHAPES = [(1, 256, 7), (2, 512, 13), (5, 768, 33), (17, 256, 6)]
 CASES = [(t, *shape) for t in TYPES for shape in (K_SHAPES if t in K_QUANTS else SHAPES)]
@@ -100,23 +100,26 @@ def test_kernel_equals_fp32_linear_on_dequantized_weights(ops, qtype, m, k, n):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_kernel_rows_are_batch_invariant(ops, qtype):
-    """A row's result alone (m = 1) equals its result in batches of every size (both of the
-    kernel's paths: widened in registers below kPanelFrom rows, 3 or 12, a panel from
-    there), and in a column slice of a wider output (a fused layer's segment)."""
-    k = 3 * qk(qtype)
+    """A row's result alone (m = 1) equals its result in batches of every size, across all
+    three of the kernel's paths (widened in registers below kPanelFrom rows, 3 or 12; a
+    32-row panel below kWholeFrom, 16; the whole matrix widened from there, its rows of x
+    in linear_kernel's L2-sized chunks: 85 rows at this k of 768), and in a column slice
+    of a wider output (a fused layer's segment)."""
+    k = 768                                              # three K-quant super-blocks, 24 blocks of 32
     qweight, _ = quantized(21, k, qtype, seed=3)
-    x = torch.randn(13, k, generator=torch.Generator().manual_seed(1))
-    alone = torch.empty(13, 21)
-    for i in range(13):
+    x = torch.randn(190, k, generator=torch.Generator().manual_seed(1))
+    alone = torch.empty(190, 21)
+    for i in range(190):
         ops.gguf_linear(alone[i:i + 1], x[i:i + 1], qweight, int(qtype))
-    for m in range(2, 14):
+    for m in [*range(2, 19), 85, 86, 190]:
         batch = torch.empty(m, 21)
         ops.gguf_linear(batch, x[:m], qweight, int(qtype))
         assert torch.equal(bits(batch), bits(alone[:m])), m
-    wide = torch.zeros(13, 40)
-    ops.gguf_linear(wide[:, 5:26], x, qweight, int(qtype))
-    assert torch.equal(bits(wide[:, 5:26]), bits(alone))
-    assert not wide[:, :5].any() and not wide[:, 26:].any()
+    for m in (13, 190):
+        wide = torch.zeros(m, 40)
+        ops.gguf_linear(wide[:, 5:26], x[:m], qweight, int(qtype))
+        assert torch.equal(bits(wide[:, 5:26]), bits(alone[:m])), m
+        assert not wide[:, :5].any() and not wide[:, 26:].any()
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -21,7 +21,10 @@ blocks") order their nibbles in runs (`dequantize`; the kernel's comment has the
 keeps those bytes (uint8 [rows, k / QK * block bytes]): SmolLM2's Q4_1 file is 5 bits a
 weight where fp32 is 32, Q4_K 4.5, and a decode step is a walk through the weights. Its matmul
 (`ops.gguf_linear`, kernels/paged_attention_cpu.cpp) widens each block in registers and
-sums exactly as the fp32 matmul does on the dequantized weights, bit for bit.
+sums exactly as the fp32 matmul does on the dequantized weights, bit for bit; from 16 rows
+of x (prefill, large batches) it widens the whole matrix once into an fp32 scratch it keeps
+between calls (the largest layer's size, at most 64 MB: SmolLM2's gate_up, 7 MB) and runs
+that fp32 matmul on it.
 `dequantize` is the plain-PyTorch reference, equal to `gguf.quants.dequantize`.
 
 A fused layer (qkv_proj, gate_up_proj) stacks several of the file's matrices, which may
@@ -255,9 +258,10 @@ class GGUFLinearMethod:
         out_dtype = out_dtype or x.dtype
         x = x.float().contiguous()
         out = torch.empty(x.shape[0], self.output_size, dtype=torch.float32, device=x.device)
+        whole = len(self.segments) == 1                 # the usual case: no column slice to cut
         for seg in self.segments:
-            cols = out[:, seg.start:seg.start + seg.rows]                    # [m, rows], rows apart
-            if seg.type_id in BLOCK_FORMATS:
+            cols = out if whole else out[:, seg.start:seg.start + seg.rows]  # [m, rows], rows apart
+            if seg.type_id:
                 layer.ops.gguf_linear(cols, x, seg.weight, seg.type_id)
             else:
                 cols.copy_(layer.ops.linear(x, seg.weight))
