@@ -136,19 +136,20 @@ def test_the_pytorch_reference_runs_it_too(files):
 
 @pytest.mark.parametrize("n,k", [(37, 64), (5, 100), (64, 576), (9, 3)])
 def test_kernel_equals_the_fp32_linear_on_the_dequantized_weights(n, k):
-    """Bit for bit, for m = 1 (decode) and m > 4 (several tiles), k not a multiple of
-    the vector width included; each row's bits do not depend on the batch."""
+    """Bit for bit, for m = 1 (decode), m > 4 (several tiles) and from 16 rows (the
+    whole matrix widened once, then the fp32 matmul), k not a multiple of the vector
+    width included; each row's bits do not depend on the batch."""
     ops = get_ops("cpu", "cpu")
     g = torch.Generator().manual_seed(n * k)
     q, scale = quantize(torch.randn(n, k, generator=g))
     q[0].zero_()                                                    # negative zero and a zero row's scale
     w = dequantize(q, scale)
-    x = torch.randn(9, k, generator=g)
+    x = torch.randn(40, k, generator=g)
     y = ops.int8_linear(x, q, scale)
     assert torch.equal(y, ops.linear(x, w))
     assert torch.equal(TorchOps().int8_linear(x, q, scale), torch.nn.functional.linear(x, w))
-    for m in (1, 5):
-        assert torch.equal(ops.int8_linear(x[:m].contiguous(), q, scale), y[:m])
+    for m in (1, 5, 15, 16):
+        assert torch.equal(ops.int8_linear(x[:m].contiguous(), q, scale), y[:m]), m
 
 
 def test_quantize_rules():
