@@ -89,6 +89,14 @@ class AsyncEngineCore(EngineCore):
             self._submit_sampling(self._in_flight)
         return outputs
 
+    def shutdown(self) -> None:
+        """Let the forward thread finish what it was given, then stop the workers. A step
+        may still be in flight when the caller is done (LLM.generate returns once its own
+        requests finished), and closing the executor's sockets under the thread's send
+        aborted the process (a zmq socket is not thread-safe; seen in CI at tp=2)."""
+        self._forward_thread.shutdown(wait=True)
+        super().shutdown()
+
     def _submit(self, scheduler_output: SchedulerOutput | None) -> _InFlight | None:
         if scheduler_output is None:
             return None

@@ -2,6 +2,8 @@
 step t+1 is scheduled while step t's forward runs, and every way a sequence can stop
 while a step is in flight gives the same outputs as with it off. Tiny random model;
 the randomized workload (test_randomized.py) covers the mixtures."""
+import threading
+
 import pytest
 
 from nanopaged import LLM, BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
@@ -165,3 +167,31 @@ def test_an_exception_in_the_forward_leaves_requests_that_go_on_unchanged(tiny_m
     check_block_invariants(eng)
     final = run_checked(eng)
     assert final["a"].outputs[0].token_ids == want[0][0]
+
+
+def test_shutdown_waits_for_the_forward_in_flight(tiny_model_dir):
+    """A step may still be in flight when the engine is shut down (LLM.generate returns
+    once its own requests are done); the workers' sockets are not thread-safe, and
+    closing them under the forward thread's send aborted the process (CI, tp=2).
+    shutdown lets the forward finish first."""
+    eng = engine(tiny_model_dir, True)
+    executor, order, release = eng.engine_core.executor, [], threading.Event()
+    forward, stop = executor.execute_model, executor.shutdown
+
+    def held_forward(*args, **kwargs):
+        assert release.wait(10)
+        order.append("forward")
+        return forward(*args, **kwargs)
+
+    def recorded_shutdown():
+        order.append("shutdown")
+        stop()
+
+    executor.execute_model, executor.shutdown = held_forward, recorded_shutdown
+    eng.add_request("a", PROMPTS[1], GREEDY)
+    assert eng.step() == [] and eng.engine_core._in_flight is not None     # held in the thread
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    eng.shutdown()
+    timer.join()
+    assert order == ["forward", "shutdown"]
