@@ -253,15 +253,19 @@ def bench_quant(model: str | None, args) -> None:
         step = r["per_token"] + r["kv_per_token"] * context
         print(f"  {label}: batch 1 {1e3 * r['batch1']:.1f} ms/token, throughput {r['tokens'] / r['wall']:.1f} tok/s; "
               f"weights resident {r['resident'] / 1e6:.1f} MB ({r['resident'] / gguf.stat().st_size:.2f}x the file); "
-              f"a decode step reads {step / 1e6:.1f} MB: roofline {1e3 * step / bandwidth:.1f} ms/token, "
+              f"a decode step reads {step / 1e6:.1f} MB: DRAM roofline {1e3 * step / bandwidth:.1f} ms/token, "
               f"reached {100 * step / bandwidth / r['batch1']:.0f}%")
     ceiling = ours["tokens"] / (ours["flops"] / peak)                   # tok/s at the sgemm rate
-    print(f"  compute roofline of the throughput workload: {ours['flops'] / 1e12:.2f} TFLOP; torch's sgemm "
-          f"here {peak / 1e9:.0f} GFLOP/s, so at most {ceiling:.0f} tok/s in float32 "
-          f"(nanopaged gguf reached {100 * ours['tokens'] / ours['wall'] / ceiling:.0f}% of it)")
+    reached = ", ".join(f"{label.split(' (')[0]} {100 * r['tokens'] / r['wall'] / ceiling:.0f}%"
+                        for label, r in rows.items())
+    print(f"  compute roofline: the throughput workload needs {ours['flops'] / 1e12:.2f} TFLOP; torch's sgemm "
+          f"reached {peak / 1e9:.0f} GFLOP/s here, so no float32 engine serves it faster than {ceiling:.0f} tok/s "
+          f"(reached: {reached})")
     same = ours["ids"] == rows["nanopaged fp32 folder"]["ids"]
+    folder = rows["nanopaged fp32 folder"]
     print(f"  gguf vs fp32 folder: same batch-1 greedy tokens: {same}; batch 1 "
-          f"{rows['nanopaged fp32 folder']['batch1'] / ours['batch1']:.2f}x faster")
+          f"{folder['batch1'] / ours['batch1']:.2f}x faster, throughput "
+          f"{(ours['tokens'] / ours['wall']) / (folder['tokens'] / folder['wall']):.2f}x")
     if peer is not None:
         agree = next((i for i, (a, b) in enumerate(zip(peer["ids"], ours["ids"])) if a != b), len(ours["ids"]))
         print(f"  llama.cpp (llama-cpp-python 0.3.36): batch 1 {1e3 * peer['batch1']:.1f} ms/token, "

@@ -49,14 +49,18 @@ def make_even_llama(folder, tokenizer_folder) -> str:
 
 
 def machine() -> str:
-    """CPU model and cores, as /proc/cpuinfo and the affinity mask say."""
+    """CPU model and cores, as /proc/cpuinfo and the affinity mask say, and the load
+    average, with a warning when it is already at the number of cores (another job
+    runs: every figure of this run is slowed, often several times over)."""
     try:
         with open("/proc/cpuinfo") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
     except OSError:
         model = "?"
-    return (f"{model}, {len(os.sched_getaffinity(0))} cores, load average "
-            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at start")
+    cores, load = len(os.sched_getaffinity(0)), os.getloadavg()
+    busy = (" (BUSY: the load average is at the cores already; another job runs and every figure "
+            "below is slowed; README's Tests section: OMP_NUM_THREADS=1 on a busy machine)") if load[0] >= cores else ""
+    return f"{model}, {cores} cores, load average {' '.join(f'{x:.1f}' for x in load)} at start{busy}"
 
 
 def _diff(after: list[dict], before: list[dict]) -> list[dict]:

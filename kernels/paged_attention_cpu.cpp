@@ -1360,12 +1360,12 @@ inline void widen_rows(float* panel, const uint8_t* w, int64_t rows, int64_t row
 // - m < kPanelFrom (decode): linear_kernel's tiling (tasks of 32 weight rows, 4 at a time,
 //   a short group repeating its last row) with each block widened in registers
 //   (qdot_tile): the packed bytes are read once;
-// - fewer rows (small batches): a task first widens its 32 weight rows into a panel of
-//   fp32 (~32 x k x 4 bytes, in L2), then runs dot_tile on it for every row of x: a block
-//   is widened once, not once per kTileRows rows of x;
-// - from 16 rows (widened::kFromRows; prefill, large batches): the whole matrix is widened once into
-//   a scratch kept between calls (`widened::linear`; at most 64 MB, else the panels) and
-//   linear_kernel runs on it, x in L2-sized chunks.
+// - kPanelFrom <= m < 16 (small batches): a task first widens its 32 weight rows into a
+//   panel of fp32 (~32 x k x 4 bytes, in L2), then runs dot_tile on it for every row of
+//   x: a block is widened once, not once per kTileRows rows of x;
+// - m >= 16 (widened::kFromRows: prefill, large batches): the whole matrix is widened
+//   once into a scratch kept between calls (widened::linear; at most 64 MB, else the
+//   panels) and linear_kernel runs on it, x in L2-sized chunks.
 // Measured (2026-12-03, 2-core AMD EPYC, AVX2, 2 threads). Where the panel starts to pay,
 // [3072 x 576-768], m = 7: Q4_K 0.61 -> 0.46 ms, Q6_K 0.92 -> 0.52, Q4_1 0.43 -> 0.34;
 // Q8_0, cheap to widen, only from 12 rows (the [49152 x 576] head: m = 7 5.0 ms in
@@ -1374,7 +1374,7 @@ inline void widen_rows(float* panel, const uint8_t* w, int64_t rows, int64_t row
 // (linear_kernel on fp32 weights: 0.90, 3.62, 131; the panels re-read all of x, which
 // outgrows L2, for every task); [576 x 1536] m = 32 0.46 -> 0.51, m = 4600 about equal.
 // On the 32-request workload (bench.py --sections quant) the Q4_1 file went from 105 to
-// 129 tok/s, the fp32 folder's 124.
+// 129 tok/s in one run (134-137 in the bench's later ones), the fp32 folder 124.
 template <int64_t Q>
 void gguf_linear_kernel(float* out, int64_t ldo, const float* x, const uint8_t* w, int64_t m, int64_t k,
                         int64_t n) {

@@ -98,7 +98,11 @@ def _json_flag(flag: str, text: str | None):
 
 def make_arg_parser() -> argparse.ArgumentParser:
     """The chat's own flags, then the engine's (engine/arg_utils.py)."""
-    ap = argparse.ArgumentParser(prog="python -m nanopaged.chat", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m nanopaged.chat", description=__doc__.split("\n")[0],
+        epilog="In the chat: /reset forgets the conversation, /exit (or end of input, Ctrl-D) quits, "
+               "Ctrl-C stops an answer. Piped: printf 'What is the capital of France?\\n' | "
+               "python -m nanopaged.chat")
     ap.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (default 256)")
     ap.add_argument("--temperature", type=float, default=0.2, help="0 = greedy (default 0.2, SmolLM2's advice)")
     ap.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
