@@ -123,40 +123,34 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     return dict(resident=resident, per_token=per_token)
 
 
-def read_bandwidth(threads: int) -> float:
-    """Bytes per second this machine reads from DRAM: a 512 MiB float32 tensor summed by
-    torch with `threads` threads, best of five (far larger than any cache)."""
+def _best_seconds(fn, threads: int, runs: int = 5) -> float:
+    """fn()'s fastest of `runs` calls (after one warm-up), torch on `threads` threads."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a = torch.ones(128 << 20)
-        a.sum()
+        fn()
         best = float("inf")
-        for _ in range(5):
+        for _ in range(runs):
             t = time.perf_counter()
-            a.sum()
+            fn()
             best = min(best, time.perf_counter() - t)
-        return a.numel() * 4 / best
+        return best
     finally:
         torch.set_num_threads(old)
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes per second this machine reads from DRAM: a 512 MiB float32 tensor summed by
+    torch with `threads` threads, best of five (far larger than any cache)."""
+    a = torch.ones(128 << 20)
+    return a.numel() * 4 / _best_seconds(a.sum, threads)
 
 
 def sgemm_flops(threads: int) -> float:
     """float32 FLOP/s torch's sgemm (MKL) reaches on [2048 x 2048] @ [2048 x 2048] with
     `threads` threads, best of five: the ceiling for any float32 matmul here."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-        a @ b
-        best = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t)
-        return 2 * 2048 ** 3 / best
-    finally:
-        torch.set_num_threads(old)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return 2 * 2048 ** 3 / _best_seconds(lambda: a @ b, threads)
 
 
 def workload_flops(config, prompts, out_lens) -> float:
