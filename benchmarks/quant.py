@@ -3,9 +3,12 @@ run with llama.cpp itself on the same file with the same threads.
 
     python bench.py --sections quant [--llamacpp-python PATH] [--num-requests 32]
 
-Three engines, one after another in this run:
+Four engines, one after another in this run:
 - nanopaged, quantization="gguf": the default model's Q4_1 file as shipped;
 - nanopaged on the fp32 folder converted from that file (today's default, the "before");
+- nanopaged on the file with activation_quantization="int8": x rounded to int8 blocks in
+  the matmuls, llama.cpp's own arithmetic (not exact; its accuracy against the exact mode
+  is the last line: benchmarks/quant_accuracy.py);
 - llama.cpp (llama-cpp-python 0.3.36) on the same file, in a child process of its own
   venv (made once: `python3 -m venv .venv-llamacpp && .venv-llamacpp/bin/pip install
   llama-cpp-python==0.3.36`; found by --llamacpp-python, $NANOPAGED_LLAMACPP_PYTHON or
@@ -32,7 +35,8 @@ Measured:
   same threads): the most tokens/s any float32-exact engine could serve it at here,
   and what that is as a multiple of llama.cpp's serial rate.
 The greedy tokens of llama.cpp are compared too: it rounds activations to 8 bits in its
-matmuls (Q8_1), we do not, so they may part after some tokens; reported, not required.
+matmuls (Q8_1), our exact mode does not, so they may part after some tokens; reported,
+not required.
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ import torch
 
 from .common import run_nanopaged, workload
 from .tp import machine
+from .quant_accuracy import ACCURACY_PROMPTS, ACCURACY_TOKENS, accuracy_table, describe
 
 LLAMACPP_HOWTO = ("python3 -m venv .venv-llamacpp && .venv-llamacpp/bin/pip install "
                   "llama-cpp-python==0.3.36")
@@ -169,11 +174,13 @@ def workload_flops(config, prompts, out_lens) -> float:
     return 2 * macs
 
 
-def run_engine(model: str, quantization: str | None, batch1_prompt, prompts, out_lens) -> dict:
+def run_engine(model: str, quantization: str | None, batch1_prompt, prompts, out_lens,
+               activation_quantization: str | None = None) -> dict:
     """One nanopaged engine: batch-1 ms/token (best of three), the workload, its weights."""
     from nanopaged import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32", quantization=quantization, enable_prefix_caching=False)
+    llm = LLM(model, dtype="float32", quantization=quantization, enable_prefix_caching=False,
+              activation_quantization=activation_quantization)
     try:
         def one(n):
             params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -233,7 +240,9 @@ def bench_quant(model: str | None, args) -> None:
           f"{DECODE_TOKENS} tokens; throughput: {len(prompts)} requests, {sum(out_lens)} output tokens")
     bandwidth, peak = read_bandwidth(threads), sgemm_flops(threads)
     rows = {"nanopaged gguf (as shipped)": run_engine(str(gguf), "gguf", batch1_prompt, prompts, out_lens),
-            "nanopaged fp32 folder": run_engine(folder, None, batch1_prompt, prompts, out_lens)}
+            "nanopaged fp32 folder": run_engine(folder, None, batch1_prompt, prompts, out_lens),
+            "nanopaged gguf, int8 activations": run_engine(str(gguf), "gguf", batch1_prompt, prompts, out_lens,
+                                                           activation_quantization="int8")}
     python = find_llamacpp_python(getattr(args, "llamacpp_python", None))
     peer = None
     if python is None:
@@ -269,7 +278,12 @@ def bench_quant(model: str | None, args) -> None:
               f"throughput nanopaged / llama.cpp serial = "
               f"{(ours['tokens'] / ours['wall']) / (peer['tokens'] / peer['wall']):.2f}x (>= 5); "
               f"resident / file = {ours['resident'] / gguf.stat().st_size:.2f}x (<= 1.25)")
+        a8 = rows["nanopaged gguf, int8 activations"]
+        print(f"  with activation_quantization='int8' (llama.cpp's own arithmetic; not exact, see below): "
+              f"batch 1 llama.cpp / nanopaged = {peer['batch1'] / a8['batch1']:.2f}x (>= 1.0); throughput "
+              f"{(a8['tokens'] / a8['wall']) / (peer['tokens'] / peer['wall']):.2f}x (>= 5)")
         serial = peer["tokens"] / peer["wall"]
         print(f"  the float32 compute roofline is {ceiling / serial:.2f}x llama.cpp's serial {serial:.1f} tok/s: "
               f"the most throughput ratio any float32-exact engine could reach on these cores")
-
+    print(f"  int8 activations against exact, {len(ACCURACY_PROMPTS)} prompts x {ACCURACY_TOKENS} greedy tokens "
+          f"(benchmarks/quant_accuracy.py): {describe(accuracy_table(str(gguf)))}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .utils.checks import check_int, invalid, is_real
+from .utils.cpu import cpu_has_bf16_dot_products
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +29,6 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
-
-def cpu_has_bf16_dot_products() -> bool:
-    """Whether this CPU multiplies bf16 in hardware: AVX512-BF16 (`vdpbf16ps`, Cooper Lake,
-    Zen 4 and later) or AMX tiles (Sapphire Rapids and later), where bf16 matmuls run at
-    about twice the fp32 rate; elsewhere bf16 is widened on the fly and slower than fp32.
-    Asked of torch's CPU probe (cpuinfo); False if torch lacks it."""
-    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None),
-              getattr(torch.cpu, "_is_amx_tile_supported", None))
-    return any(probe is not None and probe() for probe in probes)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -221,6 +212,10 @@ class EngineConfig:
         quantization: None; "gguf": a .gguf file (or folder holding one) run as shipped (gguf_loader.py);
             "int8": a folder's projections quantized at load, per row (quantization/int8.py); float32
             activations (exact vs the dequantized model) or bfloat16 ones, widened first.
+        activation_quantization: None (exact); "int8" with quantization="gguf": a projection's
+            input rounded to int8 in blocks of 32 and multiplied by Q4_0/Q4_1/Q8_0/Q4_K blocks
+            in integers, llama.cpp's way (layers/quantization/gguf_a8.py): faster at batch 1,
+            not exact (chapter 21's accuracy table); the other formats stay exact.
     """
 
     model: str | os.PathLike | None = None
@@ -251,6 +246,7 @@ class EngineConfig:
     max_logprobs: int = 20
     max_logits_bytes: int | None = None
     quantization: str | None = None
+    activation_quantization: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
@@ -289,6 +285,10 @@ class EngineConfig:
         self._check_nodes()
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise invalid("quantization", self.quantization, f"None or one of {QUANTIZATION_METHODS}")
+        if self.activation_quantization is not None and (self.activation_quantization != "int8"
+                                                         or self.quantization != "gguf"):
+            raise invalid("activation_quantization", self.activation_quantization, "None, or 'int8' with "
+                          f"quantization='gguf' (GGUF blocks against int8 x; quantization is {self.quantization!r})")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but torch sees no CUDA device")
 

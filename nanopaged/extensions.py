@@ -30,6 +30,7 @@ ENABLED: dict[str, Callable] = {
     "speculative_decoding": lambda config: config.speculative_config is not None,
     "beam_search": lambda config: True,
     "structured_outputs": lambda config: True,
+    "activation_quantization": lambda config: config.quantization == "gguf" and config.activation_quantization == "int8",
     "quantization": lambda config: config.quantization == "gguf",
     "int8_quantization": lambda config: config.quantization == "int8",
 }
@@ -58,6 +59,7 @@ ENGINE_CORE: dict[str, str] = {
 # the model class of a family (model/registry.py): a stage holds only its layers
 MODEL: dict[str, str] = {
     "pipeline_parallel": "nanopaged.model.pipeline_stage:PipelineStageModel",
+    "activation_quantization": "nanopaged.layers.quantization.gguf_a8:Int8ActivationsModel",  # on gguf's
     "quantization": "nanopaged.model.gguf_loader:GGUFQuantizedModel",     # weights read packed
     "int8_quantization": "nanopaged.layers.quantization.int8:Int8QuantizedModel",   # quantized at load
 }
@@ -76,6 +78,7 @@ MODULES: dict[str, list[str]] = {
     "structured_outputs": ["nanopaged.core.structured_output", "nanopaged.core.structured_output_scheduler",
                            "nanopaged.engine.structured_output_core", "nanopaged.worker.structured_output_runner"],
     "dashboard": ["nanopaged.engine.dashboard", "nanopaged.dashboard_messages"],
+    "activation_quantization": ["nanopaged.layers.quantization.gguf_a8"],
     "quantization": ["nanopaged.model.gguf_loader", "nanopaged.layers.quantization"],
     "int8_quantization": ["nanopaged.layers.quantization.int8"],
     "worker_processes": ["nanopaged.worker.multiproc_executor", "nanopaged.worker.multinode",

@@ -161,6 +161,10 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
                      "Q4_1 file as shipped. int8: quantize the --model folder's linear weights to int8 at load, "
                      "a scale per output row; without --model, the default model's folder (not given: the "
                      "weights as stored)"),
+    "activation_quantization": (str, "DTYPE", "int8: with --quantization gguf, round each projection's input "
+                                "to int8 in blocks of 32 and multiply the Q4_0/Q4_1/Q8_0/Q4_K blocks in "
+                                "integers, as llama.cpp does: faster at batch 1, not exact (chapter 21's "
+                                "accuracy table; not given: exact float activations)"),
 }
 
 

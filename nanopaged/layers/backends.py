@@ -97,6 +97,17 @@ class TorchOps:
 
         out.copy_(F.linear(x, dequantize(qweight, type_id)))
 
+    def gguf_linear_a8(self, out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> None:
+        """gguf_linear with x first rounded to int8 blocks of 32 (layers/quantization/gguf_a8.py,
+        Q4_0/Q4_1/Q8_0/Q4_K): here x's rounded values times the dequantized weights, F.linear
+        (the kernel's result within fp32 summation error, not its bits)."""
+        from .quantization.gguf import dequantize
+        from .quantization.gguf_a8 import quantize_activations
+
+        qx, dx, _ = quantize_activations(x)
+        x_hat = (qx.float().view(x.shape[0], -1, 32) * dx[..., None]).view(x.shape)
+        out.copy_(F.linear(x_hat, dequantize(qweight, type_id)))
+
     def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x [m, k] float32 @ (qweight int8 [n, k] * scale float32 [n] per row)^T -> [m, n]
         float32 (layers/quantization/int8.py): here dequantized, then F.linear."""
@@ -188,6 +199,13 @@ class KernelOps(TorchOps):
         if not hasattr(self.ops, "gguf_linear") or x.dtype != torch.float32:
             return super().gguf_linear(out, x, qweight, type_id)
         self.ops.gguf_linear(out, x.contiguous(), qweight, type_id)
+
+    def gguf_linear_a8(self, out, x, qweight, type_id):
+        """The CPU kernel's gguf_linear_a8 (integer block dots, batch-invariant). Other
+        dtypes and CUDA: the reference."""
+        if not hasattr(self.ops, "gguf_linear_a8") or x.dtype != torch.float32:
+            return super().gguf_linear_a8(out, x, qweight, type_id)
+        self.ops.gguf_linear_a8(out, x.contiguous(), qweight, type_id)
 
     def int8_linear(self, x, qweight, scale):
         """The CPU kernel's int8_linear: each row widened and scaled in registers, summed as

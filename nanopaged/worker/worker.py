@@ -97,7 +97,8 @@ class Worker:
         self.draft_model = None                            # speculative decoding's draft
         sc = config.speculative_config
         if sc is not None and sc.method == "draft_model":
-            draft_config = dataclasses.replace(config, quantization=sc.quantization)   # its weights' format
+            # its weights' own format; a draft's activations stay exact
+            draft_config = dataclasses.replace(config, quantization=sc.quantization, activation_quantization=None)
             self.draft_model = load_model(sc.model, config.torch_dtype, device, config.max_model_len, self.tp,
                                           model_class=lambda family: extensions.build_class(family, "model",
                                                                                             draft_config))

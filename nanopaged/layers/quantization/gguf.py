@@ -261,11 +261,16 @@ class GGUFLinearMethod:
         whole = len(self.segments) == 1                 # the usual case: no column slice to cut
         for seg in self.segments:
             cols = out if whole else out[:, seg.start:seg.start + seg.rows]  # [m, rows], rows apart
-            if seg.type_id:
-                layer.ops.gguf_linear(cols, x, seg.weight, seg.type_id)
-            else:
-                cols.copy_(layer.ops.linear(x, seg.weight))
+            self.segment_matmul(layer, cols, x, seg)
         return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+    def segment_matmul(self, layer, cols: torch.Tensor, x: torch.Tensor, seg: Segment) -> None:
+        """cols [m, seg.rows] float32 (a view) = x [m, k] float32 @ seg's rows^T: the hook
+        activation_quantization="int8" overrides (gguf_a8.py)."""
+        if seg.type_id:
+            layer.ops.gguf_linear(cols, x, seg.weight, seg.type_id)
+        else:
+            cols.copy_(layer.ops.linear(x, seg.weight))
 
 
 class GGUFEmbedding(VocabParallelEmbedding):

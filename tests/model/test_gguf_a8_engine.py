@@ -1,0 +1,100 @@
+"""activation_quantization="int8" through the engine (layers/quantization/gguf_a8.py):
+the tiny random checkpoints written as quantized GGUF files (tests/model/tiny_gguf.py),
+run with x rounded to int8 blocks in the Q4_0/Q4_1/Q8_0/Q4_K matmuls and the other
+formats exact. It is not exact, so: close to the exact mode, batch-invariant, the PyTorch
+reference close to the kernels, and the config refuses it without quantization="gguf".
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+from test_gguf_quantized import K_QUANT_CASES, K_QUANT_SIZES, PROMPTS, QUANT
+from tiny_gguf import write_gguf_from_hf
+
+from nanopaged import LLM, SamplingParams
+from nanopaged.config import EngineConfig
+from nanopaged.exercises.tiny_model import make_tiny_model
+from nanopaged.layers.quantization.gguf import GGUFLinearMethod
+from nanopaged.layers.quantization.gguf_a8 import A8_TYPES, GGUFA8LinearMethod
+from nanopaged.model import gguf_loader
+
+CASES = [("LlamaForCausalLM", "llama", "Q4_1"), ("LlamaForCausalLM", "llama", "mixed"),
+         ("Qwen3ForCausalLM", "qwen3", "Q4_K_M")]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+KW = dict(block_size=4, num_gpu_blocks=128, enable_prefix_caching=False)
+
+
+@pytest.fixture(autouse=True)
+def _prepared_folders_in_tmp(tmp_path_factory, monkeypatch):
+    monkeypatch.setattr(gguf_loader, "cache_dir", lambda: tmp_path_factory.getbasetemp() / "gguf-cache")
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[1]}-{c[2]}")
+def gguf_file(request, tmp_path_factory):
+    architecture, arch, quant = request.param
+    root = tmp_path_factory.mktemp(f"a8-{arch}-{quant}")
+    make_tiny_model(root / "hf", architecture, tie=arch != "qwen3",
+                    **(K_QUANT_SIZES if quant in K_QUANT_CASES else {}))
+    write_gguf_from_hf(root / "hf", root / "model.gguf", arch, quant=QUANT[quant])
+    return str(root / "model.gguf")
+
+
+def test_each_block_layer_rounds_x_and_the_rest_stays_exact(gguf_file):
+    llm = LLM(gguf_file, quantization="gguf", activation_quantization="int8", attention_backend="cpu", **KW)
+    methods = [m.quant_method for m in llm.engine.model_runner.model.modules()
+               if getattr(m, "quant_method", None) is not None]
+    assert methods and all(type(m) is GGUFA8LinearMethod for m in methods)
+    types = {s.type_id for m in methods for s in m.segments}
+    assert types & A8_TYPES                               # some segments run against int8 x
+    exact = LLM(gguf_file, quantization="gguf", attention_backend="cpu", **KW)
+    assert all(type(m.quant_method) is GGUFLinearMethod for m in exact.engine.model_runner.model.modules()
+               if getattr(m, "quant_method", None) is not None)
+    got, want = (e.generate(PROMPTS, GREEDY, use_tqdm=False) for e in (llm, exact))
+    diffs, agree, total = [], 0, 0
+    for a, b in zip(got, want):
+        agree += a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
+        # the first token's context is the prompt alone in both: compare its top logprobs
+        for token, lp in b.outputs[0].logprobs[0].items():
+            if token in a.outputs[0].logprobs[0]:
+                diffs.append(abs(a.outputs[0].logprobs[0][token].logprob - lp.logprob))
+        total += 1
+    assert agree == total                                 # the tiny models' margins are wide enough
+    assert 0 < max(diffs) < 0.3, diffs     # moved (hidden 64-256: two to eight blocks a row), not much
+    assert all(math.isfinite(d) for d in diffs)
+
+
+def test_engine_is_batch_invariant(gguf_file):
+    llm = LLM(gguf_file, quantization="gguf", activation_quantization="int8", attention_backend="cpu",
+              max_num_batched_tokens=16, max_num_seqs=8, **KW)
+
+    def target(prompts):
+        out = llm.generate(prompts, GREEDY, use_tqdm=False)[prompts.index(PROMPTS[2])].outputs[0]
+        return out.token_ids, out.logprobs
+    alone = target([PROMPTS[2]])
+    assert target(PROMPTS) == alone
+    assert target([PROMPTS[0], PROMPTS[2]]) == alone
+
+
+def test_the_pytorch_reference_runs_it_too(gguf_file):
+    """attention_backend="torch": TorchOps.gguf_linear_a8 (x's rounded values times the
+    dequantized weights): the same first tokens, logprobs within fp32 error's reach."""
+    kernels, reference = (LLM(gguf_file, quantization="gguf", activation_quantization="int8",
+                              attention_backend=backend, **KW) for backend in ("cpu", "torch"))
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=3)
+    got, want = (e.generate(PROMPTS, params, use_tqdm=False) for e in (kernels, reference))
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for token, lp in b.outputs[0].logprobs[0].items():
+            assert abs(a.outputs[0].logprobs[0][token].logprob - lp.logprob) < 1e-3
+
+
+def test_config_names_the_field_and_the_value():
+    with pytest.raises(ValueError, match=r"activation_quantization must be None, or 'int8' with "
+                                         r"quantization='gguf' .*quantization is None\), got 'int8'"):
+        EngineConfig(activation_quantization="int8")
+    with pytest.raises(ValueError, match=r"activation_quantization.*quantization is 'int8'\), got 'int8'"):
+        EngineConfig(quantization="int8", activation_quantization="int8")
+    with pytest.raises(ValueError, match=r"activation_quantization.*got 'fp8'"):
+        EngineConfig(quantization="gguf", activation_quantization="fp8")
+    assert EngineConfig(quantization="gguf", activation_quantization="int8").activation_quantization == "int8"
