@@ -28,10 +28,13 @@ one's), so a Q4_K_M file runs its Q4_K layers here and its Q6_K layers exactly.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .gguf import Q4_0, Q4_1, Q4_K, Q8_0, GGUFLinearMethod, Segment
 
+logger = logging.getLogger(__name__)
 A8_TYPES = frozenset(f.type_id for f in (Q4_0, Q4_1, Q8_0, Q4_K))   # the types run against int8 x
 QK = 32                                                    # activations' block
 
@@ -68,7 +71,12 @@ class Int8ActivationsModel:
 
     def load_weights(self, folder) -> None:
         super().load_weights(folder)
+        segments = []
         for module in self.modules():
             method = getattr(module, "quant_method", None)
             if type(method) is GGUFLinearMethod:
                 method.__class__ = GGUFA8LinearMethod
+                segments += method.segments
+        a8 = sum(s.type_id in A8_TYPES for s in segments)
+        logger.info("activation_quantization='int8': %d of %d weight segments multiply int8 x "
+                    "(Q4_0/Q4_1/Q8_0/Q4_K); the other %d stay exact", a8, len(segments), len(segments) - a8)
