@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 
 from .common import run_nanopaged, workload
-from .tp import machine
 from .quant_accuracy import ACCURACY_PROMPTS, ACCURACY_TOKENS, accuracy_table, describe
+from .tp import machine
 
 LLAMACPP_HOWTO = ("python3 -m venv .venv-llamacpp && .venv-llamacpp/bin/pip install "
                   "llama-cpp-python==0.3.36")

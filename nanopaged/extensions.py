@@ -30,7 +30,7 @@ ENABLED: dict[str, Callable] = {
     "speculative_decoding": lambda config: config.speculative_config is not None,
     "beam_search": lambda config: True,
     "structured_outputs": lambda config: True,
-    "activation_quantization": lambda config: config.quantization == "gguf" and config.activation_quantization == "int8",
+    "activation_quantization": lambda config: config.activation_quantization == "int8",   # needs "gguf"
     "quantization": lambda config: config.quantization == "gguf",
     "int8_quantization": lambda config: config.quantization == "int8",
 }
