@@ -21,7 +21,6 @@ from .utils.cpu import cpu_has_bf16_dot_products
 
 logger = logging.getLogger(__name__)
 
-
 # LLM(attention_backend=...): "auto" picks the compiled kernels where they build, else the
 # PyTorch reference (nanopaged/layers/backends.py, get_ops)
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
@@ -29,7 +28,6 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cuda")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 QUANTIZATION_METHODS = ("gguf", "int8")
@@ -174,10 +172,9 @@ class EngineConfig:
         attention_backend: "auto" (the compiled kernel of the device when it builds,
             else the PyTorch reference with a warning), "torch" (the reference), "cpu"
             or "cuda" (that kernel, or an error). See layers/backends.py.
-        async_scheduling: schedule step t+1 while step t's forward runs in a worker
-            thread (vLLM v1's async scheduling): step() then returns the outputs of the
-            previous forward, one step behind (empty on the first call). Outputs are the
-            same as with it off. See chapters/16-async-scheduling.md.
+        async_scheduling: schedule step t+1 while step t's forward runs in a worker thread (vLLM
+            v1's async scheduling): step() then returns the outputs of the previous forward, one
+            step behind (empty on the first call); the same outputs. chapters/16-async-scheduling.md.
         tensor_parallel_size: ranks the model is split over, Megatron-style (each holds
             1/tp of the heads and MLP rows, and KV blocks for its own KV heads). The
             heads must split by vLLM's GQA rules; checked against the model before any
@@ -216,6 +213,8 @@ class EngineConfig:
             input rounded to int8 in blocks of 32 and multiplied by Q4_0/Q4_1/Q8_0/Q4_K blocks
             in integers, llama.cpp's way (layers/quantization/gguf_a8.py): faster at batch 1,
             not exact (chapter 21's accuracy table); the other formats stay exact.
+        enforce_eager: run every step eagerly (vLLM's flag); False: small all-decode batches on the CPU
+            kernels replay their recorded kernel calls without the Python (worker/cpu_graph.py).
     """
 
     model: str | os.PathLike | None = None
@@ -247,6 +246,7 @@ class EngineConfig:
     max_logits_bytes: int | None = None
     quantization: str | None = None
     activation_quantization: str | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
@@ -266,7 +266,7 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise invalid(name, getattr(self, name), "a bool")
         check_int("seed", self.seed)

@@ -33,6 +33,9 @@ ENABLED: dict[str, Callable] = {
     "activation_quantization": lambda config: config.activation_quantization == "int8",   # needs "gguf"
     "quantization": lambda config: config.quantization == "gguf",
     "int8_quantization": lambda config: config.quantization == "int8",
+    # decode steps replayed without the Python (last: nearest the base's _forward)
+    "cpu_graphs": lambda config: (not config.enforce_eager and config.world_size == 1
+                                  and config.attention_backend != "torch"),
 }
 PER_REQUEST = {"beam_search", "structured_outputs"}
 
@@ -49,6 +52,7 @@ MODEL_RUNNER: dict[str, str] = {
     "async_scheduling": "nanopaged.worker.async_model_runner:AsyncModelRunner",
     "speculative_decoding": "nanopaged.worker.spec_decode.spec_model_runner:SpecDecodeModelRunner",
     "structured_outputs": "nanopaged.worker.structured_output_runner:StructuredOutputModelRunner",
+    "cpu_graphs": "nanopaged.worker.cpu_graph:CPUGraphModelRunner",
 }
 ENGINE_CORE: dict[str, str] = {
     "pipeline_parallel": "nanopaged.engine.pipeline_engine_core:PipelineEngineCore",
@@ -81,6 +85,7 @@ MODULES: dict[str, list[str]] = {
     "activation_quantization": ["nanopaged.layers.quantization.gguf_a8"],
     "quantization": ["nanopaged.model.gguf_loader", "nanopaged.layers.quantization"],
     "int8_quantization": ["nanopaged.layers.quantization.int8"],
+    "cpu_graphs": ["nanopaged.worker.cpu_graph"],
     "worker_processes": ["nanopaged.worker.multiproc_executor", "nanopaged.worker.multinode",
                          "nanopaged.worker.headless", "nanopaged.worker.stage_progress"],
 }

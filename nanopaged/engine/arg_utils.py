@@ -165,6 +165,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
                                 "to int8 in blocks of 32 and multiply the Q4_0/Q4_1/Q8_0/Q4_K blocks in "
                                 "integers, as llama.cpp does: faster at batch 1, not exact (chapter 21's "
                                 "accuracy table; not given: exact float activations)"),
+    "enforce_eager": (bool, "BOOL", "run every step eagerly; else small all-decode batches on the CPU kernels "
+                      "replay their recorded kernel calls without the Python (worker/cpu_graph.py)"),
 }
 
 

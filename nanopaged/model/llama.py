@@ -241,7 +241,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)                     # [num_tokens, hidden]
+        return self.forward_embeds(self.embed_tokens(input_ids), positions, kv_caches, meta)
+
+    def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """The layers and the final norm on the embedded tokens x [num_tokens, hidden]
+        (vLLM's inputs_embeds): what a decode graph captures (worker/cpu_graph.py)."""
         residual = None
         rope = (self.rope_cos, self.rope_sin)
         for layer, kv_cache in zip(self.layers, kv_caches):

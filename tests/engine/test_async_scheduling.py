@@ -157,7 +157,9 @@ def test_an_exception_in_the_forward_leaves_requests_that_go_on_unchanged(tiny_m
     """Without aborting (LLM.generate aborts; a server might not): the interrupted
     requests are recomputed and give what they give undisturbed."""
     (want,), _ = generate(tiny_model_dir, False, [PROMPTS[0]], GREEDY)
-    eng = engine(tiny_model_dir, True)
+    # eager: the interrupt is raised by a layer's Python forward, which a CPU graph's
+    # replay of a decode step does not call (worker/cpu_graph.py)
+    eng = engine(tiny_model_dir, True, enforce_eager=True)
     eng.add_request("a", PROMPTS[0], GREEDY)
     for _ in range(4):
         eng.step()

@@ -17,6 +17,7 @@ from nanopaged.messages import CachedRequestData, NewRequestData, SchedulerOutpu
 from nanopaged.model.config import ModelConfig
 from nanopaged.model.llama import LlamaForCausalLM
 from nanopaged.worker.async_model_runner import AsyncModelRunner
+from nanopaged.worker.cpu_graph import CPUGraphModelRunner
 from nanopaged.worker.model_runner import ModelRunner
 from nanopaged.worker.spec_decode.spec_model_runner import SpecDecodeModelRunner
 from nanopaged.worker.structured_output_runner import StructuredOutputModelRunner
@@ -69,8 +70,9 @@ def test_the_runner_class_is_the_base_with_the_configs_extensions():
         cls = extensions.build_class(ModelRunner, "model_runner", EngineConfig(**kwargs))
         return [c for c in cls.__mro__ if c not in (object,)][1:]
 
-    assert mro() == [StructuredOutputModelRunner, ModelRunner]
-    assert mro(async_scheduling=True) == [AsyncModelRunner, StructuredOutputModelRunner, ModelRunner]
+    assert mro() == [StructuredOutputModelRunner, CPUGraphModelRunner, ModelRunner]
+    assert mro(enforce_eager=True) == mro(attention_backend="torch") == [StructuredOutputModelRunner, ModelRunner]
+    assert mro(async_scheduling=True, enforce_eager=True) == [AsyncModelRunner, StructuredOutputModelRunner, ModelRunner]
     assert mro(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1,
                                                     prompt_lookup_max=2)) == [
-        SpecDecodeModelRunner, StructuredOutputModelRunner, ModelRunner]
+        SpecDecodeModelRunner, StructuredOutputModelRunner, CPUGraphModelRunner, ModelRunner]
