@@ -214,7 +214,7 @@ class EngineConfig:
             in integers, llama.cpp's way (layers/quantization/gguf_a8.py): faster at batch 1,
             not exact (chapter 21's accuracy table); the other formats stay exact.
         enforce_eager: run every step eagerly (vLLM's flag); False: small all-decode batches on the CPU
-            kernels replay their recorded kernel calls without the Python (worker/cpu_graph.py).
+            kernels replay their recorded kernel calls without the module calls (worker/cpu_graph.py).
     """
 
     model: str | os.PathLike | None = None

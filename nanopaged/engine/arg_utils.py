@@ -166,7 +166,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
                                 "integers, as llama.cpp does: faster at batch 1, not exact (chapter 21's "
                                 "accuracy table; not given: exact float activations)"),
     "enforce_eager": (bool, "BOOL", "run every step eagerly; else small all-decode batches on the CPU kernels "
-                      "replay their recorded kernel calls without the Python (worker/cpu_graph.py)"),
+                      "replay their recorded kernel calls without the module calls (worker/cpu_graph.py)"),
 }
 
 

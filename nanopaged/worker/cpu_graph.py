@@ -1,8 +1,8 @@
-"""CPU graphs: a decode step's kernel calls recorded once and replayed, without the Python.
+"""CPU graphs: a decode step's kernel calls recorded once and replayed, without the module calls.
 
-At batch 1 the model's matmuls take ~6 ms a token on two cores, and the Python that
-drives them (module calls, views, allocations: ~300 kernel calls a step) another ~2.4
-ms. vLLM removes the same cost on a GPU with CUDA graphs (`vllm/v1/worker/
+At batch 1 SmolLM2's quantized matmuls took ~6 ms a token on two cores, and the Python
+that drives them (module calls, views, allocations: ~300 kernel calls a step) another
+~2.4 ms (2026-12-03, 2-core AMD EPYC, avx2, float32; chapters/12-kernels.md). vLLM removes the same cost on a GPU with CUDA graphs (`vllm/v1/worker/
 gpu_model_runner.py`, capture_model; `--enforce-eager` turns them off): it records a
 decode step's kernel launches once per batch size, with the inputs in static buffers,
 and later steps copy their inputs into those buffers and launch the record.
@@ -18,10 +18,12 @@ A CPUGraph is that idea on the CPU. Capturing runs the model's layers once for r
     added with `add_`) as itself, and any other computation as itself with its result
     copied into the tensor it made the first time. A host read (`.item()`), a random
     draw or a collective cannot be replayed: that batch size runs eagerly.
-The metadata's host lists (seq_lens_list, ...) are None while capturing: Python that
-read them would be baked into the record with this step's values, so it fails instead.
-Replaying calls the recorded kernels in order on the same tensors: the same arithmetic as
-the eager step, bit for bit (tests/worker/test_cpu_graph.py compares them).
+The metadata's host lists (seq_lens_list, ...) refuse to be read while capturing: Python
+that read them would be baked into the record with this step's values.
+Replaying calls the recorded kernels in order on the same tensors (a Python loop over the
+list, without the modules, views and allocations around it): the same arithmetic as the
+eager step, bit for bit (tests/worker/test_cpu_graph.py compares them). A graph keeps its
+step's intermediate tensors: about 1 MB a row for SmolLM2.
 
 Where it applies: a step whose rows are all decodes (one new token each), at most
 MAX_CAPTURE_SIZE of them, on the CPU kernels, one rank. Each batch size is captured the
@@ -57,6 +59,18 @@ _HOST_READS = {aten.item.default, aten._local_scalar_dense.default}
 
 class Uncapturable(RuntimeError):
     """A step did something a CPUGraph cannot replay (the message says what)."""
+
+
+class _HostList(list):
+    """A metadata host list while capturing: reading it refuses the capture."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def _refuse(self, *args):
+        raise Uncapturable(f"the step read {self.name}, a host list of this step's values")
+    __len__ = __iter__ = __getitem__ = __bool__ = _refuse
 
 
 class _Recorder:
@@ -149,7 +163,8 @@ class CPUGraph:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int64, device=device)
         self.meta = AttentionMetadata(slot_mapping=self.slot_mapping, block_tables=self.block_tables,
                                       seq_lens=self.seq_lens, query_start_loc=self.query_start_loc,
-                                      num_decodes=n, seq_lens_list=None, query_start_loc_list=None)
+                                      num_decodes=n, seq_lens_list=_HostList("seq_lens_list"),
+                                      query_start_loc_list=_HostList("query_start_loc_list"))
         self.output: torch.Tensor | None = None
         self.calls: list = []
 
@@ -175,8 +190,6 @@ class CPUGraph:
         try:
             with _CaptureMode(recorder, self.calls):
                 self.output = forward(self.inputs_embeds, self.positions, self.meta)
-        except (TypeError, AttributeError) as e:     # a read of the None host lists
-            raise Uncapturable(f"the step read host metadata ({e})") from None
         finally:
             ops.ops = module
 

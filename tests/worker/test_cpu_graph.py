@@ -142,3 +142,28 @@ def test_an_interrupted_replay_leaves_the_engine_as_an_interrupted_eager_step_wo
     assert graph.calls == calls
     check_block_invariants(llm.engine)
     assert outputs(llm, PROMPTS[:1], params) == first
+
+
+def test_a_read_of_the_host_metadata_runs_eagerly(tiny_model_dir, caplog):
+    """Python that reads meta.seq_lens_list would bake this step's lengths into the record:
+    the capture refuses it (and a TypeError elsewhere is a bug, not a refusal)."""
+    want = outputs(engine(tiny_model_dir, enforce_eager=True), PROMPTS[:1], STAGGERED[:1])
+    llm = engine(tiny_model_dir)
+    attn = llm.engine.model_runner.model.layers[0].self_attn
+    forward = attn.forward
+    attn.forward = lambda x, pos, rope, kv, meta: forward(x if meta.num_seqs else None, pos, rope, kv, meta)
+    with caplog.at_level(logging.WARNING, logger="nanopaged.worker.cpu_graph"):
+        assert outputs(llm, PROMPTS[:1], STAGGERED[:1]) == want
+    assert llm.engine.model_runner.graphs == {1: None}
+    assert "the step read seq_lens_list" in caplog.text
+    llm = engine(tiny_model_dir)
+    attn = llm.engine.model_runner.model.layers[0].self_attn
+    forward = attn.forward
+
+    def broken_while_capturing(x, pos, rope, kv, meta):
+        if type(meta.seq_lens_list).__name__ == "_HostList":
+            raise TypeError("a bug")
+        return forward(x, pos, rope, kv, meta)
+    attn.forward = broken_while_capturing
+    with pytest.raises(TypeError, match="a bug"):
+        outputs(llm, PROMPTS[:1], STAGGERED[:1])
