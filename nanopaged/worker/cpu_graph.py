@@ -152,7 +152,7 @@ class CPUGraph:
         calls: the recorded (function, args), in order.
     """
 
-    def __init__(self, inputs_embeds: torch.Tensor, meta: AttentionMetadata, width: int) -> None:
+    def __init__(self, inputs_embeds: torch.Tensor, width: int) -> None:
         n, device = inputs_embeds.shape[0], inputs_embeds.device
         self.num_seqs, self.width = n, width
         self.inputs_embeds = inputs_embeds.clone()
@@ -232,7 +232,7 @@ class CPUGraphModelRunner(ModelRunner):
     def _capture(self, n: int, embeds: torch.Tensor, inp: ModelInput, width: int) -> torch.Tensor:
         """Capture batch size n's graph on this step (its result is the step's); on
         Uncapturable, log why once and run this size eagerly from now on."""
-        graph = CPUGraph(embeds, inp.attn_metadata, width)
+        graph = CPUGraph(embeds, width)
         graph.load(embeds, inp.positions, inp.attn_metadata)
         try:
             graph.capture(self.ops, lambda x, pos, meta: self.model.forward_embeds(x, pos, self.kv_cache, meta))
