@@ -29,6 +29,7 @@ import os
 import secrets
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,13 +38,15 @@ from ..layers.parallel import VocabParallelEmbedding
 from ..layers.quantization.gguf import BLOCK_FORMATS, GGUFEmbedding, GGUFLinearMethod, check_type, type_name
 from ..utils.files import apply_umask_permissions, move_into_place
 from ..utils.paths import cache_dir
+from .gguf_families import gguf_family
 from .gguf_convert import _field, _read_family, _write_config, _write_tokenizer, gguf_to_hf_tensor_name, unpermute_qk
 from .model_loader import GGUF_MARKER_NAME
 
 logger = logging.getLogger(__name__)
 
 MARKER_NAME = GGUF_MARKER_NAME          # in a prepared folder: which file holds the weights
-PREPARER_VERSION = 1                    # bump when the prepared folder's contents change
+INDEX_NAME = "gguf_tensors.json"        # in a prepared folder: where each tensor lies in the file
+PREPARER_VERSION = 2                    # bump when the prepared folder's contents change
 
 # checkpoint matrix -> the layer that runs it (q, k, v and gate, up are stacked)
 PACKED_LAYERS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
@@ -106,6 +109,7 @@ def gguf_model_dir(gguf_path: str | os.PathLike) -> Path:
                                                                              device="meta")
               for t in reader.tensors if t.name in ("token_embd.weight", "output.weight", "blk.0.attn_q.weight")}
     pre_tokenizer = _field(reader, "tokenizer.ggml.pre")
+    index = TensorIndex.from_reader(reader, src)
     del reader
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
@@ -113,6 +117,7 @@ def gguf_model_dir(gguf_path: str | os.PathLike) -> Path:
     try:
         config = _write_config(src, family, head_size, shapes, tmp)
         _write_tokenizer(src, pre_tokenizer, config, tmp)
+        (tmp / INDEX_NAME).write_text(json.dumps(index.to_json()) + "\n")
         (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
         apply_umask_permissions(tmp)
         move_into_place(tmp, dst, overwrite=True)
@@ -164,6 +169,89 @@ def gguf_source(folder: str | os.PathLike) -> Path:
     return source
 
 
+@dataclass(frozen=True)
+class IndexedTensor:
+    """A GGUF tensor as gguf.GGUFReader gives it: `name`, `tensor_type`
+    (gguf.GGMLQuantizationType), `shape` (GGUF's order, innermost first) and `data`, a
+    read-only view of the file: float16/float32/... [reversed shape] for plain types, uint8
+    [rows, row bytes] for block types (gguf.quants.quant_shape_to_byte_shape)."""
+
+    name: str
+    tensor_type: object
+    shape: "np.ndarray"
+    data: "np.ndarray"
+
+
+class TensorIndex:
+    """Where a GGUF file's tensors lie (name, type, shape, byte offset), and the three
+    numbers of its metadata the weights need (architecture, head counts): read once with
+    gguf.GGUFReader when gguf_model_dir prepares the folder, and kept there (INDEX_NAME).
+    The reader parses every metadata field on each open, 3-6 s for SmolLM2's file, nearly
+    all of it the 49,152-entry vocabulary the tokenizer folder already holds; a start reads
+    the index and maps the file instead (the same bytes, as the tests check).
+    vLLM's GGUF loader re-reads the file with the reader each time.
+    """
+
+    def __init__(self, src: Path, meta: dict, entries: list[list]) -> None:
+        self.src, self.meta, self.entries = src, meta, entries
+        self.arch, self.head_count, self.head_count_kv = meta["arch"], meta["head_count"], meta["head_count_kv"]
+
+    @classmethod
+    def from_reader(cls, reader, src: Path) -> "TensorIndex":
+        """The index of an open GGUFReader's file (src)."""
+        family, _ = _read_family(reader, src)
+        arch = family.gguf_arch
+        n_head = _field(reader, f"{arch}.attention.head_count")
+        stat = src.stat()
+        meta = {"arch": arch, "head_count": n_head,
+                "head_count_kv": _field(reader, f"{arch}.attention.head_count_kv", n_head),
+                "source_bytes": stat.st_size, "source_mtime_ns": stat.st_mtime_ns, "byte_order": reader.byte_order}
+        entries = [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset), int(t.n_bytes)]
+                   for t in reader.tensors]
+        return cls(src, meta, entries)
+
+    def to_json(self) -> dict:
+        return {"meta": self.meta, "tensors": self.entries}
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike, src: Path) -> "TensorIndex":
+        """The folder's index of src, or a new one from the reader when the folder has none
+        or src has changed since (size or modification time) or is byte-swapped."""
+        import gguf
+
+        stat = src.stat()
+        try:
+            saved = json.loads((Path(folder) / INDEX_NAME).read_text())
+            meta = saved["meta"]
+            if (meta["source_bytes"], meta["source_mtime_ns"], meta["byte_order"]) == (stat.st_size, stat.st_mtime_ns,
+                                                                                       "I"):
+                return cls(src, meta, saved["tensors"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return cls.from_reader(gguf.GGUFReader(src), src)
+
+    def tensors(self) -> list[IndexedTensor]:
+        """Every tensor, its data a view of the file mapped read-only (as the reader's)."""
+        import gguf
+        import numpy as np
+        from gguf.quants import quant_shape_to_byte_shape
+
+        T = gguf.GGMLQuantizationType
+        plain = {T.F16: np.float16, T.F32: np.float32, T.F64: np.float64, T.I8: np.int8, T.I16: np.int16,
+                 T.I32: np.int32, T.I64: np.int64}            # the reader's; other types are bytes
+        mapped = np.memmap(self.src, mode="r")
+        out = []
+        for name, type_id, dims, offset, n_bytes in self.entries:
+            qtype = gguf.GGMLQuantizationType(type_id)
+            np_dims = tuple(reversed(dims))
+            item = plain.get(qtype)
+            if item is None:
+                item, np_dims = np.uint8, quant_shape_to_byte_shape(np_dims, qtype)
+            data = mapped[offset:offset + n_bytes].view(item).reshape(np_dims)
+            out.append(IndexedTensor(name, qtype, np.array(dims, dtype=np.uint64), data))
+        return out
+
+
 class GGUFQuantizedModel:
     """A model family class with its weights read from a GGUF file, the attention and MLP
     projections (and an embedding or LM head in blocks) kept in their block formats (the
@@ -178,19 +266,16 @@ class GGUFQuantizedModel:
     """
 
     def load_weights(self, folder: str | os.PathLike) -> None:
-        import gguf
         import numpy as np
         from gguf.quants import dequantize
 
         src = gguf_source(folder)
-        reader = gguf.GGUFReader(src)
-        family, _ = _read_family(reader, src)
-        arch = family.gguf_arch
-        n_head = _field(reader, f"{arch}.attention.head_count")
-        n_kv = _field(reader, f"{arch}.attention.head_count_kv", n_head)
+        index = TensorIndex.read(folder, src)
+        arch, n_head, n_kv = index.arch, index.head_count, index.head_count_kv
+        permute_qk = gguf_family(arch, src).permute_qk
         methods: dict[str, GGUFLinearMethod] = {}
         loaded: set[str] = set()
-        for t in reader.tensors:
+        for t in index.tensors():
             hf_name = gguf_to_hf_tensor_name(t.name, arch)
             if hf_name is None or not self._holds(hf_name):
                 continue
@@ -202,7 +287,7 @@ class GGUFQuantizedModel:
                 data = np.asarray(t.data)                    # uint8 [rows, k / 32 * block bytes]
             else:
                 data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-            if family.permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
+            if permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
                 data = unpermute_qk(data, n_head if ".attn_q." in t.name else n_kv)
             data = torch.from_numpy(np.array(data, order="C", copy=True))
             if target is None:

@@ -10,6 +10,7 @@ which stays batch-invariant.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import gguf
@@ -173,6 +174,51 @@ def test_a_folder_holding_one_gguf_is_the_file(files, tmp_path):
     (tmp_path / "m" / "model.gguf").symlink_to(gguf_file)
     assert gguf_loader.gguf_source(resolve_model(str(tmp_path / "m"), quantization="gguf")) == \
         (tmp_path / "m" / "model.gguf").resolve()
+
+
+def test_the_index_maps_the_readers_tensors(files):
+    """TensorIndex (kept in the prepared folder) gives each tensor as gguf.GGUFReader does:
+    the same name, type, shape, numpy dtype and bytes, block types and floats alike."""
+    import numpy as np
+
+    gguf_file, _ = files
+    folder = resolve_model(str(gguf_file), quantization="gguf")
+    assert (folder / gguf_loader.INDEX_NAME).is_file()
+    indexed = gguf_loader.TensorIndex.read(folder, gguf_file.resolve()).tensors()
+    read = gguf.GGUFReader(gguf_file).tensors
+    assert [t.name for t in indexed] == [t.name for t in read]
+    for a, b in zip(indexed, read):
+        assert (a.tensor_type, a.shape.tolist(), a.data.dtype, a.data.shape) == \
+            (b.tensor_type, b.shape.tolist(), b.data.dtype, b.data.shape), a.name
+        assert np.array_equal(a.data.view(np.uint8), b.data.view(np.uint8)), a.name
+
+
+def test_a_start_reads_the_index_and_a_missing_one_the_file(files, monkeypatch):
+    """Loading the weights does not parse the file's metadata (GGUFReader, seconds on a
+    real vocabulary) when the folder has its index; without the index, or with one from
+    before the file changed, it reads the file and gives the same logits."""
+    gguf_file, _ = files
+    folder = resolve_model(str(gguf_file), quantization="gguf")
+    tokens = list(range(40, 52))
+    real, opened = gguf.GGUFReader, []
+
+    def counting(*args, **kwargs):
+        opened.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    want = paged_logits(_model(folder, "gguf"), tokens, 4, 5)
+    assert opened == []
+    index = (folder / gguf_loader.INDEX_NAME).read_text()
+    try:
+        (folder / gguf_loader.INDEX_NAME).unlink()
+        assert torch.equal(paged_logits(_model(folder, "gguf"), tokens, 4, 5), want) and len(opened) == 1
+        stale = json.loads(index)
+        stale["meta"]["source_mtime_ns"] += 1
+        (folder / gguf_loader.INDEX_NAME).write_text(json.dumps(stale))
+        assert torch.equal(paged_logits(_model(folder, "gguf"), tokens, 4, 5), want) and len(opened) == 2
+    finally:
+        (folder / gguf_loader.INDEX_NAME).write_text(index)
 
 
 def test_prepared_folders_of_changed_or_deleted_files_are_pruned(tmp_path):
