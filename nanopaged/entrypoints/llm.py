@@ -1,7 +1,7 @@
 """LLM: the offline entry point, vLLM's `LLM` class.
 
     from nanopaged import LLM, SamplingParams
-    llm = LLM()                                   # the default model, converted once
+    llm = LLM()                                   # the default model (its GGUF file, in float32)
     outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=16))
     print(outs[0].outputs[0].text)
 

@@ -70,6 +70,12 @@ for mode in ("swap", "recompute"):
     stats[mode] = llm.engine.get_stats()
     llm.shutdown()
 
+# the default model in float32 runs its GGUF file through the quantization extension;
+# without it, its converted folder (engine/arg_utils.py, default_model_weights)
+from nanopaged.config import EngineConfig
+from nanopaged.engine.arg_utils import default_model_weights
+stats["default_weights"] = default_model_weights(EngineConfig(dtype="float32", device="cpu")).quantization
+
 loaded = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
 print(json.dumps({"result": result, "stats": stats, "loaded": loaded}))
 '''
@@ -93,6 +99,7 @@ def test_the_base_engine_serves_alone_and_gives_the_full_engines_ids(tiny_model_
     assert stats["swap"]["num_preemptions_swap"] > 0 and stats["recompute"]["num_preemptions_recompute"] > 0
     full = _run(tiny_model_dir, block=False)
     assert base["result"] == full["result"]
+    assert (base["stats"]["default_weights"], full["stats"]["default_weights"]) == (None, "gguf")
 
 
 def test_the_block_can_see_an_extension(tiny_model_dir):

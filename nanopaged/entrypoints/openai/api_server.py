@@ -23,7 +23,7 @@ import sys
 
 from fastapi import FastAPI
 
-from ...engine.arg_utils import engine_kwargs
+from ...engine.arg_utils import default_model_weights, engine_kwargs
 from ...engine.async_llm import HEALTH_TIMEOUT_S, AsyncLLM
 from . import auth, launcher
 from .cli_args import DEFAULT_MODEL_NAME, parse_args
@@ -115,7 +115,7 @@ def serve_headless(args: argparse.Namespace) -> int:
     from ...model.model_loader import resolve_model
     from ...worker.headless import run_headless
 
-    config = EngineConfig(**engine_kwargs(args))
+    config = default_model_weights(EngineConfig(**engine_kwargs(args)))
     if config.nnodes == 1:
         raise ValueError("--headless is for a node of a multi-node engine: give --nnodes > 1")
     model_path = resolve_model(config.model, quantization=config.quantization)

@@ -121,11 +121,16 @@ def make_layer_draft(target_dir: str | Path, out_dir: str | Path, num_layers: in
     download; its proposals are weaker than a trained draft's.
 
     Raises:
-        ValueError: num_layers not in 1 .. the target's num_hidden_layers - 1.
+        ValueError: num_layers not in 1 .. the target's num_hidden_layers - 1, or a
+            folder without safetensors weights (naming it).
     """
     from safetensors.torch import load_file, save_file
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
+    if not any(target_dir.glob("*.safetensors")):
+        raise ValueError(f"make_layer_draft copies safetensors weights, and {str(target_dir)!r} has none (a "
+                         "GGUF run as shipped keeps its weights in the file: pass a folder of safetensors, "
+                         "for the default model its converted folder, model_loader.ensure_default_model())")
     config = json.loads((target_dir / "config.json").read_text())
     total = config["num_hidden_layers"]
     if not (isinstance(num_layers, int) and 1 <= num_layers < total):
