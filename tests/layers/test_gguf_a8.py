@@ -20,7 +20,8 @@ from nanopaged.layers.quantization.gguf import dequantize
 from nanopaged.layers.quantization.gguf_a8 import A8_TYPES, quantize_activations
 
 T = gguf.GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K]
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
+K_QUANTS = (T.Q4_K, T.Q6_K)                             # rows of whole super-blocks of 256
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_rounding_equals_the_torch_reference_bit_for_bit(ops):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 6])
 def test_kernel_is_the_product_of_the_rounded_values(ops, qtype, m):
-    k = 512 if qtype == T.Q4_K else 160
+    k = 512 if qtype in K_QUANTS else 160
     n = 37                                           # not a multiple of 4: a short group
     qw, w = weights(n, k, qtype)
     x = activations(m, k)
@@ -87,7 +88,7 @@ def test_kernel_is_the_product_of_the_rounded_values(ops, qtype, m):
 def test_kernel_rows_are_batch_invariant(ops, qtype):
     """Every m from 1 to 18 and 40 (the tiles of 2 rows, a last odd row), and a column slice
     of a wider output: each row's bits are the row's alone."""
-    k = 256 if qtype == T.Q4_K else 96
+    k = 256 if qtype in K_QUANTS else 96
     qw, _ = weights(21, k, qtype)
     x = activations(40, k)
     alone = torch.empty(40, 21)
@@ -105,7 +106,7 @@ def test_kernel_rows_are_batch_invariant(ops, qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_the_pytorch_reference_agrees(ops, qtype):
-    k = 256 if qtype == T.Q4_K else 128
+    k = 256 if qtype in K_QUANTS else 128
     qw, _ = weights(13, k, qtype)
     x = activations(5, k)
     got, want = torch.empty(5, 13), torch.empty(5, 13)

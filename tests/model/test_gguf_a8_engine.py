@@ -1,6 +1,6 @@
 """activation_quantization="int8" through the engine (layers/quantization/gguf_a8.py):
 the tiny random checkpoints written as quantized GGUF files (tests/model/tiny_gguf.py),
-run with x rounded to int8 blocks in the Q4_0/Q4_1/Q8_0/Q4_K matmuls and the other
+run with x rounded to int8 blocks in the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matmuls and the other
 formats exact. It is not exact, so: close to the exact mode, batch-invariant, the PyTorch
 reference close to the kernels, and the config refuses it without quantization="gguf".
 """
