@@ -1505,10 +1505,9 @@ void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
 // one row of x, Q4_1 [3072 x 576] in cache 0.106 -> 0.059 ms, [576 x 1536] 0.050 -> 0.028,
 // Q4_0 1.4x, Q4_K 1.2x, the Q8_0 head [49152 x 576] 1.2-1.3x (it streams from DRAM);
 // SmolLM2's 121 matmuls of a batch-1 step on the file's weights 9.4 -> 6.8 ms; Q6_K (signed
-// q, as Q8_0's: vpsignb) [3072 x 1024], [1024 x 3072], [8192 x 2048] 2.0-2.1x (1.8-1.9x at
-// 2 rows, 0.85-1.0x from 8). From 8 rows
-// no gain (0.8-1.2x; Q4_K 0.6-0.8x, its super-block scales unpacked again for every pair
-// of rows): a block pair costs vpmaddubsw, vpmaddwd, a conversion and an FMA per row of x,
+// q, as Q8_0's: vpsignb) [3072 x 1024], [1024 x 3072], [8192 x 2048] 1.7-2.4x (1.5-1.9x at
+// 2 rows, 0.7-1.1x from 8), Q4_K 1.5-1.8x (1.0-1.6x from 8 since row_scales, 0.6-0.9x
+// before). From 8 rows little gain otherwise (Q4_1 0.8-1.2x): a block pair costs vpmaddubsw, vpmaddwd, a conversion and an FMA per row of x,
 // as many instructions as the fp32 path's four FMAs.
 namespace a8 {
 
@@ -1556,21 +1555,35 @@ inline float hsum8(const float* a) {                     // a fixed tree: (l + l
 template <int64_t Q>
 constexpr bool kSigned = Q == ggml::kQ8_0 || Q == ggml::kQ6_K;   // q signed (else 0..15, unsigned)
 
-// A weight row's block b (of 32 elements): its scale and offset (dw, c), and its q in element
-// order. Q4_K's sub-block scales come from the super-block (KBlock: d * sc, -(dmin * mn)),
-// unpacked once into pairs (kpairs, 16 floats) when b reaches it.
+// The K-quants' scales come from their super-blocks, unpacked once per weight row and call
+// (row_scales) into two floats per block of 32, kp[2b] and kp[2b + 1]: Q4_K's (d * sc,
+// -(dmin * mn)) of sub-block b (KBlock), Q6_K's d * sc of its sub-blocks 2b and 2b + 1
+// (Q6Block). Unpacked again for every pair of x's rows, as they were, they cost Q4_K up to
+// half its speed from 8 rows (measured, two runs: [3072 x 1024] m = 8 1.17 / 1.25 -> 0.69 /
+// 0.85 ms, m = 32 4.67 / 4.22 -> 2.65 / 3.26; [1024 x 3072] m = 32 4.51 / 4.35 -> 2.58 / 1.57).
 template <int64_t Q>
-inline void scale_pair(const uint8_t* row, int64_t b, float* kpairs, float& dw, float& c) {
+constexpr bool kUnpacked = Q == ggml::kQ4_K || Q == ggml::kQ6_K;
+
+template <int64_t Q>
+inline void row_scales(const uint8_t* row, int64_t blocks, float* kp) {
   using namespace ggml;
-  if constexpr (Q == kQ4_K) {
-    if (b % 8 == 0) {
-      const KBlock<kQ4_K> blk(row + (b / 8) * kBytes<kQ4_K>);
-      for (int s = 0; s < 8; ++s) kpairs[2 * s] = blk.ds[s], kpairs[2 * s + 1] = blk.ndm[s];
+  for (int64_t s = 0; s < blocks / 8; ++s) {
+    if constexpr (Q == kQ4_K) {
+      const KBlock<kQ4_K> blk(row + s * kBytes<kQ4_K>);
+      for (int i = 0; i < 8; ++i) kp[16 * s + 2 * i] = blk.ds[i], kp[16 * s + 2 * i + 1] = blk.ndm[i];
+    } else {
+      std::memcpy(kp + 16 * s, Q6Block(row + s * kBytes<kQ6_K>).ds, 16 * sizeof(float));
     }
-    dw = kpairs[2 * (b % 8)], c = kpairs[2 * (b % 8) + 1];
-  } else if constexpr (Q == kQ6_K) {                     // kpairs: the 16 d * sc; c = 0 (q signed)
-    if (b % 8 == 0) std::memcpy(kpairs, Q6Block(row + (b / 8) * kBytes<kQ6_K>).ds, 16 * sizeof(float));
-    dw = kpairs[2 * (b % 8)], c = 0.f;
+  }
+}
+
+// A weight row's block b (of 32 elements): its scale and offset (dw, c), and its q in element
+// order (kp: the row's row_scales, for the K-quants).
+template <int64_t Q>
+inline void scale_pair(const uint8_t* row, int64_t b, const float* kp, float& dw, float& c) {
+  using namespace ggml;
+  if constexpr (kUnpacked<Q>) {
+    dw = kp[2 * b], c = Q == kQ4_K ? kp[2 * b + 1] : 0.f;   // Q6_K's second scale: its lanes 4-7
   } else {
     const uint8_t* p = row + b * kBytes<Q>;
     dw = half_at(p);
@@ -1598,17 +1611,10 @@ inline int32_t quant_at(const uint8_t* row, int64_t b, int e) {
 
 #if defined(__AVX2__)
 template <int64_t Q>
-inline __m128 scale_pair(const uint8_t* row, int64_t b, float* kpairs) {   // (dw, c, 0, 0)
+inline __m128 scale_pair(const uint8_t* row, int64_t b, const float* kp) {   // (dw, c, 0, 0)
   using namespace ggml;
   if constexpr (Q == kQ4_K) {
-    if (b % 8 == 0) {
-      const KBlock<kQ4_K> blk(row + (b / 8) * kBytes<kQ4_K>);
-      const __m256 ds = _mm256_loadu_ps(blk.ds), ndm = _mm256_loadu_ps(blk.ndm);
-      const __m256 lo = _mm256_unpacklo_ps(ds, ndm), hi = _mm256_unpackhi_ps(ds, ndm);   // pairs 0,1,4,5 / 2,3,6,7
-      _mm256_storeu_ps(kpairs, _mm256_permute2f128_ps(lo, hi, 0x20));
-      _mm256_storeu_ps(kpairs + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
-    }
-    return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(kpairs + 2 * (b % 8))));
+    return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(kp + 2 * b)));
   } else {
     const uint8_t* p = row + b * kBytes<Q>;
     if constexpr (Q == kQ4_1) {                          // d and m side by side: one conversion
@@ -1647,12 +1653,9 @@ inline __m256i quants(const uint8_t* row, int64_t b) {
 }
 
 // Q6_K's weight scales of block b by lane: d * sc of its first 16 weights in lanes 0-3 (each
-// lane sums 4 products), of the next 16 in lanes 4-7; the super-block's 16 unpacked into
-// ds when b reaches it.
-inline __m256 lane_scales(const uint8_t* row, int64_t b, float* ds) {
-  using namespace ggml;
-  if (b % 8 == 0) std::memcpy(ds, Q6Block(row + (b / 8) * kBytes<kQ6_K>).ds, 16 * sizeof(float));
-  return _mm256_setr_m128(_mm_set1_ps(ds[2 * (b % 8)]), _mm_set1_ps(ds[2 * (b % 8) + 1]));
+// lane sums 4 products), of the next 16 in lanes 4-7 (kp: the row's row_scales).
+inline __m256 lane_scales(const float* kp, int64_t b) {
+  return _mm256_setr_m128(_mm_set1_ps(kp[2 * b]), _mm_set1_ps(kp[2 * b + 1]));
 }
 
 template <int64_t Q>
@@ -1665,16 +1668,16 @@ inline __m256 block_dot(__m256i q, __m256i qx) {         // 8 lanes, each 4 prod
 }
 #endif
 
-// res[r][c] = x_r . w_c for R quantized rows of x (qx, their pairs xs) and 4 weight rows.
+// res[r][c] = x_r . w_c for R quantized rows of x (qx, their pairs xs) and 4 weight rows
+// (kp: their row_scales for the K-quants).
 // Per block b: t = dw * dx and o = c * sx, each rounded once; lane l of the pair's 8 gets
 // fma(q . qx over elements 4l..4l+3, t, lane); off += o in block order. Result: hsum8(lanes)
 // + off.
 template <int64_t Q, int R>
-inline void tile(const int8_t* const* qx, const float* const* xs, const uint8_t* const* ws, int64_t blocks,
-                 int64_t ahead, float (&res)[4][4]) {
+inline void tile(const int8_t* const* qx, const float* const* xs, const uint8_t* const* ws, const float* const* kp,
+                 int64_t blocks, int64_t ahead, float (&res)[4][4]) {
   alignas(32) float lanes[R][4][8];
   float off[R][4];
-  alignas(16) float kpairs[4][16];
 #if defined(__AVX2__)
   __m256 acc[R][4];
   __m128 oacc[4];                                        // rows r's o in lane 2r + 1
@@ -1693,13 +1696,13 @@ inline void tile(const int8_t* const* qx, const float* const* xs, const uint8_t*
     for (int c = 0; c < 4; ++c) {
       if constexpr (Q == ggml::kQ6_K) {                  // a scale per lane (t = (d * sc) * dx), no offset
         const __m256i q = quants<Q>(ws[c], b);
-        const __m256 sw = lane_scales(ws[c], b, kpairs[c]);
+        const __m256 sw = lane_scales(kp[c], b);
         for (int r = 0; r < R; ++r)
           acc[r][c] = _mm256_fmadd_ps(block_dot<Q>(q, xv[r]), _mm256_mul_ps(sw, _mm256_broadcast_ss(xs[r] + 2 * b)),
                                       acc[r][c]);
         continue;
       }
-      const __m128 f = scale_pair<Q>(ws[c], b, kpairs[c]);
+      const __m128 f = scale_pair<Q>(ws[c], b, kp[c]);
       const __m128 prod = _mm_mul_ps(R == 2 ? _mm_movelh_ps(f, f) : f, xp);   // (t, o) of each row
       oacc[c] = _mm_add_ps(oacc[c], prod);
       const __m256i q = quants<Q>(ws[c], b);
@@ -1721,13 +1724,13 @@ inline void tile(const int8_t* const* qx, const float* const* xs, const uint8_t*
       off[r][c] = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
         float dw, cw;
-        scale_pair<Q>(ws[c], b, kpairs[c], dw, cw);
+        scale_pair<Q>(ws[c], b, kp[c], dw, cw);
         const float t = dw * xs[r][2 * b];
         off[r][c] += cw * xs[r][2 * b + 1];
         for (int l = 0; l < 8; ++l) {
           int32_t s = 0;
           for (int e = 4 * l; e < 4 * l + 4; ++e) s += quant_at<Q>(ws[c], b, e) * qx[r][b * kQK + e];
-          const float tl = Q == ggml::kQ6_K && l >= 4 ? kpairs[c][2 * (b % 8) + 1] * xs[r][2 * b] : t;
+          const float tl = Q == ggml::kQ6_K && l >= 4 ? kp[c][2 * b + 1] * xs[r][2 * b] : t;
           lanes[r][c][l] = std::fma(static_cast<float>(s), tl, lanes[r][c][l]);
         }
       }
@@ -1755,11 +1758,20 @@ void kernel(float* out, int64_t ldo, const float* x, const uint8_t* w, int64_t m
     for (int64_t i = begin; i < end; ++i) quantize_row(x + i * k, k, qxp + i * k, xsp + i * 2 * blocks);
   });
   at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scales(kUnpacked<Q> ? 4 * 2 * blocks : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t j0 = task * kRowsPerTask, j1 = std::min(n, j0 + kRowsPerTask);
       for (int64_t j = j0; j < j1; j += 4) {
         const uint8_t* ws[4];                            // a short group repeats its last row
-        for (int c = 0; c < 4; ++c) ws[c] = w + std::min(j + c, j1 - 1) * row_bytes;
+        const float* kp[4] = {nullptr, nullptr, nullptr, nullptr};
+        for (int c = 0; c < 4; ++c) {
+          ws[c] = w + std::min(j + c, j1 - 1) * row_bytes;
+          if constexpr (kUnpacked<Q>) {
+            float* row = scales.data() + c * 2 * blocks;
+            row_scales<Q>(ws[c], blocks, row);
+            kp[c] = row;
+          }
+        }
         for (int64_t i = 0; i < m; i += kR) {
           const int64_t rows = std::min(kR, m - i);
           const int8_t* xq[kR];
@@ -1769,8 +1781,8 @@ void kernel(float* out, int64_t ldo, const float* x, const uint8_t* w, int64_t m
             xq[r] = qxp + row * k, xp[r] = xsp + row * 2 * blocks;
           }
           float res[4][4];
-          if (rows == 1) tile<Q, 1>(xq, xp, ws, blocks, 4 * row_bytes, res);
-          else tile<Q, 2>(xq, xp, ws, blocks, 4 * row_bytes, res);
+          if (rows == 1) tile<Q, 1>(xq, xp, ws, kp, blocks, 4 * row_bytes, res);
+          else tile<Q, 2>(xq, xp, ws, kp, blocks, 4 * row_bytes, res);
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t c = 0; c < 4 && j + c < j1; ++c) out[(i + r) * ldo + j + c] = res[r][c];
         }
