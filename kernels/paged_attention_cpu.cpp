@@ -1506,9 +1506,10 @@ void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
 // Q4_0 1.4x, Q4_K 1.2x, the Q8_0 head [49152 x 576] 1.2-1.3x (it streams from DRAM);
 // SmolLM2's 121 matmuls of a batch-1 step on the file's weights 9.4 -> 6.8 ms; Q6_K (signed
 // q, as Q8_0's: vpsignb) [3072 x 1024], [1024 x 3072], [8192 x 2048] 1.7-2.4x (1.5-1.9x at
-// 2 rows, 0.7-1.1x from 8), Q4_K 1.5-1.8x (1.0-1.6x from 8 since row_scales, 0.6-0.9x
-// before). From 8 rows little gain otherwise (Q4_1 0.8-1.2x): a block pair costs vpmaddubsw, vpmaddwd, a conversion and an FMA per row of x,
-// as many instructions as the fp32 path's four FMAs.
+// 2 rows, 0.7-1.1x from 8), Q4_K 1.5-1.8x (1.0-1.6x from 8 since row_scales, 0.5-0.9x
+// before). From 8 rows little gain otherwise (Q4_1 0.8-1.2x): a block pair costs
+// vpmaddubsw, vpmaddwd, a conversion and an FMA per row of x, as many instructions as the
+// fp32 path's four FMAs.
 namespace a8 {
 
 constexpr int64_t kQK = 32;

@@ -58,8 +58,8 @@ def default_model_weights(config: EngineConfig) -> EngineConfig:
     Q4_1 GGUF file as shipped (quantization="gguf") when it would run in float32 on the CPU
     (dtype "float32", or "auto" on a CPU without bf16 dot products): the same bits as its
     converted float32 folder (the C++ kernel sums the widened blocks in the fp32 matmul's
-    order; tests/model/test_gguf_quantized.py), and faster at batch 1 and in throughput
-    with a fifth of the bytes (README, "The default model, offline"; issue 37). In bfloat16
+    order; tests/model/test_gguf_quantized.py), faster at batch 1 and no slower in
+    throughput, with a fifth of the bytes (README, "The default model, offline"; issue 37). In bfloat16
     or float16, and on CUDA, it keeps the folder: its matmuls run in that dtype (AMX tiles,
     tensor cores) where the file's kernel computes in float32, and that trade is unmeasured.
     Any other model, or a quantization given, is returned unchanged; the folder itself runs

@@ -192,8 +192,8 @@ class TensorIndex:
     vLLM's GGUF loader re-reads the file with the reader each time.
     """
 
-    def __init__(self, src: Path, meta: dict, entries: list[list]) -> None:
-        self.src, self.meta, self.entries = src, meta, entries
+    def __init__(self, src: Path, meta: dict, entries: list[list], reader=None) -> None:
+        self.src, self.meta, self.entries, self.reader = src, meta, entries, reader
         self.arch, self.head_count, self.head_count_kv = meta["arch"], meta["head_count"], meta["head_count_kv"]
 
     @classmethod
@@ -208,7 +208,7 @@ class TensorIndex:
                 "source_bytes": stat.st_size, "source_mtime_ns": stat.st_mtime_ns, "byte_order": reader.byte_order}
         entries = [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset), int(t.n_bytes)]
                    for t in reader.tensors]
-        return cls(src, meta, entries)
+        return cls(src, meta, entries, reader)
 
     def to_json(self) -> dict:
         return {"meta": self.meta, "tensors": self.entries}
@@ -231,7 +231,10 @@ class TensorIndex:
         return cls.from_reader(gguf.GGUFReader(src), src)
 
     def tensors(self) -> list[IndexedTensor]:
-        """Every tensor, its data a view of the file mapped read-only (as the reader's)."""
+        """Every tensor, its data a view of the file mapped read-only (as the reader's; the
+        reader's own tensors when the index was made from one: a byte-swapped file too)."""
+        if self.reader is not None:
+            return list(self.reader.tensors)
         import gguf
         import numpy as np
         from gguf.quants import quant_shape_to_byte_shape
