@@ -17,6 +17,9 @@
     serve.py        the OpenAI server vs `transformers serve`, Poisson arrivals (not default)
     tp.py           tensor parallelism vs one rank (not default)
     vllm.py         vLLM's CPU backend, in a child process of its own venv (not default)
+    quant.py, quant_accuracy.py, llama_server.py
+                    GGUF weights as shipped vs the fp32 folder vs llama.cpp (its Python API
+                    and its llama-server), int8 activations' accuracy table (not default)
 
 Not part of the installed package (setup.py finds nanopaged* only): run from a checkout.
 """

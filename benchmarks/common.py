@@ -4,10 +4,22 @@ driver prints first, and the decode-attention inputs and timer of the kernels se
 (chapter 12 times its kernel versions with the same two)."""
 from __future__ import annotations
 
+import os
 import random
 import time
+from pathlib import Path
 
 import torch
+
+
+def find_peer(explicit: str | None, env: str, local: str) -> str | None:
+    """A peer's program (llama.cpp's interpreter or server): the flag's path, else $env's,
+    else `local` (relative to the checkout) if it exists, else None."""
+    path = explicit or os.environ.get(env)
+    if path:
+        return path
+    candidate = Path(__file__).resolve().parent.parent / local
+    return str(candidate) if candidate.is_file() else None
 
 
 def workload(n: int, vocab: int, seed: int = 0, max_output: int = 128):

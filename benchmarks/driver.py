@@ -8,7 +8,7 @@
                                       --dashboard-viewer]
                     [--sections tp] [--sections vllm --vllm-python PATH] [--max-output 128]
                     [--sections soak --soak-rounds 8]
-                    [--sections quant --llamacpp-python PATH]
+                    [--sections quant --llamacpp-python PATH --llama-server PATH]
                     [--sections spec --spec-requests 8 --spec-max-tokens 48 --spec-batches 1,8
                                      --spec-k 2,4 --spec-draft-layers 10 --spec-draft-k 4 --spec-rounds 2]
 
@@ -69,10 +69,11 @@ spec:       (not in the default list: 5-8 minutes) speculative decoding (issue 2
 quant:      (not in the default list: a few minutes, llama.cpp's venv for its rows) the
             default model's Q4_1 GGUF run as shipped (quantization="gguf") vs its fp32
             folder vs llama.cpp (llama-cpp-python) on the same file and threads: batch-1
-            ms/token, throughput (llama.cpp serving one request after another), resident
-            weight bytes vs the file, bytes read per decoded token vs the DRAM roofline
-            (targets: batch 1 >= llama.cpp's speed, throughput >= 5x, resident <= 1.25x
-            the file; benchmarks/quant.py).
+            ms/token, throughput (llama.cpp serving one request after another, and
+            llama.cpp's own llama-server with parallel slots where one is built:
+            benchmarks/llama_server.py), resident weight bytes vs the file, bytes read per
+            decoded token vs the DRAM roofline (targets: batch 1 >= llama.cpp's speed,
+            throughput >= 5x the serial rate, resident <= 1.25x the file; benchmarks/quant.py).
 vllm:       (not in the default list: needs vLLM's own venv) nanopaged vs vLLM's CPU
             backend on the throughput workload and batch-1 decode, vLLM in a child
             process of its own interpreter (benchmarks/vllm.py says how to make its venv).
@@ -126,6 +127,9 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default=None,
                     help="quant: the interpreter of llama-cpp-python's venv (else $NANOPAGED_LLAMACPP_PYTHON "
                          "or ./.venv-llamacpp)")
+    ap.add_argument("--llama-server", default=None,
+                    help="quant: llama.cpp's llama-server binary (else $NANOPAGED_LLAMA_SERVER or "
+                         "./.llama-server/bin/llama-server; benchmarks/llama_server.py says how to build it)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])

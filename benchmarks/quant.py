@@ -3,7 +3,7 @@ run with llama.cpp itself on the same file with the same threads.
 
     python bench.py --sections quant [--llamacpp-python PATH] [--num-requests 32]
 
-Four engines, one after another in this run:
+Five engines, one after another in this run:
 - nanopaged, quantization="gguf": the default model's Q4_1 file as shipped;
 - nanopaged on the fp32 folder converted from that file (today's default, the "before");
 - nanopaged on the file with activation_quantization="int8": x rounded to int8 blocks in
@@ -12,7 +12,11 @@ Four engines, one after another in this run:
 - llama.cpp (llama-cpp-python 0.3.36) on the same file, in a child process of its own
   venv (made once: `python3 -m venv .venv-llamacpp && .venv-llamacpp/bin/pip install
   llama-cpp-python==0.3.36`; found by --llamacpp-python, $NANOPAGED_LLAMACPP_PYTHON or
-  ./.venv-llamacpp; without one its rows are skipped and the howto printed).
+  ./.venv-llamacpp; without one its rows are skipped and the howto printed);
+- llama.cpp's own server (llama-server) with one parallel slot per request, continuous
+  batching, on the same file: the throughput workload only (benchmarks/llama_server.py,
+  which says how to build it; found by --llama-server, $NANOPAGED_LLAMA_SERVER or
+  ./.llama-server/bin/llama-server).
 
 Measured:
 - batch 1: one 32-token prompt, (time for 65 greedy tokens - time for 1) / 64, best of
@@ -21,7 +25,7 @@ Measured:
 - throughput: bench.py's workload (--num-requests requests, prompts U[32, 256] token ids,
   outputs U[32, --max-output], greedy, ignore_eos): nanopaged gets them all at once and
   batches them; llama.cpp's Python API serves one sequence at a time, so it runs them one
-  after another. Tokens/s and the ratio;
+  after another; llama-server gets them all at once, as we do. Tokens/s and the ratios;
 - weights: bytes resident in the model (the packed blocks plus what is kept in fp32:
   norms; computed from the loaded tensors) against the file's size;
 - bytes per decoded token: the weights a batch-1 step reads (every projection and the LM
@@ -41,7 +45,6 @@ not required.
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -51,7 +54,8 @@ from pathlib import Path
 
 import torch
 
-from .common import run_nanopaged, workload
+from .common import find_peer, run_nanopaged, workload
+from .llama_server import LLAMA_SERVER_HOWTO, find_llama_server, run_llama_server
 from .quant_accuracy import ACCURACY_PROMPTS, ACCURACY_TOKENS, accuracy_table, describe
 from .tp import machine
 
@@ -101,11 +105,7 @@ if __name__ == "__main__":
 
 def find_llamacpp_python(explicit: str | None) -> str | None:
     """llama-cpp-python's interpreter: the flag, $NANOPAGED_LLAMACPP_PYTHON, or ./.venv-llamacpp."""
-    path = explicit or os.environ.get("NANOPAGED_LLAMACPP_PYTHON")
-    if path:
-        return path
-    local = Path(__file__).resolve().parent.parent / ".venv-llamacpp" / "bin" / "python"
-    return str(local) if local.is_file() else None
+    return find_peer(explicit, "NANOPAGED_LLAMACPP_PYTHON", ".venv-llamacpp/bin/python")
 
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
@@ -249,7 +249,7 @@ def bench_quant(model: str | None, args) -> None:
         print(f"  llama.cpp: no interpreter found; make one with: {LLAMACPP_HOWTO}")
     else:
         peer = run_llamacpp(python, gguf, threads, batch1_prompt, prompts, out_lens)
-    ours = rows["nanopaged gguf (as shipped)"]
+    ours, a8 = rows["nanopaged gguf (as shipped)"], rows["nanopaged gguf, int8 activations"]
     context = PROMPT_TOKENS + DECODE_TOKENS / 2                        # mean context of the decode
     print(f"  read bandwidth (torch sum of 512 MiB, {threads} threads): {bandwidth / 1e9:.1f} GB/s")
     for label, r in rows.items():
@@ -278,12 +278,24 @@ def bench_quant(model: str | None, args) -> None:
               f"throughput nanopaged / llama.cpp serial = "
               f"{(ours['tokens'] / ours['wall']) / (peer['tokens'] / peer['wall']):.2f}x (>= 5); "
               f"resident / file = {ours['resident'] / gguf.stat().st_size:.2f}x (<= 1.25)")
-        a8 = rows["nanopaged gguf, int8 activations"]
         print(f"  with activation_quantization='int8' (llama.cpp's own arithmetic; not exact, see below): "
               f"batch 1 llama.cpp / nanopaged = {peer['batch1'] / a8['batch1']:.2f}x (>= 1.0); throughput "
               f"{(a8['tokens'] / a8['wall']) / (peer['tokens'] / peer['wall']):.2f}x (>= 5)")
         serial = peer["tokens"] / peer["wall"]
         print(f"  the float32 compute roofline is {ceiling / serial:.2f}x llama.cpp's serial {serial:.1f} tok/s: "
               f"the most throughput ratio any float32-exact engine could reach on these cores")
+    server = find_llama_server(getattr(args, "llama_server", None))
+    if server is None:
+        print(f"  llama-server: not found; {LLAMA_SERVER_HOWTO}")
+    else:
+        try:
+            s = run_llama_server(server, gguf, threads, prompts, out_lens)
+        except Exception as e:                        # a peer that fails is reported, not fatal
+            print(f"  llama-server ({server}) failed: {e}")
+        else:
+            rate = s["tokens"] / s["wall"]
+            print(f"  llama.cpp's server (llama-server, {s['slots']} parallel slots, continuous batching): "
+                  f"{rate:.1f} tok/s; nanopaged / llama-server = {(ours['tokens'] / ours['wall']) / rate:.2f}x, "
+                  f"with int8 activations {(a8['tokens'] / a8['wall']) / rate:.2f}x")
     print(f"  int8 activations against exact, {len(ACCURACY_PROMPTS)} prompts x {ACCURACY_TOKENS} greedy tokens "
           f"(benchmarks/quant_accuracy.py): {describe(accuracy_table(str(gguf)))}")

@@ -1183,8 +1183,22 @@ struct Block {                                           // the 32-weight format
   const uint8_t* p;
   float d, m = 0.f;
   ivec qh = iset1(0);                                    // Q5: the fifth bits, in every lane
-  explicit Block(const uint8_t* block) : p(block), d(half_at(block)) {
+  explicit Block(const uint8_t* block) : p(block) {
+#if defined(__F16C__)
+    // d (and Q4_1's and Q5_1's m beside it) by one 4-byte load and one conversion (every
+    // block is at least 18 bytes: the load stays inside it). Two half_at calls cost a
+    // 2-byte insert and a conversion each, about a tenth of the one-row loop's micro-ops:
+    // SmolLM2's Q4_1 matrices at one row, one thread, in cache, went from 10.6-11.2 to
+    // 11.5-12.2 G weights/s (2026-12-03, 2-core AMD EPYC, AVX2)
+    int32_t word;
+    std::memcpy(&word, block, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(word));
+    d = _mm_cvtss_f32(dm);
+    if constexpr (Q == kQ4_1 || Q == kQ5_1) m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+#else
+    d = half_at(block);
     if constexpr (Q == kQ4_1 || Q == kQ5_1) m = half_at(block + 2);
+#endif
     if constexpr (Q == kQ5_0 || Q == kQ5_1) {
       int32_t bits;
       std::memcpy(&bits, block + kHead - 4, 4);
@@ -1490,7 +1504,8 @@ void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
 // The exact path above widens every weight to fp32. llama.cpp instead rounds each row of x to
 // int8 in blocks of 32 (its Q8_1) and multiplies the weights' small integers by x's in integer
 // arithmetic, applying the two scales once a block. With w = dw_b * q + c_b in block b of 32
-// elements (c_b: Q4_1's m, Q4_0's -8 dw, Q4_K's -(dmin * mn) of the sub-block, Q8_0's 0;
+// elements (c_b: Q4_1's and Q5_1's m, Q4_0's -8 dw, Q5_0's -16 dw, Q4_K's and Q5_K's
+// -(dmin * mn) of the sub-block, Q8_0's 0; the Q5 types' q has its fifth bit put in, 0..31;
 // Q6_K: q - 32 signed, c_b 0, and dw_b its sub-block's d * sc, one for lanes 0-3 and one
 // for 4-7, the block's two sub-blocks of 16) and x ~ dx_b * qx:
 //     x . w  ~  sum_b (dw_b dx_b) (q . qx)_b  +  sum_b c_b (dx_b sum(qx)_b)
@@ -1507,7 +1522,8 @@ void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
 // SmolLM2's 121 matmuls of a batch-1 step on the file's weights 9.4 -> 6.8 ms; Q6_K (signed
 // q, as Q8_0's: vpsignb) [3072 x 1024], [1024 x 3072], [8192 x 2048] 1.7-2.4x (1.5-1.9x at
 // 2 rows, 0.7-1.1x from 8), Q4_K 1.5-1.8x (1.0-1.6x from 8 since row_scales, 0.5-0.9x
-// before). From 8 rows little gain otherwise (Q4_1 0.8-1.2x): a block pair costs
+// before); Q5_0, Q5_1, Q5_K on the same three 1.8-2.2x (2 rows 1.8-2.1x, 8 rows 0.9-1.3x,
+// 32 rows 0.7-1.2x). From 8 rows little gain otherwise (Q4_1 0.8-1.2x): a block pair costs
 // vpmaddubsw, vpmaddwd, a conversion and an FMA per row of x, as many instructions as the
 // fp32 path's four FMAs.
 namespace a8 {
@@ -1554,7 +1570,7 @@ inline float hsum8(const float* a) {                     // a fixed tree: (l + l
 }
 
 template <int64_t Q>
-constexpr bool kSigned = Q == ggml::kQ8_0 || Q == ggml::kQ6_K;   // q signed (else 0..15, unsigned)
+constexpr bool kSigned = Q == ggml::kQ8_0 || Q == ggml::kQ6_K;   // q signed (else unsigned, 0..31)
 
 // The K-quants' scales come from their super-blocks, unpacked once per weight row and call
 // (row_scales) into two floats per block of 32, kp[2b] and kp[2b + 1]: Q4_K's (d * sc,
@@ -1563,14 +1579,14 @@ constexpr bool kSigned = Q == ggml::kQ8_0 || Q == ggml::kQ6_K;   // q signed (el
 // half its speed from 8 rows (measured, two runs: [3072 x 1024] m = 8 1.17 / 1.25 -> 0.69 /
 // 0.85 ms, m = 32 4.67 / 4.22 -> 2.65 / 3.26; [1024 x 3072] m = 32 4.51 / 4.35 -> 2.58 / 1.57).
 template <int64_t Q>
-constexpr bool kUnpacked = Q == ggml::kQ4_K || Q == ggml::kQ6_K;
+constexpr bool kUnpacked = Q == ggml::kQ4_K || Q == ggml::kQ5_K || Q == ggml::kQ6_K;
 
 template <int64_t Q>
 inline void row_scales(const uint8_t* row, int64_t blocks, float* kp) {
   using namespace ggml;
   for (int64_t s = 0; s < blocks / 8; ++s) {
-    if constexpr (Q == kQ4_K) {
-      const KBlock<kQ4_K> blk(row + s * kBytes<kQ4_K>);
+    if constexpr (Q == kQ4_K || Q == kQ5_K) {
+      const KBlock<Q> blk(row + s * kBytes<Q>);
       for (int i = 0; i < 8; ++i) kp[16 * s + 2 * i] = blk.ds[i], kp[16 * s + 2 * i + 1] = blk.ndm[i];
     } else {
       std::memcpy(kp + 16 * s, Q6Block(row + s * kBytes<kQ6_K>).ds, 16 * sizeof(float));
@@ -1584,11 +1600,11 @@ template <int64_t Q>
 inline void scale_pair(const uint8_t* row, int64_t b, const float* kp, float& dw, float& c) {
   using namespace ggml;
   if constexpr (kUnpacked<Q>) {
-    dw = kp[2 * b], c = Q == kQ4_K ? kp[2 * b + 1] : 0.f;   // Q6_K's second scale: its lanes 4-7
+    dw = kp[2 * b], c = Q == kQ6_K ? 0.f : kp[2 * b + 1];   // Q6_K's second scale: its lanes 4-7
   } else {
     const uint8_t* p = row + b * kBytes<Q>;
     dw = half_at(p);
-    c = Q == kQ4_1 ? half_at(p + 2) : Q == kQ4_0 ? -8.f * dw : 0.f;
+    c = Q == kQ4_1 || Q == kQ5_1 ? half_at(p + 2) : Q == kQ4_0 ? -8.f * dw : Q == kQ5_0 ? -16.f * dw : 0.f;
   }
 }
 
@@ -1602,23 +1618,32 @@ inline int32_t quant_at(const uint8_t* row, int64_t b, int e) {
     const int lo = (blk[64 * g + i % 64] >> (i >= 64 ? 4 : 0)) & 0xF;
     return (lo | ((blk[128 + 32 * g + i % 32] >> (2 * (i / 32))) & 3) << 4) - 32;
   }
-  if constexpr (Q == kQ4_K) {
-    const uint8_t byte = row[(b / 8) * 144 + 16 + 32 * ((b % 8) / 2) + e];
-    return b % 2 ? byte >> 4 : byte & 0xF;
+  if constexpr (Q == kQ4_K || Q == kQ5_K) {
+    const uint8_t* blk = row + (b / 8) * kBytes<Q>;
+    const uint8_t byte = blk[(Q == kQ5_K ? 48 : 16) + 32 * ((b % 8) / 2) + e];
+    const int q = b % 2 ? byte >> 4 : byte & 0xF;
+    return Q == kQ5_K ? q | ((blk[16 + e] >> (b % 8)) & 1) << 4 : q;   // bit b % 8 of qh byte e
   }
-  const uint8_t byte = row[b * kBytes<Q> + (Q == kQ4_1 ? 4 : 2) + e % 16];
-  return e < 16 ? byte & 0xF : byte >> 4;
+  const uint8_t* blk = row + b * kBytes<Q>;
+  const uint8_t byte = blk[Block<Q>::kHead + e % 16];
+  const int q = e < 16 ? byte & 0xF : byte >> 4;
+  if constexpr (Q == kQ5_0 || Q == kQ5_1) {              // the fifth bit: bit e of the word before qs
+    uint32_t qh;
+    std::memcpy(&qh, blk + Block<Q>::kHead - 4, 4);
+    return q | ((qh >> e) & 1) << 4;
+  }
+  return q;
 }
 
 #if defined(__AVX2__)
 template <int64_t Q>
 inline __m128 scale_pair(const uint8_t* row, int64_t b, const float* kp) {   // (dw, c, 0, 0)
   using namespace ggml;
-  if constexpr (Q == kQ4_K) {
+  if constexpr (Q == kQ4_K || Q == kQ5_K) {
     return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(kp + 2 * b)));
   } else {
     const uint8_t* p = row + b * kBytes<Q>;
-    if constexpr (Q == kQ4_1) {                          // d and m side by side: one conversion
+    if constexpr (Q == kQ4_1 || Q == kQ5_1) {            // d and m side by side: one conversion
       int32_t dm;
       std::memcpy(&dm, p, 4);
       return _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
@@ -1627,6 +1652,7 @@ inline __m128 scale_pair(const uint8_t* row, int64_t b, const float* kp) {   // 
     std::memcpy(&d, p, 2);
     const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(d));      // (d, 0, 0, 0)
     if constexpr (Q == kQ4_0) return _mm_mul_ps(_mm_moveldup_ps(f), _mm_setr_ps(1.f, -8.f, 0.f, 0.f));
+    if constexpr (Q == kQ5_0) return _mm_mul_ps(_mm_moveldup_ps(f), _mm_setr_ps(1.f, -16.f, 0.f, 0.f));
     return f;
   }
 }
@@ -1645,12 +1671,31 @@ inline __m256i quants(const uint8_t* row, int64_t b) {
     const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * (i / 32))), _mm256_set1_epi8(3));
     return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
   }
-  if constexpr (Q == kQ4_K) {                            // 32 bytes: sub-block 2g in low nibbles, 2g+1 high
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (b / 8) * 144 + 16 + 32 * ((b % 8) / 2)));
-    return _mm256_and_si256(b % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+  if constexpr (Q == kQ4_K || Q == kQ5_K) {              // 32 bytes: sub-block 2g in low nibbles, 2g+1 high
+    const uint8_t* blk = row + (b / 8) * kBytes<Q>;
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (Q == kQ5_K ? 48 : 16) + 32 * ((b % 8) / 2)));
+    const __m256i q = _mm256_and_si256(b % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+    if constexpr (Q == kQ4_K) return q;
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));   // bit b % 8 of byte e
+    const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(b % 8)), _mm256_set1_epi8(1));
+    return _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
   }
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * kBytes<Q> + (Q == kQ4_1 ? 4 : 2)));
-  return _mm256_and_si256(_mm256_setr_m128i(v, _mm_srli_epi16(v, 4)), low);   // elements 0-15, 16-31
+  const uint8_t* blk = row + b * kBytes<Q>;
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + Block<Q>::kHead));
+  const __m256i q = _mm256_and_si256(_mm256_setr_m128i(v, _mm_srli_epi16(v, 4)), low);   // elements 0-15, 16-31
+  if constexpr (Q == kQ5_0 || Q == kQ5_1) {
+    // the fifth bits: bit e of the word qh into byte e as 16. Byte e first gets qh's byte
+    // e / 8 (a shuffle within each 128-bit half, where the word repeats), then keeps bit e % 8
+    int32_t qh;
+    std::memcpy(&qh, blk + Block<Q>::kHead - 4, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(qh),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                  0x0303030303030303));
+    const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    return _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+  }
+  return q;
 }
 
 // Q6_K's weight scales of block b by lane: d * sc of its first 16 weights in lanes 0-3 (each
@@ -1799,9 +1844,10 @@ void kernel(float* out, int64_t ldo, const float* x, const uint8_t* w, int64_t m
 void gguf_linear_a8(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
   using namespace ggml;
   const auto [qk, bytes] = geometry(qtype);
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || qtype == kQ4_K || qtype == kQ6_K,
-              "gguf_linear_a8: GGML type ", qtype, " is not supported (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, "
-              "Q6_K = 14)");
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 || qtype == kQ8_0 ||
+                  qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K,
+              "gguf_linear_a8: GGML type ", qtype, " is not supported (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, "
+              "Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
   check_gguf_args("gguf_linear_a8", out, x, qweight, qk, bytes);
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
   if (m == 0 || n == 0) return;
@@ -1812,7 +1858,10 @@ void gguf_linear_a8(torch::Tensor out, const torch::Tensor& x, const torch::Tens
   switch (qtype) {
     case kQ4_0: return a8::kernel<kQ4_0>(o, ldo, xp, w, m, k, n);
     case kQ4_1: return a8::kernel<kQ4_1>(o, ldo, xp, w, m, k, n);
+    case kQ5_0: return a8::kernel<kQ5_0>(o, ldo, xp, w, m, k, n);
+    case kQ5_1: return a8::kernel<kQ5_1>(o, ldo, xp, w, m, k, n);
     case kQ8_0: return a8::kernel<kQ8_0>(o, ldo, xp, w, m, k, n);
+    case kQ5_K: return a8::kernel<kQ5_K>(o, ldo, xp, w, m, k, n);
     case kQ6_K: return a8::kernel<kQ6_K>(o, ldo, xp, w, m, k, n);
     default: return a8::kernel<kQ4_K>(o, ldo, xp, w, m, k, n);
   }
@@ -1976,7 +2025,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "RoPE in place on query and key (CPU)");
-  m.def("gguf_linear_a8", &gguf_linear_a8, "x W^T, W in Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks, x rounded to int8 "
+  m.def("gguf_linear_a8", &gguf_linear_a8, "x W^T, W in GGUF blocks (Q4-Q8, K-quants), x rounded to int8 "
         "blocks of 32 first (llama.cpp's Q8_1), fp32 out (CPU)");
   m.def("quantize_activations_a8", &quantize_activations_a8, "x -> int8 blocks of 32 and their scales (CPU)");
   m.def("int8_linear", &int8_linear, "x W^T, W int8 with a float32 scale per row, fp32 (CPU)");

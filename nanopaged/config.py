@@ -210,9 +210,9 @@ class EngineConfig:
             "int8": a folder's projections quantized at load, per row (quantization/int8.py); float32
             activations (exact vs the dequantized model) or bfloat16 ones, widened first.
         activation_quantization: None (exact); "int8" with quantization="gguf": a projection's
-            input rounded to int8 in blocks of 32 and multiplied by Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks
-            in integers, llama.cpp's way (layers/quantization/gguf_a8.py): faster at batch 1,
-            not exact (chapter 21's accuracy table); the other formats stay exact.
+            input rounded to int8 in blocks of 32 and multiplied by the weights' blocks in
+            integers, llama.cpp's way (layers/quantization/gguf_a8.py): faster at batch 1,
+            not exact (chapter 21's accuracy table); float tensors stay exact.
         enforce_eager: run every step eagerly (vLLM's flag); False: small all-decode batches on the CPU
             kernels replay their recorded kernel calls without the module calls (worker/cpu_graph.py).
     """

@@ -191,7 +191,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
                      "a scale per output row; without --model, the default model's folder (not given: the "
                      "weights as stored, and gguf for the default model in float32)"),
     "activation_quantization": (str, "DTYPE", "int8: with --quantization gguf, round each projection's input "
-                                "to int8 in blocks of 32 and multiply the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks in "
+                                "to int8 in blocks of 32 and multiply the weights' GGUF blocks in "
                                 "integers, as llama.cpp does: faster at batch 1, not exact (chapter 21's "
                                 "accuracy table; not given: exact float activations)"),
     "enforce_eager": (bool, "BOOL", "run every step eagerly; else small all-decode batches on the CPU kernels "

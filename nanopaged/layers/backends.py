@@ -99,7 +99,7 @@ class TorchOps:
 
     def gguf_linear_a8(self, out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> None:
         """gguf_linear with x first rounded to int8 blocks of 32 (layers/quantization/gguf_a8.py,
-        Q4_0/Q4_1/Q8_0/Q4_K/Q6_K): here x's rounded values times the dequantized weights, F.linear
+        every block format): here x's rounded values times the dequantized weights, F.linear
         (the kernel's result within fp32 summation error, not its bits)."""
         from .quantization.gguf import dequantize
         from .quantization.gguf_a8 import quantize_activations

@@ -20,8 +20,8 @@ from nanopaged.layers.quantization.gguf import dequantize
 from nanopaged.layers.quantization.gguf_a8 import A8_TYPES, quantize_activations
 
 T = gguf.GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
-K_QUANTS = (T.Q4_K, T.Q6_K)                             # rows of whole super-blocks of 256
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)                             # rows of whole super-blocks of 256
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +116,6 @@ def test_the_pytorch_reference_agrees(ops, qtype):
 
 
 def test_other_types_are_refused_by_the_kernel(ops):
-    qw, _ = weights(4, 64, T.Q5_0)
-    with pytest.raises(RuntimeError, match=r"gguf_linear_a8: GGML type 6 is not supported"):
-        ops.ops.gguf_linear_a8(torch.empty(1, 4), torch.randn(1, 64), qw, int(T.Q5_0))
+    qw = torch.zeros(4, 84, dtype=torch.uint8)      # one Q2_K super-block a row: a type not run here
+    with pytest.raises(RuntimeError, match=r"gguf_linear_a8: GGML type 10 is not supported"):
+        ops.ops.gguf_linear_a8(torch.empty(1, 4), torch.randn(1, 256), qw, int(T.Q2_K))

@@ -1,7 +1,6 @@
 """activation_quantization="int8" through the engine (layers/quantization/gguf_a8.py):
 the tiny random checkpoints written as quantized GGUF files (tests/model/tiny_gguf.py),
-run with x rounded to int8 blocks in the Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matmuls and the other
-formats exact. It is not exact, so: close to the exact mode, batch-invariant, the PyTorch
+run with x rounded to int8 blocks in the block formats' matmuls (float tensors exact). It is not exact, so: close to the exact mode, batch-invariant, the PyTorch
 reference close to the kernels, and the config refuses it without quantization="gguf".
 """
 from __future__ import annotations
@@ -20,7 +19,7 @@ from nanopaged.layers.quantization.gguf_a8 import A8_TYPES, GGUFA8LinearMethod
 from nanopaged.model import gguf_loader
 
 CASES = [("LlamaForCausalLM", "llama", "Q4_1"), ("LlamaForCausalLM", "llama", "mixed"),
-         ("Qwen3ForCausalLM", "qwen3", "Q4_K_M")]
+         ("Qwen3ForCausalLM", "qwen3", "Q4_K_M"), ("Qwen2ForCausalLM", "qwen2", "Q5")]   # Q5_0, Q5_1, Q5_K
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
 KW = dict(block_size=4, num_gpu_blocks=128, enable_prefix_caching=False)
 
@@ -76,6 +75,11 @@ def test_engine_is_batch_invariant(gguf_file):
     assert target([PROMPTS[0], PROMPTS[2]]) == alone
 
 
+# Not the Q5 model: rounding x to int8 is a step function, and there one value of the
+# reference's x (6e-6 from the kernels', other norm and attention code) fell on the other
+# side of a rounding boundary; the tiny random model amplified that one step of qx to 0.03
+# in logprobs by the last layer (measured). The Q5 formats' kernel and reference agree matmul by matmul in test_gguf_a8.
+@pytest.mark.parametrize("gguf_file", CASES[:3], indirect=True, ids=lambda c: f"{c[1]}-{c[2]}")
 def test_the_pytorch_reference_runs_it_too(gguf_file):
     """attention_backend="torch": TorchOps.gguf_linear_a8 (x's rounded values times the
     dequantized weights): the same first tokens, logprobs within fp32 error's reach."""

@@ -8,7 +8,8 @@ Each row of a projection's input x is cut into blocks of 32 and each block round
     dx = max |x_block| / 127,   qx = round(x_block / dx)  (half to even; via x * (1 / dx))
 
 and the block's dot product with a weight block w = dw * q + c (c: Q4_1's m, Q4_0's -8 dw,
-Q4_K's -(dmin * mn) of the 32-weight sub-block, Q8_0's 0) is
+Q5_0's -16 dw, Q5_1's m, Q4_K's and Q5_K's -(dmin * mn) of the 32-weight sub-block, Q8_0's 0;
+the Q5 types' q 0..31 with its fifth bit) is
 
     x . w  ~  (dw * dx) * (q . qx)  +  c * (dx * sum(qx))
 
@@ -25,8 +26,8 @@ model's (chapter 21's accuracy table: greedy agreement and mean |delta logprob|)
 kernel is deterministic and batch-invariant like the exact one: each (row of x, row of W)
 pair is summed in one fixed order whatever the batch.
 
-Q5_0/Q5_1/Q5_K and float segments keep the exact path (their matmul is the exact one's);
-a Q4_K_M file (Q4_K and Q6_K) runs here whole. Q6_K at one row of x: 1.7-2.4x the exact
+Every block format the engine loads runs here (float segments keep the exact path); a
+Q4_K_M file (Q4_K and Q6_K) or a Q5_K_M one (Q5_K and Q6_K) runs here whole. Q6_K at one row of x: 1.7-2.4x the exact
 path's speed, from 8 rows 0.7-1.1x; Q4_K 1.5-1.8x, from 8 rows 1.0-1.6x (the kernel's comment).
 """
 from __future__ import annotations
@@ -35,10 +36,10 @@ import logging
 
 import torch
 
-from .gguf import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, GGUFLinearMethod, Segment
+from .gguf import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGUFLinearMethod, Segment
 
 logger = logging.getLogger(__name__)
-A8_TYPES = frozenset(f.type_id for f in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K))   # the types run against int8 x
+A8_TYPES = frozenset(f.type_id for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))   # run against int8 x
 QK = 32                                                    # activations' block
 
 
@@ -56,7 +57,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 class GGUFA8LinearMethod(GGUFLinearMethod):
-    """A GGUFLinearMethod whose Q4_0/Q4_1/Q8_0/Q4_K/Q6_K segments multiply int8-rounded x
+    """A GGUFLinearMethod whose block-format segments multiply int8-rounded x
     (`ops.gguf_linear_a8`); apply's shapes and dtypes as GGUFLinearMethod's."""
 
     def segment_matmul(self, layer, cols: torch.Tensor, x: torch.Tensor, seg: Segment) -> None:
@@ -82,4 +83,4 @@ class Int8ActivationsModel:
                 segments += method.segments
         a8 = sum(s.type_id in A8_TYPES for s in segments)
         logger.info("activation_quantization='int8': %d of %d weight segments multiply int8 x "
-                    "(Q4_0/Q4_1/Q8_0/Q4_K/Q6_K); the other %d stay exact", a8, len(segments), len(segments) - a8)
+                    "(the block formats); the other %d (float) stay exact", a8, len(segments), len(segments) - a8)
