@@ -6,17 +6,19 @@ llama-cpp-python serves one sequence at a time; llama.cpp's C++ server (`llama-s
 tools/server in llama.cpp) keeps N slots and puts every slot's next tokens (prompt chunks
 and decodes alike) into one batch a step: continuous batching, llama.cpp's answer to ours.
 It is not in any wheel; it builds from the llama.cpp that llama-cpp-python 0.3.36 vendors
-(the same ggml as the llama.cpp row of the section), about 15 minutes on two cores:
+(the same ggml as the llama.cpp row of the section), 6.5 minutes on our two cores. It
+needs cmake, ninja and a C++17 compiler; run from the checkout's root (the bench looks for
+the binary there), with no network but the package index:
 
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d /tmp/lcp
     tar xzf /tmp/lcp/llama_cpp_python-0.3.36.tar.gz -C /tmp/lcp
     cmake -S /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp -B .llama-server -G Ninja \\
         -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \\
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF
     ninja -C .llama-server llama-server
 
-The section finds the binary by --llama-server, $NANOPAGED_LLAMA_SERVER or
-./.llama-server/bin/llama-server (without one its row is skipped and this howto named).
+The section finds the binary by --llama-server, $NANOPAGED_LLAMA_SERVER or the checkout's
+.llama-server/bin/llama-server (without one its row is skipped and this howto named).
 It is started here on a free port of 127.0.0.1 with the same GGUF file and threads, one
 slot per request (-np), a unified KV cache big enough for all of them at once (-kvu), no
 prompt cache; after a warm-up request the workload's requests are all sent at once
@@ -33,7 +35,7 @@ from pathlib import Path
 from .common import find_peer
 from .serve import Server
 
-LLAMA_SERVER_HOWTO = "see benchmarks/llama_server.py's docstring (cmake + ninja llama-server, ~15 min)"
+LLAMA_SERVER_HOWTO = "see benchmarks/llama_server.py's docstring (cmake, then ninja llama-server)"
 SLOT_CONTEXT = 512          # tokens a slot may hold: a prompt of at most 256 and its output
 
 

@@ -1,7 +1,7 @@
 """bench.py's `quant` section: GGUF weights run as shipped (issue 37), side by side in one
 run with llama.cpp itself on the same file with the same threads.
 
-    python bench.py --sections quant [--llamacpp-python PATH] [--num-requests 32]
+    python bench.py --sections quant [--llamacpp-python PATH] [--llama-server PATH] [--num-requests 32]
 
 Five engines, one after another in this run:
 - nanopaged, quantization="gguf": the default model's Q4_1 file as shipped;

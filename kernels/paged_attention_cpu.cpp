@@ -1500,7 +1500,7 @@ void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
   }
 }
 
-// ---- GGUF blocks against int8 activations (activation_dtype="int8", llama.cpp's way) ---------
+// ---- GGUF blocks against int8 activations (activation_quantization="int8", llama.cpp's way) -
 // The exact path above widens every weight to fp32. llama.cpp instead rounds each row of x to
 // int8 in blocks of 32 (its Q8_1) and multiplies the weights' small integers by x's in integer
 // arithmetic, applying the two scales once a block. With w = dw_b * q + c_b in block b of 32
@@ -1839,7 +1839,7 @@ void kernel(float* out, int64_t ldo, const float* x, const uint8_t* w, int64_t m
 
 }  // namespace a8
 
-// gguf_linear with x rounded to int8 blocks (a8's comment): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K. Shapes as
+// gguf_linear with x rounded to int8 blocks (a8's comment), every block format. Shapes as
 // gguf_linear's.
 void gguf_linear_a8(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& qweight, int64_t qtype) {
   using namespace ggml;

@@ -27,8 +27,9 @@ kernel is deterministic and batch-invariant like the exact one: each (row of x, 
 pair is summed in one fixed order whatever the batch.
 
 Every block format the engine loads runs here (float segments keep the exact path); a
-Q4_K_M file (Q4_K and Q6_K) or a Q5_K_M one (Q5_K and Q6_K) runs here whole. Q6_K at one row of x: 1.7-2.4x the exact
-path's speed, from 8 rows 0.7-1.1x; Q4_K 1.5-1.8x, from 8 rows 1.0-1.6x (the kernel's comment).
+Q4_K_M file (Q4_K and Q6_K) or a Q5_K_M one (Q5_K and Q6_K) runs here whole. Q6_K at one
+row of x: 1.7-2.4x the exact path's speed, from 8 rows 0.7-1.1x; Q4_K 1.5-1.8x, from 8 rows
+1.0-1.6x; Q5_0, Q5_1 and Q5_K 1.8-2.2x, from 8 rows 0.9-1.3x (the kernel's comment).
 """
 from __future__ import annotations
 
