@@ -774,39 +774,39 @@ void rotary_embedding(const torch::Tensor& positions, torch::Tensor query, torch
 // and uses fp32 FMAs (exact products; other bits than vdpbf16ps, same on every batch).
 namespace mm {
 
-// acc[r][c] = x_r . w_c for R rows of x (stride k) and 4 weight rows.
-template <typename T, int R>
+// res[r][c] = x_r . w_c for R rows of x (stride k) and C <= 4 weight rows.
+template <typename T, int R, int C = 4>
 inline void dot_tile(const T* const* xs, const T* const* ws, int64_t k, float (&res)[4][4]) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {        // vdpbf16ps: 32 bf16 pairs a step
-    __m512 acc[R][4];
+    __m512 acc[R][C];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t d = 0; d < k; d += 32) {
       const int64_t left = k - d;
       const __mmask32 mask = left >= 32 ? ~0u : static_cast<__mmask32>((1ull << left) - 1);
-      __m512i w[4];
-      for (int c = 0; c < 4; ++c) w[c] = _mm512_maskz_loadu_epi16(mask, ws[c] + d);
+      __m512i w[C];
+      for (int c = 0; c < C; ++c) w[c] = _mm512_maskz_loadu_epi16(mask, ws[c] + d);
       for (int r = 0; r < R; ++r) {
         const __m512i xv = _mm512_maskz_loadu_epi16(mask, xs[r] + d);
-        for (int c = 0; c < 4; ++c)
+        for (int c = 0; c < C; ++c)
           acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv, (__m512bh)w[c]);
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) res[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+      for (int c = 0; c < C; ++c) res[r][c] = _mm512_reduce_add_ps(acc[r][c]);
     return;
   }
 #endif
-  vec acc[R][4];
+  vec acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = vzero();
+    for (int c = 0; c < C; ++c) acc[r][c] = vzero();
   const auto step = [&](int64_t d, int64_t left) {
-    vec w[4];
-    for (int c = 0; c < 4; ++c) w[c] = vload(ws[c] + d, left);
+    vec w[C];
+    for (int c = 0; c < C; ++c) w[c] = vload(ws[c] + d, left);
     for (int r = 0; r < R; ++r) {
       const vec xv = vload(xs[r] + d, left);
-      for (int c = 0; c < 4; ++c) acc[r][c] = vfma(xv, w[c], acc[r][c]);
+      for (int c = 0; c < C; ++c) acc[r][c] = vfma(xv, w[c], acc[r][c]);
     }
   };
   // whole vectors with a constant length, then the partial one: the same loads and FMAs as
@@ -816,17 +816,23 @@ inline void dot_tile(const T* const* xs, const T* const* ws, int64_t k, float (&
   for (; d + kLanes <= k; d += kLanes) step(d, kLanes);
   if (d < k) step(d, k - d);
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) res[r][c] = vsum(acc[r][c]);
+    for (int c = 0; c < C; ++c) res[r][c] = vsum(acc[r][c]);
 }
+
+// linear_kernel's tile: kTileRows rows of x by kTileCols weight rows, their sums in
+// registers with a weight vector each and one of x: AVX512's 32 registers hold 4 x 4 (16
+// sums), AVX2's 16 hold 4 x 3 (12 sums, 3 weight vectors, x). On AVX2 4 x 3 against the
+// 2 x 4 before: 7 loads for 12 FMAs instead of 6 for 8 (measured, 2-core AMD EPYC, 2
+// threads, Q4_1 widened [3072 x 576] and [576 x 1536], m = 16..1024: 95-125 -> 113-158
+// GFLOP/s, 1.2-1.33x; torch's MKL sgemm 133-177 on such shapes). Same bits: each sum is
+// its own accumulator whichever tile holds it.
+constexpr int kTileRows = 4, kTileCols = kLanes >= 16 ? 4 : 3;
 
 // out's rows are ldo apart (default n; gguf_linear writes a column slice of a wider out)
 template <typename T, typename O>
 void linear_kernel(O* out, const T* x, const T* w, int64_t m, int64_t k, int64_t n, int64_t ldo = -1) {
   if (ldo < 0) ldo = n;
   constexpr int64_t kRowsPerTask = 32;          // weight rows a task keeps in cache for every x row
-  // rows of x a tile holds in registers: 4 x 4 sums + 4 weight vectors + x fit AVX512's 32
-  // registers; AVX2 has 16, so 2 x 4 there
-  constexpr int64_t kTileRows = kLanes >= 16 ? 4 : 2;
   // x in chunks of ~256 KB, which stay in L2 while the thread's weight rows pass over them
   const int64_t chunk = std::max<int64_t>(kTileRows, (256 * 1024 / (k * sizeof(T))) / kTileRows * kTileRows);
   at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
@@ -837,18 +843,18 @@ void linear_kernel(O* out, const T* x, const T* w, int64_t m, int64_t k, int64_t
         const int64_t rows = std::min<int64_t>(kTileRows, m - i);
         const T* xs[4];
         for (int r = 0; r < 4; ++r) xs[r] = x + std::min(i + r, m - 1) * k;
-        for (int64_t j = j0; j < j1; j += 4) {
+        for (int64_t j = j0; j < j1; j += kTileCols) {
           const T* ws[4];                        // a short group repeats its last row
           for (int c = 0; c < 4; ++c) ws[c] = w + std::min(j + c, j1 - 1) * k;
           float res[4][4];
           switch (rows) {
-            case 1: dot_tile<T, 1>(xs, ws, k, res); break;
-            case 2: dot_tile<T, 2>(xs, ws, k, res); break;
-            case 3: dot_tile<T, 3>(xs, ws, k, res); break;
-            default: dot_tile<T, 4>(xs, ws, k, res);
+            case 1: dot_tile<T, 1, kTileCols>(xs, ws, k, res); break;
+            case 2: dot_tile<T, 2, kTileCols>(xs, ws, k, res); break;
+            case 3: dot_tile<T, 3, kTileCols>(xs, ws, k, res); break;
+            default: dot_tile<T, 4, kTileCols>(xs, ws, k, res);
           }
           for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < 4 && j + c < j1; ++c) out[(i + r) * ldo + j + c] = static_cast<O>(res[r][c]);
+            for (int64_t c = 0; c < kTileCols && j + c < j1; ++c) out[(i + r) * ldo + j + c] = static_cast<O>(res[r][c]);
         }
       }
     }
@@ -1371,12 +1377,12 @@ inline void widen_rows(float* panel, const uint8_t* w, int64_t rows, int64_t row
 // Three paths by the rows m of x, all feeding the FMAs the same widened values in the same
 // order as linear_kernel's dot_tile, so a row's bits do not depend on which path its batch
 // took (batch invariance; the tests cross every threshold):
-// - m < kPanelFrom (decode): linear_kernel's tiling (tasks of 32 weight rows, 4 at a time,
-//   a short group repeating its last row) with each block widened in registers
+// - m < kPanelFrom (decode): tasks of 32 weight rows, 4 at a time against kTileRows rows
+//   of x (a short group repeating its last row), each block widened in registers
 //   (qdot_tile): the packed bytes are read once;
 // - kPanelFrom <= m < 16 (small batches): a task first widens its 32 weight rows into a
-//   panel of fp32 (~32 x k x 4 bytes, in L2), then runs dot_tile on it for every row of
-//   x: a block is widened once, not once per kTileRows rows of x;
+//   panel of fp32 (~32 x k x 4 bytes, in L2), then runs dot_tile on it in linear_kernel's
+//   tile for every row of x: a block is widened once, not once per kTileRows rows of x;
 // - m >= 16 (widened::kFromRows: prefill, large batches): the whole matrix is widened
 //   once into a scratch kept between calls (widened::linear; at most 64 MB, else the
 //   panels) and linear_kernel runs on it, x in L2-sized chunks.
@@ -1388,12 +1394,15 @@ inline void widen_rows(float* panel, const uint8_t* w, int64_t rows, int64_t row
 // (linear_kernel on fp32 weights: 0.90, 3.62, 131; the panels re-read all of x, which
 // outgrows L2, for every task); [576 x 1536] m = 32 0.46 -> 0.51, m = 4600 about equal.
 // On the 32-request workload (bench.py --sections quant) the Q4_1 file went from 105 to
-// 129 tok/s in one run (134-137 in the bench's later ones), the fp32 folder 124.
+// 129 tok/s in one run (134-137 in the bench's later ones), the fp32 folder 124; with
+// linear_kernel's 4 x 3 tile (its comment) 161-165 in two runs, 135-163 in four more
+// alternating with the 2 x 4 tile's 116-139 (README).
 template <int64_t Q>
 void gguf_linear_kernel(float* out, int64_t ldo, const float* x, const uint8_t* w, int64_t m, int64_t k,
                         int64_t n) {
   constexpr int64_t kRowsPerTask = 32;
   constexpr int64_t kTileRows = mm::kLanes >= 16 ? 4 : 2;
+  constexpr int kPanelCols = mm::kTileCols, kPanelRows = mm::kTileRows;
   constexpr int64_t kPanelFrom = Q == kQ8_0 ? 12 : 3;    // rows of x from which a task widens a panel
   const int64_t blocks = k / kWeights<Q>, row_bytes = blocks * kBytes<Q>;
   if (widened::linear(out, ldo, x, m, k, n, [&](float* wide, int64_t begin, int64_t end) {
@@ -1407,20 +1416,21 @@ void gguf_linear_kernel(float* out, int64_t ldo, const float* x, const uint8_t* 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t j0 = task * kRowsPerTask, j1 = std::min(n, j0 + kRowsPerTask);
       if (panel) widen_rows<Q>(wide, w + j0 * row_bytes, j1 - j0, row_bytes, k);
-      for (int64_t i = 0; i < m; i += kTileRows) {
-        const int64_t rows = std::min<int64_t>(kTileRows, m - i);
+      const int64_t tile_rows = panel ? kPanelRows : kTileRows, tile_cols = panel ? kPanelCols : 4;
+      for (int64_t i = 0; i < m; i += tile_rows) {
+        const int64_t rows = std::min<int64_t>(tile_rows, m - i);
         const float* xs[4];
         for (int r = 0; r < 4; ++r) xs[r] = x + std::min(i + r, m - 1) * k;
-        for (int64_t j = j0; j < j1; j += 4) {
+        for (int64_t j = j0; j < j1; j += tile_cols) {
           float res[4][4];
           if (panel) {
             const float* ws[4];                          // a short group repeats its last row
             for (int c = 0; c < 4; ++c) ws[c] = wide + (std::min(j + c, j1 - 1) - j0) * k;
             switch (rows) {
-              case 1: mm::dot_tile<float, 1>(xs, ws, k, res); break;
-              case 2: mm::dot_tile<float, 2>(xs, ws, k, res); break;
-              case 3: mm::dot_tile<float, 3>(xs, ws, k, res); break;
-              default: mm::dot_tile<float, 4>(xs, ws, k, res);
+              case 1: mm::dot_tile<float, 1, kPanelCols>(xs, ws, k, res); break;
+              case 2: mm::dot_tile<float, 2, kPanelCols>(xs, ws, k, res); break;
+              case 3: mm::dot_tile<float, 3, kPanelCols>(xs, ws, k, res); break;
+              default: mm::dot_tile<float, 4, kPanelCols>(xs, ws, k, res);
             }
           } else {
             const uint8_t* ws[4];
@@ -1433,7 +1443,7 @@ void gguf_linear_kernel(float* out, int64_t ldo, const float* x, const uint8_t* 
             }
           }
           for (int64_t r = 0; r < rows; ++r)
-            for (int64_t c = 0; c < 4 && j + c < j1; ++c) out[(i + r) * ldo + j + c] = res[r][c];
+            for (int64_t c = 0; c < tile_cols && j + c < j1; ++c) out[(i + r) * ldo + j + c] = res[r][c];
         }
       }
     }
@@ -1513,9 +1523,9 @@ void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
 // at most 2 x 31 x 127; then vpmaddwd into int32: 4 elements a lane). Not exact against the
 // dequantized model (x loses bits: chapter 21's accuracy table), but deterministic and
 // batch-invariant: every (row of x, row of W) pair is summed the same way, in 8 fp32 lanes
-// (lane l: elements 4l..4l+3 of each block, one FMA a block), the offsets in 8 lanes of 8
-// blocks each, both then by hsum8's fixed tree, whatever m and whichever tile computed the
-// pair. AVX512 builds run the same 256-bit code; without AVX2 plain loops emulate the lanes.
+// (lane l: elements 4l..4l+3 of each block, one FMA a block) summed by hsum8's fixed tree,
+// plus the offsets summed in block order, whatever m and whichever tile or path computed
+// the pair. AVX512 builds run the same 256-bit code; without AVX2 plain loops emulate the lanes.
 // Measured (2026-12-03, 2-core AMD EPYC, AVX2, 2 threads, a noisy VM), against gguf_linear:
 // one row of x, Q4_1 [3072 x 576] in cache 0.106 -> 0.059 ms, [576 x 1536] 0.050 -> 0.028,
 // Q4_0 1.4x, Q4_K 1.2x, the Q8_0 head [49152 x 576] 1.2-1.3x (it streams from DRAM);
@@ -1525,7 +1535,12 @@ void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
 // before); Q5_0, Q5_1, Q5_K on the same three 1.8-2.2x (2 rows 1.8-2.1x, 8 rows 0.9-1.3x,
 // 32 rows 0.7-1.2x). From 8 rows little gain otherwise (Q4_1 0.8-1.2x): a block pair costs
 // vpmaddubsw, vpmaddwd, a conversion and an FMA per row of x, as many instructions as the
-// fp32 path's four FMAs.
+// fp32 path's four FMAs. panel_kernel (from 8 rows) unpacks the weights once a task instead
+// of once per pair of x's rows: 1.1-1.5x the tile at 16-1024 rows, 113-153 GFLOP/s
+// (Q4_1, Q8_0, Q4_K, Q6_K, the shapes above). Still no faster than linear_kernel's fp32
+// FMAs (146-158 on the widened weights) on this Zen 3: the two integer multiplies hold
+// its multiply pipes as long as the FMAs would (summing the pairs by shifts instead of
+// vpmaddwd, or the scale products once per tile instead of once per pair, were slower).
 namespace a8 {
 
 constexpr int64_t kQK = 32;
@@ -1786,6 +1801,118 @@ inline void tile(const int8_t* const* qx, const float* const* xs, const uint8_t*
     for (int c = 0; c < 4; ++c) res[r][c] = hsum8(lanes[r][c]) + off[r][c];
 }
 
+#if defined(__AVX2__)
+// Many rows of x (prefill, large batches): tile re-extracts a block's quants (quants<Q>) and
+// scales (scale_pair<Q>) for every pair of x's rows, as many instructions as its integer
+// products. From kPanelFrom rows a task instead unpacks its 32 weight rows once into a panel
+// (unpack: per block the 32 quant bytes quants<Q> returns, then two floats, scale_pair's
+// (dw, c), Q6_K's two lane scales), and panel_tile multiplies 4 rows of x by 2 panel rows
+// at a time. Each (row of x, row of W) pair gets tile's operations, in tile's order, on the
+// same values (t = dw * dx and o = c * sx each rounded once, the FMA into 8 lanes, o added
+// in block order), so the same bits whichever path ran it: batch invariance holds across
+// the switch (tests/layers/test_gguf_a8.py).
+constexpr int64_t kPanelFrom = 8;
+
+template <int64_t Q>
+constexpr bool kOffset = Q != ggml::kQ8_0 && Q != ggml::kQ6_K;   // c_b != 0
+
+// One weight row into the panel: quants [blocks * 32] bytes, scales [blocks * 2] floats
+// (kp: scratch for row_scales, 2 * blocks floats).
+template <int64_t Q>
+inline void unpack(const uint8_t* row, int64_t blocks, float* kp, int8_t* quant, float* scales) {
+  if constexpr (kUnpacked<Q>) row_scales<Q>(row, blocks, kp);
+  for (int64_t b = 0; b < blocks; ++b) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(quant + b * kQK), quants<Q>(row, b));
+    if constexpr (Q == ggml::kQ6_K) scales[2 * b] = kp[2 * b], scales[2 * b + 1] = kp[2 * b + 1];
+    else _mm_storel_pi(reinterpret_cast<__m64*>(scales + 2 * b), scale_pair<Q>(row, b, kp));
+  }
+}
+
+// res[r][c] = x_r . w_c for R rows of x and 2 panel rows (wq: quants, wsc: scales).
+template <int64_t Q, int R>
+inline void panel_tile(const int8_t* const* qx, const float* const* xs, const int8_t* const* wq,
+                       const float* const* wsc, int64_t blocks, float (&res)[4][2]) {
+  __m256 acc[R][2];
+  __m256 oacc = _mm256_setzero_ps();                     // lane 4c + r: o of row r, panel row c
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 sw[2];                                        // the weight scale by lane
+    for (int c = 0; c < 2; ++c) {
+      const float* s = wsc[c] + 2 * b;
+      if constexpr (Q == ggml::kQ6_K) sw[c] = _mm256_setr_m128(_mm_broadcast_ss(s), _mm_broadcast_ss(s + 1));
+      else sw[c] = _mm256_broadcast_ss(s);
+    }
+    if constexpr (kOffset<Q>) {
+      const __m128 sx = _mm_setr_ps(xs[0][2 * b + 1], xs[R > 1 ? 1 : 0][2 * b + 1], xs[R > 2 ? 2 : 0][2 * b + 1],
+                                    xs[R > 3 ? 3 : 0][2 * b + 1]);
+      const __m256 cw = _mm256_setr_m128(_mm_broadcast_ss(wsc[0] + 2 * b + 1), _mm_broadcast_ss(wsc[1] + 2 * b + 1));
+      __m256 o = _mm256_mul_ps(cw, _mm256_setr_m128(sx, sx));
+      asm("" : "+x"(o));                                 // o rounded: not contracted into an FMA
+      oacc = _mm256_add_ps(oacc, o);
+    }
+    for (int c = 0; c < 2; ++c) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq[c] + b * kQK));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx[r] + b * kQK));
+        acc[r][c] = _mm256_fmadd_ps(block_dot<Q>(q, xv), _mm256_mul_ps(sw[c], _mm256_broadcast_ss(xs[r] + 2 * b)),
+                                    acc[r][c]);
+      }
+    }
+  }
+  alignas(32) float lanes[8], off[8];
+  _mm256_store_ps(off, oacc);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2; ++c) {
+      _mm256_store_ps(lanes, acc[r][c]);
+      res[r][c] = hsum8(lanes) + off[4 * c + r];
+    }
+}
+
+// out's rows [0, m) (rows ldo apart) against the quantized rows of x (qxp, xsp as kernel
+// rounds them): tasks of 32 weight rows, each unpacked once.
+template <int64_t Q>
+void panel_kernel(float* out, int64_t ldo, const int8_t* qxp, const float* xsp, const uint8_t* w, int64_t m,
+                  int64_t k, int64_t n) {
+  constexpr int64_t kRowsPerTask = 32;
+  const int64_t blocks = k / kQK, row_bytes = k / ggml::kWeights<Q> * ggml::kBytes<Q>;
+  at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> quant(kRowsPerTask * k);
+    std::vector<float> scales(kRowsPerTask * 2 * blocks), kp(2 * blocks);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t j0 = task * kRowsPerTask, j1 = std::min(n, j0 + kRowsPerTask);
+      for (int64_t j = j0; j < j1; ++j)
+        unpack<Q>(w + j * row_bytes, blocks, kp.data(), quant.data() + (j - j0) * k, scales.data() + (j - j0) * 2 * blocks);
+      for (int64_t i = 0; i < m; i += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - i);
+        const int8_t* xq[4];
+        const float* xp[4];
+        for (int r = 0; r < 4; ++r) {
+          const int64_t row = std::min(i + r, m - 1);
+          xq[r] = qxp + row * k, xp[r] = xsp + row * 2 * blocks;
+        }
+        for (int64_t j = j0; j < j1; j += 2) {
+          const int8_t* wq[2];                           // an odd last row is taken twice
+          const float* wsc[2];
+          for (int c = 0; c < 2; ++c) {
+            const int64_t p = std::min(j + c, j1 - 1) - j0;
+            wq[c] = quant.data() + p * k, wsc[c] = scales.data() + p * 2 * blocks;
+          }
+          float res[4][2];
+          switch (rows) {
+            case 1: panel_tile<Q, 1>(xq, xp, wq, wsc, blocks, res); break;
+            case 2: panel_tile<Q, 2>(xq, xp, wq, wsc, blocks, res); break;
+            case 3: panel_tile<Q, 3>(xq, xp, wq, wsc, blocks, res); break;
+            default: panel_tile<Q, 4>(xq, xp, wq, wsc, blocks, res);
+          }
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < 2 && j + c < j1; ++c) out[(i + r) * ldo + j + c] = res[r][c];
+        }
+      }
+    }
+  });
+}
+#endif
+
 // out [m, n] (rows ldo apart) = x [m, k] . W^T, x rounded to int8 blocks first. Tasks of 32
 // weight rows; in a task 4 weight rows at a time against every row of x, 2 at a time.
 template <int64_t Q>
@@ -1803,6 +1930,9 @@ void kernel(float* out, int64_t ldo, const float* x, const uint8_t* w, int64_t m
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) quantize_row(x + i * k, k, qxp + i * k, xsp + i * 2 * blocks);
   });
+#if defined(__AVX2__)
+  if (m >= kPanelFrom) return panel_kernel<Q>(out, ldo, qxp, xsp, w, m, k, n);
+#endif
   at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scales(kUnpacked<Q> ? 4 * 2 * blocks : 0);
     for (int64_t task = begin; task < end; ++task) {
