@@ -823,9 +823,9 @@ inline void dot_tile(const T* const* xs, const T* const* ws, int64_t k, float (&
 // registers with a weight vector each and one of x: AVX512's 32 registers hold 4 x 4 (16
 // sums), AVX2's 16 hold 4 x 3 (12 sums, 3 weight vectors, x). On AVX2 4 x 3 against the
 // 2 x 4 before: 7 loads for 12 FMAs instead of 6 for 8 (measured, 2-core AMD EPYC, 2
-// threads, Q4_1 widened [3072 x 576] and [576 x 1536], m = 16..1024: 95-125 -> 113-158
-// GFLOP/s, 1.2-1.33x; torch's MKL sgemm 133-177 on such shapes). Same bits: each sum is
-// its own accumulator whichever tile holds it.
+// threads, Q4_1 and Q8_0 widened, [3072 x 576] and [576 x 1536], m = 16..1024: 95-125 ->
+// 113-158 GFLOP/s, 1.1-1.33x; torch's MKL sgemm 133-177 on such shapes). Same bits: each
+// sum is its own accumulator whichever tile holds it.
 constexpr int kTileRows = 4, kTileCols = kLanes >= 16 ? 4 : 3;
 
 // out's rows are ldo apart (default n; gguf_linear writes a column slice of a wider out)
@@ -1536,9 +1536,9 @@ void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
 // 32 rows 0.7-1.2x). From 8 rows little gain otherwise (Q4_1 0.8-1.2x): a block pair costs
 // vpmaddubsw, vpmaddwd, a conversion and an FMA per row of x, as many instructions as the
 // fp32 path's four FMAs. panel_kernel (from 8 rows) unpacks the weights once a task instead
-// of once per pair of x's rows: 1.1-1.5x the tile at 16-1024 rows, 113-153 GFLOP/s
+// of once per pair of x's rows: 1.1-1.6x the tile at 16-1024 rows, 110-153 GFLOP/s
 // (Q4_1, Q8_0, Q4_K, Q6_K, the shapes above). Still no faster than linear_kernel's fp32
-// FMAs (146-158 on the widened weights) on this Zen 3: the two integer multiplies hold
+// FMAs (113-158 on the widened weights from 16 rows) on this Zen 3: the two integer multiplies hold
 // its multiply pipes as long as the FMAs would (summing the pairs by shifts instead of
 // vpmaddwd, or the scale products once per tile instead of once per pair, were slower).
 namespace a8 {
