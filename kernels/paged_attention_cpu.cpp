@@ -1057,17 +1057,18 @@ inline float* align64(float* p) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
 }
 
-constexpr int64_t kFromRows = 16, kMaxBytes = 64 << 20;
+constexpr int64_t kMaxBytes = 64 << 20;
 
 inline std::mutex mutex;                                 // one scratch for every format
 inline std::vector<float> scratch;
 
-// Runs the matmul into out (rows ldo apart) if m >= kFromRows and the matrix fits: widen(wide,
+// Runs the matmul into out (rows ldo apart) if m >= from_rows and the matrix fits: widen(wide,
 // begin, end) writes rows [begin, end) of the fp32 matrix [n, k] at wide (called in parallel
 // over row ranges). Returns false, doing nothing, otherwise.
 template <typename Widen>
-bool linear(float* out, int64_t ldo, const float* x, int64_t m, int64_t k, int64_t n, Widen&& widen) {
-  if (m < kFromRows || n * k * 4 > kMaxBytes) return false;
+bool linear(float* out, int64_t ldo, const float* x, int64_t m, int64_t k, int64_t n, int64_t from_rows,
+            Widen&& widen) {
+  if (m < from_rows || n * k * 4 > kMaxBytes) return false;
   std::unique_lock<std::mutex> lock(mutex, std::try_to_lock);
   if (!lock.owns_lock()) return false;
   if (static_cast<int64_t>(scratch.size()) < n * k + 16) scratch.resize(n * k + 16);
@@ -1380,12 +1381,15 @@ inline void widen_rows(float* panel, const uint8_t* w, int64_t rows, int64_t row
 // - m < kPanelFrom (decode): tasks of 32 weight rows, 4 at a time against kTileRows rows
 //   of x (a short group repeating its last row), each block widened in registers
 //   (qdot_tile): the packed bytes are read once;
-// - kPanelFrom <= m < 16 (small batches): a task first widens its 32 weight rows into a
-//   panel of fp32 (~32 x k x 4 bytes, in L2), then runs dot_tile on it in linear_kernel's
-//   tile for every row of x: a block is widened once, not once per kTileRows rows of x;
-// - m >= 16 (widened::kFromRows: prefill, large batches): the whole matrix is widened
-//   once into a scratch kept between calls (widened::linear; at most 64 MB, else the
-//   panels) and linear_kernel runs on it, x in L2-sized chunks.
+// - kPanelFrom <= m < kWholeFrom (batches, prefill chunks): a task first widens its 32
+//   weight rows into a panel of fp32 (~32 x k x 4 bytes, in L2), then runs dot_tile on it
+//   in linear_kernel's tile for every row of x: a block is widened once, not once per
+//   kTileRows rows of x;
+// - m >= kWholeFrom (1024: long prefills under a token budget above the CPU's default
+//   512): the whole matrix is widened once into a scratch kept between calls
+//   (widened::linear; at most 64 MB, else the panels) and linear_kernel runs on it, x in
+//   L2-sized chunks. Each weight is widened once a call either way; the scratch is written
+//   and read back through L3, where a panel stays in L2 and x is read again per task.
 // Measured (2026-12-03, 2-core AMD EPYC, AVX2, 2 threads). Where the panel starts to pay,
 // [3072 x 576-768], m = 7: Q4_K 0.61 -> 0.46 ms, Q6_K 0.92 -> 0.52, Q4_1 0.43 -> 0.34;
 // Q8_0, cheap to widen, only from 12 rows (the [49152 x 576] head: m = 7 5.0 ms in
@@ -1397,6 +1401,14 @@ inline void widen_rows(float* panel, const uint8_t* w, int64_t rows, int64_t row
 // 129 tok/s in one run (134-137 in the bench's later ones), the fp32 folder 124; with
 // linear_kernel's 4 x 3 tile (its comment) 161-165 in two runs, 135-163 in four more
 // alternating with the 2 x 4 tile's 116-139 (README).
+// Those were measured one matrix at a time, called again and again, so its packed bytes
+// and the scratch stayed in cache. In a forward each call meets a cold matrix: SmolLM2's
+// 120 matrices in turn, Q4_1, m = 17 / 27 / 64 / 96 / 256, whole matrix widened from 16
+// rows 94-104 / 127-134 / 97-136 / 125-137 / 121-130 GFLOP/s, panels 111-118 / 135-142 /
+// 137-150 / 133-154 / 138-151; about even at 40, 128, 512 and 1024; at 4096 the whole matrix
+// 152-157, panels 131-141. Hence kWholeFrom = 1024 (was 16). The 32-request workload
+// under the CPU's 512-token budget (nanopaged/config.py), alternating: 143.7 / 143.0 /
+// 153.0 -> 170.5 / 168.3 / 167.0 tok/s (2026-12-03, 2-core AMD EPYC, AVX2, 2 threads).
 template <int64_t Q>
 void gguf_linear_kernel(float* out, int64_t ldo, const float* x, const uint8_t* w, int64_t m, int64_t k,
                         int64_t n) {
@@ -1404,8 +1416,9 @@ void gguf_linear_kernel(float* out, int64_t ldo, const float* x, const uint8_t* 
   constexpr int64_t kTileRows = mm::kLanes >= 16 ? 4 : 2;
   constexpr int kPanelCols = mm::kTileCols, kPanelRows = mm::kTileRows;
   constexpr int64_t kPanelFrom = Q == kQ8_0 ? 12 : 3;    // rows of x from which a task widens a panel
+  constexpr int64_t kWholeFrom = 1024;                   // rows of x from which the whole matrix is widened
   const int64_t blocks = k / kWeights<Q>, row_bytes = blocks * kBytes<Q>;
-  if (widened::linear(out, ldo, x, m, k, n, [&](float* wide, int64_t begin, int64_t end) {
+  if (widened::linear(out, ldo, x, m, k, n, kWholeFrom, [&](float* wide, int64_t begin, int64_t end) {
         widen_rows<Q>(wide + begin * k, w + begin * row_bytes, end - begin, row_bytes, k);
       }))
     return;
@@ -1538,7 +1551,7 @@ void gguf_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
 // fp32 path's four FMAs. panel_kernel (from 8 rows) unpacks the weights once a task instead
 // of once per pair of x's rows: 1.1-1.6x the tile at 16-1024 rows, 110-153 GFLOP/s
 // (Q4_1, Q8_0, Q4_K, Q6_K, the shapes above). Still no faster than linear_kernel's fp32
-// FMAs (113-158 on the widened weights from 16 rows) on this Zen 3: the two integer multiplies hold
+// FMAs (113-158 on widened weights at 16-1024 rows) on this Zen 3: the two integer multiplies hold
 // its multiply pipes as long as the FMAs would (summing the pairs by shifts instead of
 // vpmaddwd, or the scale products once per tile instead of once per pair, were slower).
 namespace a8 {
@@ -2075,7 +2088,7 @@ void int8_linear_kernel(float* out, const float* x, const int8_t* w, const float
   // many rows of x: the matrix widened once (widened::linear; measured 2026-12-03, 2-core AMD
   // EPYC, AVX2, 2 threads, [3072 x 576]: m = 64 2.65 -> 2.03 ms, m = 512 20.0 -> 15.6; the
   // fp32 matmul on q * scale 1.85 and 15.7)
-  if (widened::linear(out, n, x, m, k, n, [&](float* wide, int64_t begin, int64_t end) {
+  if (widened::linear(out, n, x, m, k, n, 16, [&](float* wide, int64_t begin, int64_t end) {
         using mm::kLanes;
         for (int64_t j = begin; j < end; ++j) {
           float* row = wide + j * k;

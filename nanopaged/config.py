@@ -31,6 +31,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 QUANTIZATION_METHODS = ("gguf", "int8")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}   # chunked, by device; why: chapters/03-scheduler.md
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
-                             f"got {self.method!r}")
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         check_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, minimum=1,
                   rule="a positive integer")
         if self.disable_by_batch_size is not None:
@@ -155,7 +155,7 @@ class EngineConfig:
             (Worker.determine_available_memory).
         max_num_seqs: most requests in one step's batch.
         max_num_batched_tokens: most tokens computed in one step (the token budget);
-            None = 8192 with chunked prefill, else max(8192, max_model_len). Without
+            None = 8192 with chunked prefill (512 on the CPU), else max(8192, max_model_len). Without
             chunked prefill it must be >= max_model_len (a prompt is prefilled whole).
         max_model_len: longest sequence (prompt + output) in tokens; None = the model's
             max_position_embeddings, or its sliding_window when shorter (Mistral-7B-v0.1:
@@ -372,8 +372,8 @@ class EngineConfig:
                              f"max_position_embeddings={max_position_embeddings}")
         budget = self.max_num_batched_tokens
         if budget is None:
-            # vLLM's offline default (a server's is 2048); unchunked, a whole prompt must fit
-            floor = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+            # vLLM's offline 8192 (512 on the CPU); unchunked, a whole prompt must fit
+            floor = DEFAULT_MAX_NUM_BATCHED_TOKENS[self.torch_device.type] if self.enable_chunked_prefill else max(8192, max_model_len)
             budget = max(floor, self.max_num_seqs)
         elif budget < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={budget} is smaller than max_num_seqs={self.max_num_seqs}: "

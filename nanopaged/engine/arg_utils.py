@@ -156,8 +156,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "kv_cache_memory_bytes": (int, "BYTES", "bytes of the KV pool when --num-gpu-blocks is not given (not "
                               "given: min(1 GiB, 25% of free memory) on CPU, 90% of free device memory)"),
     "max_num_seqs": (int, "N", "most requests in one step"),
-    "max_num_batched_tokens": (int, "N", "most tokens computed in one step (not given: 8192 with chunked "
-                               "prefill, else max(8192, max_model_len))"),
+    "max_num_batched_tokens": (int, "N", "most tokens computed in one step (not given, with chunked "
+                               "prefill: 512 on CPU, 8192 on CUDA; else max(8192, max_model_len))"),
     "max_model_len": (int, "N", "longest sequence, prompt + output, in tokens (not given: the model's, "
                       "capped at its sliding window)"),
     "seed": (int, "N", "seed of the engine's random generator"),

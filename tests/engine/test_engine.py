@@ -347,7 +347,7 @@ def test_the_config_is_resolved_once_into_a_frozen_copy(tiny_model_dir):
     assert (given.dtype, given.device, given.max_model_len, given.max_num_batched_tokens) == ("auto", "auto", None, None)
     assert got.dtype == ("bfloat16" if cpu_has_bf16_dot_products() else "float32") and got.device == "cpu"
     assert got.max_model_len == eng.model_config.max_position_embeddings
-    assert got.max_num_batched_tokens == 8192 and got.distributed_executor_backend == "uni"
+    assert got.max_num_batched_tokens == 512 and got.distributed_executor_backend == "uni"   # the CPU's default
     assert got.resolve(got.max_model_len) == got                      # resolving again changes nothing
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.max_model_len = 3

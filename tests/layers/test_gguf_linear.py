@@ -102,21 +102,21 @@ def test_kernel_equals_fp32_linear_on_dequantized_weights(ops, qtype, m, k, n):
 def test_kernel_rows_are_batch_invariant(ops, qtype):
     """A row's result alone (m = 1) equals its result in batches of every size, across all
     three of the kernel's paths (widened in registers below kPanelFrom rows, 3 or 12; a
-    32-row panel below kWholeFrom, 16; the whole matrix widened from there, its rows of x
-    in linear_kernel's L2-sized chunks: 85 rows at this k of 768), and in a column slice
+    32-row panel below kWholeFrom, 1024; the whole matrix widened from there, its rows of
+    x in linear_kernel's L2-sized chunks: 85 rows at this k of 768), and in a column slice
     of a wider output (a fused layer's segment). 33 weight rows: tasks of 32 and 1, so the
     tiles' short last groups (AVX2's 3 weight rows a tile: 2 left, then 1) are run too."""
     k = 768                                              # three K-quant super-blocks, 24 blocks of 32
     qweight, _ = quantized(33, k, qtype, seed=3)
-    x = torch.randn(190, k, generator=torch.Generator().manual_seed(1))
-    alone = torch.empty(190, 33)
-    for i in range(190):
+    x = torch.randn(1100, k, generator=torch.Generator().manual_seed(1))
+    alone = torch.empty(1100, 33)
+    for i in range(1100):
         ops.gguf_linear(alone[i:i + 1], x[i:i + 1], qweight, int(qtype))
-    for m in [*range(2, 19), 85, 86, 190]:
+    for m in [*range(2, 19), 85, 86, 190, 1023, 1024, 1100]:
         batch = torch.empty(m, 33)
         ops.gguf_linear(batch, x[:m], qweight, int(qtype))
         assert torch.equal(bits(batch), bits(alone[:m])), m
-    for m in (13, 190):
+    for m in (13, 190, 1100):
         wide = torch.zeros(m, 44)
         ops.gguf_linear(wide[:, 5:38], x[:m], qweight, int(qtype))
         assert torch.equal(bits(wide[:, 5:38]), bits(alone[:m])), m

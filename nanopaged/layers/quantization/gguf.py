@@ -21,10 +21,11 @@ blocks") order their nibbles in runs (`dequantize`; the kernel's comment has the
 keeps those bytes (uint8 [rows, k / QK * block bytes]): SmolLM2's Q4_1 file is 5 bits a
 weight where fp32 is 32, Q4_K 4.5, and a decode step is a walk through the weights. Its matmul
 (`ops.gguf_linear`, kernels/paged_attention_cpu.cpp) widens each block in registers and
-sums exactly as the fp32 matmul does on the dequantized weights, bit for bit; from 16 rows
-of x (prefill, large batches) it widens the whole matrix once into an fp32 scratch it keeps
-between calls (the largest layer's size, at most 64 MB: SmolLM2's gate_up, 7 MB) and runs
-that fp32 matmul on it.
+sums exactly as the fp32 matmul does on the dequantized weights, bit for bit; from 3 rows
+of x (12 for Q8_0) a task widens its 32 weight rows into an fp32 panel first, and from 1024
+rows (long prefill steps) the whole matrix once into an fp32 scratch it keeps between calls
+(the largest layer's size, at most 64 MB: SmolLM2's gate_up, 7 MB), running that fp32
+matmul on it.
 `dequantize` is the plain-PyTorch reference, equal to `gguf.quants.dequantize`.
 
 A fused layer (qkv_proj, gate_up_proj) stacks several of the file's matrices, which may

@@ -83,5 +83,6 @@ class Int8ActivationsModel:
                 method.__class__ = GGUFA8LinearMethod
                 segments += method.segments
         a8 = sum(s.type_id in A8_TYPES for s in segments)
-        logger.info("activation_quantization='int8': %d of %d weight segments multiply int8 x "
-                    "(the block formats); the other %d (float) stay exact", a8, len(segments), len(segments) - a8)
+        rest = len(segments) - a8
+        logger.info("activation_quantization='int8': %d of %d weight segments multiply int8 x (the block "
+                    "formats)%s", a8, len(segments), f"; the other {rest} (float) stay exact" if rest else "")
