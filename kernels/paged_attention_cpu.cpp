@@ -1406,7 +1406,7 @@ inline void widen_rows(float* panel, const uint8_t* w, int64_t rows, int64_t row
 // 120 matrices in turn, Q4_1, m = 17 / 27 / 64 / 96 / 256, whole matrix widened from 16
 // rows 94-104 / 127-134 / 97-136 / 125-137 / 121-130 GFLOP/s, panels 111-118 / 135-142 /
 // 137-150 / 133-154 / 138-151; about even at 40, 128, 512 and 1024; at 4096 the whole matrix
-// 152-157, panels 131-141. Hence kWholeFrom = 1024 (was 16). The 32-request workload
+// 152-157, panels 131-141. Hence kWholeFrom = 1024 (was widened::kFromRows = 16). The 32-request workload
 // under the CPU's 512-token budget (nanopaged/config.py), alternating: 143.7 / 143.0 /
 // 153.0 -> 170.5 / 168.3 / 167.0 tok/s (2026-12-03, 2-core AMD EPYC, AVX2, 2 threads).
 template <int64_t Q>
@@ -2088,7 +2088,8 @@ void int8_linear_kernel(float* out, const float* x, const int8_t* w, const float
   // many rows of x: the matrix widened once (widened::linear; measured 2026-12-03, 2-core AMD
   // EPYC, AVX2, 2 threads, [3072 x 576]: m = 64 2.65 -> 2.03 ms, m = 512 20.0 -> 15.6; the
   // fp32 matmul on q * scale 1.85 and 15.7)
-  if (widened::linear(out, n, x, m, k, n, 16, [&](float* wide, int64_t begin, int64_t end) {
+  constexpr int64_t kWholeFrom = 16;   // timed hot only (the cold timings: gguf_linear_kernel, GGUF)
+  if (widened::linear(out, n, x, m, k, n, kWholeFrom, [&](float* wide, int64_t begin, int64_t end) {
         using mm::kLanes;
         for (int64_t j = begin; j < end; ++j) {
           float* row = wide + j * k;

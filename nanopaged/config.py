@@ -155,8 +155,8 @@ class EngineConfig:
             (Worker.determine_available_memory).
         max_num_seqs: most requests in one step's batch.
         max_num_batched_tokens: most tokens computed in one step (the token budget);
-            None = 8192 with chunked prefill (512 on the CPU), else max(8192, max_model_len). Without
-            chunked prefill it must be >= max_model_len (a prompt is prefilled whole).
+            None = 8192 with chunked prefill (512 on the CPU), else max(8192, max_model_len); at least
+            max_num_seqs. Without chunked prefill it must be >= max_model_len (a prompt is prefilled whole).
         max_model_len: longest sequence (prompt + output) in tokens; None = the model's
             max_position_embeddings, or its sliding_window when shorter (Mistral-7B-v0.1:
             4096; engine/arg_utils.max_model_len_limit).
@@ -373,8 +373,8 @@ class EngineConfig:
         budget = self.max_num_batched_tokens
         if budget is None:
             # vLLM's offline 8192 (512 on the CPU); unchunked, a whole prompt must fit
-            floor = DEFAULT_MAX_NUM_BATCHED_TOKENS[self.torch_device.type] if self.enable_chunked_prefill else max(8192, max_model_len)
-            budget = max(floor, self.max_num_seqs)
+            chunked = DEFAULT_MAX_NUM_BATCHED_TOKENS[self.torch_device.type]
+            budget = max(chunked if self.enable_chunked_prefill else max(8192, max_model_len), self.max_num_seqs)
         elif budget < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens={budget} is smaller than max_num_seqs={self.max_num_seqs}: "
                              "a full batch of decodes (one token each) would not fit in one step")
