@@ -209,10 +209,10 @@ class EngineConfig:
         quantization: None (the default model in float32: "gguf"); "gguf": a .gguf file (or folder holding one) run as shipped;
             "int8": a folder's projections quantized at load, per row (quantization/int8.py); float32
             activations (exact vs the dequantized model) or bfloat16 ones, widened first.
-        activation_quantization: None (exact); "int8" with quantization="gguf": a projection's
-            input rounded to int8 in blocks of 32 and multiplied by the weights' blocks in
-            integers, llama.cpp's way (layers/quantization/gguf_a8.py): faster at batch 1,
-            not exact (chapter 21's accuracy table); float tensors stay exact.
+        activation_quantization: None (exact); "int8" with GGUF weights (quantization="gguf", or the default
+            model in float32): a projection's input rounded to int8 in blocks of 32 and multiplied by the
+            weights' blocks in integers, llama.cpp's way (layers/quantization/gguf_a8.py): faster at
+            batch 1, not exact (chapter 21's accuracy table); float tensors stay exact.
         enforce_eager: run every step eagerly (vLLM's flag); False: small all-decode batches on the CPU
             kernels replay their recorded kernel calls without the module calls (worker/cpu_graph.py).
     """
@@ -285,8 +285,8 @@ class EngineConfig:
         self._check_nodes()
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise invalid("quantization", self.quantization, f"None or one of {QUANTIZATION_METHODS}")
-        if self.activation_quantization is not None and (self.activation_quantization != "int8"
-                                                         or self.quantization != "gguf"):
+        if self.activation_quantization not in (None, "int8") or (self.activation_quantization is not None
+                                                                  and self.quantization not in (None, "gguf")):
             raise invalid("activation_quantization", self.activation_quantization, "None, or 'int8' with "
                           f"quantization='gguf' (GGUF blocks against int8 x; quantization is {self.quantization!r})")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

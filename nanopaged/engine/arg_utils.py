@@ -65,15 +65,26 @@ def default_model_weights(config: EngineConfig) -> EngineConfig:
     Any other model, or a quantization given, is returned unchanged; the folder itself runs
     by its path (`--model ~/.cache/nanopaged/models/SmolLM2-135M-Instruct`). So is the
     config when the extension that runs a GGUF file cannot be imported: the base engine
-    alone runs the folder (DESIGN.md)."""
-    if (config.model not in (None, DEFAULT_MODEL) or config.quantization is not None
-            or config.torch_dtype != torch.float32 or config.torch_device.type != "cpu"):
-        return config
-    try:
-        importlib.import_module(extensions.MODEL["quantization"].partition(":")[0])
-    except ImportError:
-        return config
-    return replace(config, quantization="gguf")
+    alone runs the folder (DESIGN.md).
+
+    Raises:
+        ValueError: activation_quantization="int8" where the weights are not GGUF blocks
+            (no quantization="gguf" given, and not the default model in float32 on the CPU).
+    """
+    if (config.model in (None, DEFAULT_MODEL) and config.quantization is None
+            and config.torch_dtype == torch.float32 and config.torch_device.type == "cpu"):
+        try:
+            importlib.import_module(extensions.MODEL["quantization"].partition(":")[0])
+            config = replace(config, quantization="gguf")
+        except ImportError:
+            pass
+    if config.activation_quantization is not None and config.quantization != "gguf":
+        raise ValueError(f"activation_quantization={config.activation_quantization!r} multiplies GGUF blocks: "
+                         "give quantization='gguf' with a .gguf model, or run the default model in float32 on "
+                         f"the CPU (its Q4_1 file); here quantization={config.quantization!r}, model="
+                         f"{config.model!r}, dtype {str(config.torch_dtype).removeprefix('torch.')}, device "
+                         f"{config.torch_device.type}")
+    return config
 
 
 def max_model_len_limit(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -190,7 +201,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
                      "Q4_1 file as shipped. int8: quantize the --model folder's linear weights to int8 at load, "
                      "a scale per output row; without --model, the default model's folder (not given: the "
                      "weights as stored, and gguf for the default model in float32)"),
-    "activation_quantization": (str, "DTYPE", "int8: with --quantization gguf, round each projection's input "
+    "activation_quantization": (str, "DTYPE", "int8: with GGUF weights (--quantization gguf, or the default "
+                                "model in float32 on the CPU), round each projection's input "
                                 "to int8 in blocks of 32 and multiply the weights' GGUF blocks in "
                                 "integers, as llama.cpp does: faster at batch 1, not exact (chapter 21's "
                                 "accuracy table; not given: exact float activations)"),

@@ -94,11 +94,24 @@ def test_the_pytorch_reference_runs_it_too(gguf_file):
 
 
 def test_config_names_the_field_and_the_value():
-    with pytest.raises(ValueError, match=r"activation_quantization must be None, or 'int8' with "
-                                         r"quantization='gguf' .*quantization is None\), got 'int8'"):
-        EngineConfig(activation_quantization="int8")
     with pytest.raises(ValueError, match=r"activation_quantization.*quantization is 'int8'\), got 'int8'"):
         EngineConfig(quantization="int8", activation_quantization="int8")
     with pytest.raises(ValueError, match=r"activation_quantization.*got 'fp8'"):
         EngineConfig(quantization="gguf", activation_quantization="fp8")
     assert EngineConfig(quantization="gguf", activation_quantization="int8").activation_quantization == "int8"
+
+
+def test_int8_activations_alone_run_the_default_models_file():
+    """activation_quantization="int8" with no quantization: the default model in float32
+    on the CPU runs its GGUF file (default_model_weights), so it is accepted; any other
+    model, or the default one in bfloat16 (which runs its folder), is refused by name."""
+    from nanopaged.engine.arg_utils import default_model_weights
+    cpu = dict(device="cpu", activation_quantization="int8")
+    config = default_model_weights(EngineConfig(dtype="float32", **cpu))
+    assert (config.quantization, config.activation_quantization) == ("gguf", "int8")
+    with pytest.raises(ValueError, match=r"activation_quantization='int8' multiplies GGUF blocks: give "
+                                         r"quantization='gguf'.*here quantization=None, model='some/folder', "
+                                         r"dtype float32, device cpu"):
+        default_model_weights(EngineConfig(model="some/folder", dtype="float32", **cpu))
+    with pytest.raises(ValueError, match=r"quantization=None, model=None, dtype bfloat16"):
+        default_model_weights(EngineConfig(dtype="bfloat16", **cpu))
