@@ -318,12 +318,16 @@ inline void head_values_span(const float* p, const V* v0, float* acc, int64_t se
 }
 
 // The whole head: spans of up to kSpan<G> vectors, narrow enough that the G x NC sums, NC
-// vectors of V and the broadcast stay in registers with room to spare (GCC needs some of
-// its own). 4-vector spans for 3 heads a KV head (SmolLM2) need 17 on AVX2's 16, and at 3
-// (13) GCC still spilled, head size known or not: the sums went to the stack and back at
-// every key, half of a long prompt's attention (perf). At 2: a 4000-token prompt's
-// attention in 512-token chunks 363-389 -> 240-268 ms a layer (2-core AMD EPYC, fp32,
-// 2 threads). A span's width never changes a bit: each output element is its own chain.
+// vectors of V and the broadcast stay in registers. 4-vector spans for 3 heads a KV head
+// (SmolLM2) need 17 on AVX2's 16: GCC stored and reloaded the sums at every key, half of a
+// long prompt's attention (perf). Room to spare, by measurement rather than by count: at
+// G=3 a 3-vector span (13 live) still spilled (perf; slower again with the head size
+// known), while G=2's 4-vector span (13 live too) ran faster than 3 vectors. So on AVX2: 4
+// vectors for 1-2 heads, 2 for 3-4; AVX512: 4. At 2, G=3: a 4000-token prompt's attention
+// in 512-token chunks 363-389 -> 240-268 ms a layer; G=4 (16 heads, 4 KV heads), with
+// with_head_size below too, 161-167 -> 96-111 ms at 2000 tokens (2-core AMD EPYC, AVX2,
+// fp32, 2 threads). A span's width never changes a bit: each output element is its own
+// chain.
 template <int G>
 constexpr int64_t kSpan = std::min(4, (mm::kRegisters - 1) / (G + 1) - 1);
 
@@ -354,7 +358,7 @@ inline void with_group(int64_t g, F&& f) {
 // loops then have constant bounds: no tail checks, counters or masks), else D = 0 (the
 // same loops with head_size at run time). The same operations in the same order: the same
 // bits. Measured (2-core AMD EPYC, AVX2, fp32, 2 threads), the 4000-token prompt above:
-// 198-218 -> 189-203 ms a layer; with kSpan, decode rows of 32 sequences x 256 tokens
+// 197-218 -> 187-205 ms a layer; with kSpan, decode rows of 32 sequences x 256 tokens
 // 372-449 -> 286-293 us, x 64 tokens 92-110 -> 70-71 us.
 template <typename F>
 inline void with_head_size(int64_t head_size, F&& f) {

@@ -287,8 +287,8 @@ class EngineConfig:
             raise invalid("quantization", self.quantization, f"None or one of {QUANTIZATION_METHODS}")
         if self.activation_quantization not in (None, "int8") or (self.activation_quantization is not None
                                                                   and self.quantization not in (None, "gguf")):
-            raise invalid("activation_quantization", self.activation_quantization, "None, or 'int8' with "
-                          f"quantization='gguf' (GGUF blocks against int8 x; quantization is {self.quantization!r})")
+            raise invalid("activation_quantization", self.activation_quantization, "None, or 'int8' with quantization="
+                          f"'gguf' or None (the default model's file; GGUF blocks; quantization is {self.quantization!r})")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but torch sees no CUDA device")
 
