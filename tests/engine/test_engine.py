@@ -1,5 +1,6 @@
 """LLM / LLMEngine behaviour on a tiny random Llama: API shapes, bad input, batching,
 preemption and block accounting. Fast; the real-model checks are in test_real_model.py."""
+import os
 import sys
 
 import pytest
@@ -11,15 +12,19 @@ from nanopaged.core.block_table import BlockTable
 
 from invariants import check_block_invariants, run_checked
 
+pytestmark = pytest.mark.exactness
+
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4)
+    return LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, dtype="float32")
 
 
 def engine(tiny_model_dir, **kw) -> LLMEngine:
+    """An engine for the comparisons below, in float32 unless a test names another dtype."""
+    kw.setdefault("dtype", "float32")
     return LLMEngine(EngineConfig(model=str(tiny_model_dir), **kw))
 
 
@@ -319,18 +324,44 @@ def test_c18_streaming_multibyte_text(tiny_model_dir):
 
 
 def test_dtype_auto_is_bf16_only_where_the_cpu_has_bf16_dot_products(monkeypatch):
-    """Issue 13: "auto" picks bf16 on a CPU with AVX512-BF16 or AMX, fp32 elsewhere; an
-    explicit dtype wins either way. The probe is torch's (cpuinfo)."""
-    from nanopaged import config
-    for has_bf16, expected in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(config, "cpu_has_bf16_dot_products", lambda: has_bf16)
-        assert EngineConfig(device="cpu").torch_dtype == expected
-        assert EngineConfig(device="cpu", dtype="float32").torch_dtype == torch.float32
-        assert EngineConfig(device="cpu", dtype="bfloat16").torch_dtype == torch.bfloat16
+    """"auto" picks bf16 on a CPU with AVX512-BF16 or AMX, fp32 elsewhere, and fp32 with a
+    quantization; NANOPAGED_AUTO_DTYPE (bfloat16 or float32) decides instead, and any other
+    value is refused by name; an explicit dtype wins either way. The probe is torch's
+    (cpuinfo), capped by the instruction set torch runs (ATEN_CPU_CAPABILITY)."""
+    from nanopaged.utils import cpu
+    monkeypatch.delenv(cpu.AUTO_DTYPE_ENV, raising=False)
+    for forced in (None, "bfloat16", "float32"):
+        if forced is not None:
+            monkeypatch.setenv(cpu.AUTO_DTYPE_ENV, forced)
+        for has_bf16 in (True, False):
+            monkeypatch.setattr(cpu, "cpu_has_bf16_dot_products", lambda: has_bf16)
+            expected = {None: torch.bfloat16 if has_bf16 else torch.float32,
+                        "bfloat16": torch.bfloat16, "float32": torch.float32}[forced]
+            assert EngineConfig(device="cpu").torch_dtype == expected
+            assert EngineConfig(device="cpu", quantization="int8").torch_dtype == torch.float32
+            assert EngineConfig(device="cpu", dtype="float32").torch_dtype == torch.float32
+            assert EngineConfig(device="cpu", dtype="bfloat16").torch_dtype == torch.bfloat16
+    monkeypatch.setenv(cpu.AUTO_DTYPE_ENV, "fp8")
+    with pytest.raises(ValueError, match=r"NANOPAGED_AUTO_DTYPE='fp8': expected one of \['bfloat16', 'float32'\]"):
+        EngineConfig(device="cpu").torch_dtype
     monkeypatch.undo()
     flags = open("/proc/cpuinfo").read().split() if sys.platform == "linux" else None
     if flags is not None:          # torch's probe agrees with what the kernel reports
-        assert config.cpu_has_bf16_dot_products() == ("avx512_bf16" in flags or "amx_tile" in flags)
+        units = "avx512_bf16" in flags or "amx_tile" in flags
+        torch_runs_them = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        assert cpu.cpu_has_bf16_dot_products() == (units and torch_runs_them)
+
+
+def test_the_auto_dtype_switch_reaches_a_new_process():
+    """NANOPAGED_AUTO_DTYPE is read where the config resolves, in whatever process: a child
+    started with it (as servers, EngineCore and worker processes inherit it) resolves
+    "auto" to that dtype."""
+    import subprocess
+    code = "from nanopaged.config import EngineConfig; print(EngineConfig(device='cpu').torch_dtype)"
+    for forced in ("bfloat16", "float32"):
+        env = dict(os.environ, NANOPAGED_AUTO_DTYPE=forced)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == f"torch.{forced}", out.stderr[-2000:]
 
 
 def test_the_config_is_resolved_once_into_a_frozen_copy(tiny_model_dir):
@@ -339,13 +370,13 @@ def test_the_config_is_resolved_once_into_a_frozen_copy(tiny_model_dir):
     readable afterwards, the user's object is left as it was, and nobody can change it."""
     import dataclasses
 
-    from nanopaged.config import cpu_has_bf16_dot_products
+    from nanopaged.utils.cpu import auto_cpu_dtype
 
     given = EngineConfig(model=str(tiny_model_dir), block_size=4, num_gpu_blocks=16)
     eng = LLMEngine(given)
     got = eng.config
     assert (given.dtype, given.device, given.max_model_len, given.max_num_batched_tokens) == ("auto", "auto", None, None)
-    assert got.dtype == ("bfloat16" if cpu_has_bf16_dot_products() else "float32") and got.device == "cpu"
+    assert got.dtype == str(auto_cpu_dtype()).removeprefix("torch.") and got.device == "cpu"
     assert got.max_model_len == eng.model_config.max_position_embeddings
     assert got.max_num_batched_tokens == 512 and got.distributed_executor_backend == "uni"   # the CPU's default
     assert got.resolve(got.max_model_len) == got                      # resolving again changes nothing
