@@ -34,6 +34,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -192,6 +193,17 @@ inline float sum_squares(const float* x, int64_t n) {
 }
 
 }  // namespace mm
+
+// ---- Which instruction-set bodies ran, counted per call ---------------------------------
+// A green suite says little about a body it never ran: a pytest run prints these counts
+// (nanopaged/layers/build.py, kernel_paths) beside the flags this build was compiled with.
+// kVector: any kernel call (its loops run this build's `vec`: AVX512, AVX2 or one lane);
+// kAvx512Bf16: a bf16 `linear` on vdpbf16ps; kAmx: a `linear_amx` on the tiles.
+namespace paths {
+enum Path { kVector, kAvx512Bf16, kAmx, kNumPaths };
+inline std::atomic<int64_t> calls[kNumPaths];
+inline void ran(Path p) { calls[p].fetch_add(1, std::memory_order_relaxed); }
+}  // namespace paths
 
 namespace {
 
@@ -914,6 +926,9 @@ void linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& weig
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n, "linear: out must be [", m, ", ", n,
               "], got ", out.sizes());
   if (m == 0 || n == 0) return;
+#if defined(__AVX512BF16__)
+  if (dt == torch::kBFloat16) paths::ran(paths::kAvx512Bf16);
+#endif
   if (dt == torch::kFloat) {
     linear_kernel(out.data_ptr<float>(), x.data_ptr<float>(), weight.data_ptr<float>(), m, k, n);
   } else if (out.scalar_type() == torch::kFloat) {
@@ -1052,6 +1067,7 @@ void linear_amx_kernel(O* out, const at::BFloat16* x, const at::BFloat16* packed
 // [ceil(n / 16), k / 32, 16, 32] bf16.
 void linear_amx(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(amx::permitted(), "linear_amx: the kernel refused AMX to this process (arch_prctl)");
+  paths::ran(paths::kAmx);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16 && x.size(1) % 32 == 0,
               "linear_amx: x must be contiguous bf16 [m, k] with k a multiple of 32, got ", x.scalar_type(), " ",
               x.sizes());
@@ -2188,24 +2204,75 @@ void int8_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
                          scale.data_ptr<float>(), m, k, n);
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Causal paged attention, prefill and decode rows (CPU)");
-  m.def("paged_attention_decode", &paged_attention_decode, "Paged attention for decode (CPU)");
-  m.def("reshape_and_cache", &reshape_and_cache, "Write K/V rows to their slots (CPU)");
-  m.def("copy_blocks", &copy_blocks, "Copy KV blocks within the pool (copy-on-write, CPU)");
-  m.def("swap_blocks", &swap_blocks, "Copy KV blocks between two pools (swap, CPU)");
-  m.def("linear", &linear, "x W^T, batch-invariant, fp32 or bf16 (CPU)");
-  m.def("gguf_linear", &gguf_linear, "x W^T, W in a GGUF block format (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K), "
-        "fp32 (CPU)");
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  m.def("linear_amx", &linear_amx, "x W^T on AMX tiles, W packed, bf16 (CPU)");
+// What this build compiled in: the vector body of namespace mm, and the special paths.
+// VNNI (vpdpbusd) is in no body: gguf_linear_a8 multiplies int8 with AVX2's vpmaddubsw.
+pybind11::dict build_info() {
+  pybind11::dict info;
+#if defined(__AVX512F__)
+  info["vector"] = "avx512";
+#elif defined(__AVX2__)
+  info["vector"] = "avx2";
+#else
+  info["vector"] = "portable";
 #endif
-  m.def("rms_norm", &rms_norm, "RMSNorm (CPU)");
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place (CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
-  m.def("rotary_embedding", &rotary_embedding, "RoPE in place on query and key (CPU)");
-  m.def("gguf_linear_a8", &gguf_linear_a8, "x W^T, W in GGUF blocks (Q4-Q8, K-quants), x rounded to int8 "
-        "blocks of 32 first (llama.cpp's Q8_1), fp32 out (CPU)");
-  m.def("quantize_activations_a8", &quantize_activations_a8, "x -> int8 blocks of 32 and their scales (CPU)");
-  m.def("int8_linear", &int8_linear, "x W^T, W int8 with a float32 scale per row, fp32 (CPU)");
+  info["lanes"] = mm::kLanes;
+#if defined(__AVX512BF16__)
+  info["avx512_bf16"] = true;
+#else
+  info["avx512_bf16"] = false;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  info["amx"] = true;
+#else
+  info["amx"] = false;
+#endif
+  info["vnni"] = false;
+  return info;
+}
+
+// calls per path since the module loaded: {"vector", "avx512_bf16", "amx"}
+pybind11::dict path_counts() {
+  pybind11::dict counts;
+  counts["vector"] = paths::calls[paths::kVector].load();
+  counts["avx512_bf16"] = paths::calls[paths::kAvx512Bf16].load();
+  counts["amx"] = paths::calls[paths::kAmx].load();
+  return counts;
+}
+
+// Every kernel entry point counted (paths::kVector) on its way in.
+template <auto F>
+struct Counted;
+template <typename R, typename... A, R (*F)(A...)>
+struct Counted<F> {
+  static R call(A... args) {
+    paths::ran(paths::kVector);
+    return F(std::forward<A>(args)...);
+  }
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("build_info", &build_info, "What this build compiled in: its vector body and special paths");
+  m.def("path_counts", &path_counts, "Calls per instruction-set path since the module loaded");
+  m.def("paged_attention", &Counted<&paged_attention>::call,
+        "Causal paged attention, prefill and decode rows (CPU)");
+  m.def("paged_attention_decode", &Counted<&paged_attention_decode>::call, "Paged attention for decode (CPU)");
+  m.def("reshape_and_cache", &Counted<&reshape_and_cache>::call, "Write K/V rows to their slots (CPU)");
+  m.def("copy_blocks", &Counted<&copy_blocks>::call, "Copy KV blocks within the pool (copy-on-write, CPU)");
+  m.def("swap_blocks", &Counted<&swap_blocks>::call, "Copy KV blocks between two pools (swap, CPU)");
+  m.def("linear", &Counted<&linear>::call, "x W^T, batch-invariant, fp32 or bf16 (CPU)");
+  m.def("gguf_linear", &Counted<&gguf_linear>::call,
+        "x W^T, W in a GGUF block format (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q6_K), fp32 (CPU)");
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  m.def("linear_amx", &Counted<&linear_amx>::call, "x W^T on AMX tiles, W packed, bf16 (CPU)");
+#endif
+  m.def("rms_norm", &Counted<&rms_norm>::call, "RMSNorm (CPU)");
+  m.def("fused_add_rms_norm", &Counted<&fused_add_rms_norm>::call,
+        "residual += x; x = RMSNorm(residual), in place (CPU)");
+  m.def("silu_and_mul", &Counted<&silu_and_mul>::call, "silu(gate) * up (CPU)");
+  m.def("rotary_embedding", &Counted<&rotary_embedding>::call, "RoPE in place on query and key (CPU)");
+  m.def("gguf_linear_a8", &Counted<&gguf_linear_a8>::call, "x W^T, W in GGUF blocks (Q4-Q8, K-quants), x rounded "
+        "to int8 blocks of 32 first (llama.cpp's Q8_1), fp32 out (CPU)");
+  m.def("quantize_activations_a8", &Counted<&quantize_activations_a8>::call,
+        "x -> int8 blocks of 32 and their scales (CPU)");
+  m.def("int8_linear", &Counted<&int8_linear>::call, "x W^T, W int8 with a float32 scale per row, fp32 (CPU)");
 }

@@ -23,6 +23,8 @@ from nanopaged.exercises.tiny_model import TINY_VOCAB, make_tiny_llama, make_tin
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: needs the real default model (download/convert once, "
                                        "then tens of seconds) or a long compile (nvcc)")
+    config.addinivalue_line("markers", "exactness: compares two engines or paths for equal or close numbers; "
+                                       ".ci/run runs these again with dtype auto flipped (NANOPAGED_AUTO_DTYPE)")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         # `-n N` (pytest-xdist): N workers share the cores, so each gets its share of
@@ -32,6 +34,63 @@ def pytest_configure(config):
         threads = max(1, len(os.sched_getaffinity(0)) // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+
+
+def pytest_report_header(config):
+    """The kernel build this run loads, before anything is built: torch's capability, the
+    CPU class, the build's name and vector flags, and what dtype="auto" is here."""
+    from nanopaged.layers.build import cpu_build_flags, cpu_build_name
+    from nanopaged.utils.cpu import AUTO_DTYPE_ENV, auto_cpu_dtype, cpu_class
+    forced = os.environ.get(AUTO_DTYPE_ENV)
+    return (f"nanopaged: CPU class {cpu_class()} (torch capability {torch.backends.cpu.get_cpu_capability()}); "
+            f"kernel build {cpu_build_name()} ({' '.join(cpu_build_flags()) or 'no vector flags: the portable body'}); "
+            f"dtype auto = {str(auto_cpu_dtype()).removeprefix('torch.')}"
+            + (f" ({AUTO_DTYPE_ENV}={forced})" if forced else ""))
+
+
+def _kernel_paths() -> dict:
+    from nanopaged.layers.build import kernel_paths
+    return kernel_paths()
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker hands its kernel path counts to the controller (workeroutput)."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["nanopaged_kernel_paths"] = _kernel_paths()
+
+
+def pytest_testnodedown(node, error):
+    """The controller sums each worker's counts (pytest-xdist's hook)."""
+    _merge_paths(node.config, getattr(node, "workeroutput", {}).get("nanopaged_kernel_paths", {}))
+
+
+def _merge_paths(config, report: dict) -> None:
+    total = config.__dict__.setdefault("_nanopaged_kernel_paths", {})
+    for name, info in report.items():
+        mine = total.setdefault(name, dict(info, ran={path: 0 for path in info["ran"]}))
+        for path, calls in info["ran"].items():
+            mine["ran"][path] += calls
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Which kernel builds ran in the test processes (worker, server and rank processes
+    are not counted), and which of their instruction-set paths: the vector body (AVX512,
+    AVX2 or the portable one lane), AVX512-BF16's vdpbf16ps, AMX tiles; VNNI is in no
+    body (gguf_linear_a8 multiplies int8 with AVX2's vpmaddubsw)."""
+    if not hasattr(config, "workerinput") and not config.pluginmanager.hasplugin("dsession"):
+        _merge_paths(config, _kernel_paths())                 # one process (-n 0): its own counts
+    report = config.__dict__.get("_nanopaged_kernel_paths", {})
+    terminalreporter.section("nanopaged kernel paths")
+    if not report:
+        terminalreporter.write_line("no CPU kernel build was loaded in the test processes")
+    for name, info in sorted(report.items()):
+        ran = info["ran"]
+        special = [f"{path} {'ran ' + str(ran[path]) + ' calls' if ran[path] else 'compiled in, never ran'}"
+                   for path in ("avx512_bf16", "amx") if info[path]]
+        terminalreporter.write_line(
+            f"{name} (flags: {info['flags']}): {info['vector']} body ran {ran['vector']} kernel calls; "
+            + ("; ".join(special) if special else "no AVX512-BF16 or AMX path compiled in")
+            + "; VNNI: no path uses it")
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -58,9 +58,19 @@ def forget_builds() -> None:
     _build_errors.clear()
 
 
-def _cpu_flags() -> list[str]:
-    """Vector flags for the CPU kernel: the instruction set torch itself dispatches to."""
-    cap = torch.backends.cpu.get_cpu_capability()
+# torch's CPU capabilities the kernel has a body for, lowest first ("DEFAULT": the portable
+# body, one lane, no vector extension)
+CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
+# Every kernel module this process loaded, by name, and a CPU build's vector flags:
+# kernel_paths reports them.
+_loaded: dict[str, object] = {}
+_loaded_flags: dict[str, list[str]] = {}
+
+
+def _cpu_flags(capability: str | None = None) -> list[str]:
+    """Vector flags for the CPU kernel: the instruction set torch itself dispatches to, or
+    `capability` ("AVX512", "AVX2", "DEFAULT") when given."""
+    cap = capability or torch.backends.cpu.get_cpu_capability()
     if cap.startswith("AVX512"):
         bf16 = ["-mavx512bf16"] if torch.cpu._is_avx512_bf16_supported() else []   # vdpbf16ps
         amx = ["-mamx-tile", "-mamx-bf16"] if torch.cpu._is_amx_tile_supported() else []
@@ -94,7 +104,52 @@ def load_kernels(kind: str):
         raise
 
 
-def build_extension(name: str, source: Path, kind: str):
+def cpu_build_name(capability: str | None = None) -> str:
+    """The CPU kernel module's name for torch's capability (or `capability`): the
+    instruction set and the special units it is built with, e.g.
+    nanopaged_cpu_avx512_avx512bf16_amx_tile, nanopaged_cpu_avx2, nanopaged_cpu_default."""
+    cap = capability or torch.backends.cpu.get_cpu_capability()
+    flags = _cpu_flags(cap)
+    return (f"nanopaged_cpu_{cap.lower()}"
+            + "".join(f"_{f[2:].replace('-', '_')}" for f in flags if f in ("-mavx512bf16", "-mamx-tile")))
+
+
+def cpu_build_flags(capability: str | None = None) -> list[str]:
+    """The compiler's vector flags of that build (empty for the portable body)."""
+    return _cpu_flags(capability)
+
+
+@functools.cache
+def load_cpu_build(capability: str):
+    """The CPU kernels built for `capability` ("AVX2", or "DEFAULT": the portable body),
+    as a module of its own name beside load_kernels("cpu")'s, in this process: the kernel
+    tests compare each body this CPU runs with the portable one (tests/layers/
+    test_kernel_isa.py). It shares its build with a run under ATEN_CPU_CAPABILITY set to it.
+
+    Raises:
+        ValueError: a capability the kernel has no body for, or one above torch's own
+            here (its instructions would fault on this CPU).
+        KernelBuildError: as build_extension.
+    """
+    if capability not in CPU_CAPABILITIES:
+        raise ValueError(f"capability={capability!r}: expected one of {CPU_CAPABILITIES}")
+    own = torch.backends.cpu.get_cpu_capability()
+    ceiling = next((c for c in reversed(CPU_CAPABILITIES) if own.startswith(c)), "DEFAULT")
+    if CPU_CAPABILITIES.index(capability) > CPU_CAPABILITIES.index(ceiling):
+        raise ValueError(f"capability={capability!r} is above this CPU's as torch runs it ({own})")
+    return build_extension("nanopaged_cpu", KERNELS_DIR / KERNEL_SOURCES["cpu"], "cpu", capability=capability)
+
+
+def kernel_paths() -> dict[str, dict]:
+    """Each CPU kernel module loaded in this process, by name: its build_info() (the vector
+    body it compiled in, "avx512", "avx2" or "portable", and whether the AVX512-BF16, AMX
+    and VNNI paths are in it), its compiler flags, and `ran`: its path_counts() (calls of
+    any kernel, of bf16 `linear` on vdpbf16ps, of `linear_amx`)."""
+    return {name: dict(module.build_info(), flags=" ".join(_loaded_flags.get(name, [])) or "none",
+                       ran=dict(module.path_counts())) for name, module in _loaded.items()}
+
+
+def build_extension(name: str, source: Path, kind: str, capability: str | None = None):
     """Compile one kernel source with ninja (torch.utils.cpp_extension.load) and import it,
     or import the build cached for exactly this source and flags (no ninja, no compiler).
 
@@ -116,12 +171,17 @@ def build_extension(name: str, source: Path, kind: str):
         raise KernelBuildError(f"kernel source {source} not found (nanopaged installed without its "
                                "kernels/ folder?)")
     if kind == "cpu":
-        name += "_" + torch.backends.cpu.get_cpu_capability().lower()
-        name += "".join(f"_{f[2:].replace('-', '_')}" for f in _cpu_flags() if f in ("-mavx512bf16", "-mamx-tile"))
+        name = cpu_build_name(capability).replace("nanopaged_cpu", name, 1)
         # -fno-trapping-math: GCC keeps a loop with a float select (fast_exp's clamp) scalar
-        # unless it may compute both sides; no result changes (no reassociation, no fast-math)
-        flags = dict(extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", *_cpu_flags()],
+        # unless it may compute both sides; no result changes (no reassociation, no fast-math).
+        # -fno-gnu-unique: GCC would bind the kernel's static objects (scratch buffers, their
+        # mutex, the path counters) as STB_GNU_UNIQUE, which the dynamic linker shares between
+        # every library that defines them, so two builds loaded in one process (the kernel
+        # tests compare them) would share one scratch and one set of counters
+        flags = dict(extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", "-fno-gnu-unique",
+                                   *_cpu_flags(capability)],
                      extra_ldflags=["-fopenmp"])
+        _loaded_flags[name] = _cpu_flags(capability)
     else:
         flags = dict(extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])   # __expf is explicit: no fast-math
         if torch.version.cuda is None:
@@ -137,6 +197,7 @@ def build_extension(name: str, source: Path, kind: str):
     cached = _load_cached_build(name, build_dir / f"{name}{cpp_extension.LIB_EXT}")
     if cached is not None:
         (build_dir / "last-used").touch()
+        _remember(name, cached)
         return cached
     if kind == "cuda" and cpp_extension.CUDA_HOME is None:
         raise KernelBuildError("nvcc not found (set CUDA_HOME)")
@@ -161,7 +222,14 @@ def build_extension(name: str, source: Path, kind: str):
         logger.info("built the %s kernel %s in %.0f s", kind.upper(), source.name, time.monotonic() - start)
     (build_dir / "last-used").touch()
     prune_builds(build_dir)
+    _remember(name, module)
     return module
+
+
+def _remember(name: str, module) -> None:
+    """Keep a loaded CPU kernel module for kernel_paths (one that counts its paths)."""
+    if hasattr(module, "path_counts"):
+        _loaded[name] = module
 
 
 @contextmanager
