@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import gguf
 import numpy as np
+from error_bounds import assert_within, matmul_bound
+
+from nanopaged.layers.quantization.gguf import dequantize
+from nanopaged.layers.quantization.gguf_a8 import quantize_activations
 
 T = gguf.GGMLQuantizationType
 QK_K = 256
@@ -84,3 +88,25 @@ def quantize(w: np.ndarray, qtype: T) -> np.ndarray:
     x = w.reshape(w.shape[0], -1, QK_K)
     blocks = _q6k(x) if qtype == T.Q6_K else _q45k(x, 4 if qtype == T.Q4_K else 5)
     return blocks.reshape(w.shape[0], -1)
+
+
+def kernel_roundings(k: int) -> int:
+    """fp32 roundings a term of gguf_linear_a8's sum passes at most: its block's scales
+    (d_x * d_w, the integer sum times it; K-quants a sub-block scale and a min: 4), one
+    addition per block of 32 in its lane's chain (k / 32) and the lanes' tree (4)."""
+    return k // 32 + 8
+
+
+def assert_both_near_the_exact_product(got, want, x, qw, type_id: int) -> None:
+    """The kernel's `got` and the PyTorch reference's `want` of gguf_linear_a8 on the same x
+    are each the product of x's rounded values and the dequantized weights (float64)
+    within their own fp32 error: the kernel's chain of blocks (kernel_roundings), the
+    reference's x_hat = qx * dx (one rounding) and F.linear's sum of k terms (up to k
+    additions and a product)."""
+    k = x.shape[1]
+    qx, dx, _ = quantize_activations(x)
+    x_hat = (qx.double().view(x.shape[0], -1, 32) * dx.double()[..., None]).view(x.shape)
+    w = dequantize(qw, type_id)
+    exact = x_hat @ w.double().T
+    assert_within(got, exact, matmul_bound(x_hat, w, kernel_roundings(k)))
+    assert_within(want, exact, matmul_bound(x_hat, w, k + 2))

@@ -9,10 +9,13 @@ from nanopaged.core.sequence import Sequence
 
 from invariants import run_checked
 
+pytestmark = pytest.mark.exactness
+
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def engine(folder, **kw) -> LLMEngine:
+    kw.setdefault("dtype", "float32")
     return LLMEngine(EngineConfig(model=str(folder), **kw))
 
 
@@ -47,7 +50,8 @@ def test_prefix_caching_never_changes_greedy_output(tiny_model_dir):
     prompts = [system + [i, i + 1, i + 2] for i in range(1, 30, 4)]
     outs = {}
     for caching in (True, False):
-        llm = LLM(str(tiny_model_dir), block_size=4, num_gpu_blocks=64, enable_prefix_caching=caching)
+        llm = LLM(str(tiny_model_dir), block_size=4, num_gpu_blocks=64, enable_prefix_caching=caching,
+                  dtype="float32")
         outs[caching] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
         outs[caching] += [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], GREEDY)][::-1]
     assert outs[True] == outs[False]
@@ -76,7 +80,7 @@ def test_fork_shares_blocks_and_copy_on_write_copies_the_partial_block():
 
 
 def test_parallel_sampling_n_completions(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), block_size=4, num_gpu_blocks=64)
+    llm = LLM(str(tiny_model_dir), block_size=4, num_gpu_blocks=64, dtype="float32")
     p = SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)
     out = llm.generate("The capital of France is", p)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
@@ -99,7 +103,7 @@ def test_finished_sibling_keeps_its_text_and_frees_its_blocks(tiny_model_dir):
 
 
 def test_beam_search_returns_width_hypotheses_best_first(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), block_size=4, num_gpu_blocks=64)
+    llm = LLM(str(tiny_model_dir), block_size=4, num_gpu_blocks=64, dtype="float32")
     out = llm.beam_search(["Hello, my name is", [5, 6, 7]], BeamSearchParams(beam_width=3, max_tokens=6))
     assert len(out) == 2
     for o in out:
@@ -112,7 +116,7 @@ def test_beam_search_returns_width_hypotheses_best_first(tiny_model_dir):
 
 
 def test_beam_search_greedy_width_one_is_greedy(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir), block_size=4, num_gpu_blocks=64)
+    llm = LLM(str(tiny_model_dir), block_size=4, num_gpu_blocks=64, dtype="float32")
     greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
     beam = llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=1, max_tokens=7, ignore_eos=True))[0]
     assert beam.sequences[0].tokens == [5, 6, 7] + greedy.outputs[0].token_ids

@@ -7,12 +7,15 @@ from nanopaged.core.scheduler import PreemptionCosts
 
 from invariants import check_block_invariants, run_checked
 
+pytestmark = pytest.mark.exactness
+
 PROMPTS = [list(range(1 + 7 * i, 12 + 7 * i)) for i in range(6)]
 PARAMS = [SamplingParams(temperature=0, max_tokens=10 + 3 * i, ignore_eos=True) for i in range(6)]
 
 
 def engine(folder, **kw) -> LLMEngine:
     kw.setdefault("enable_prefix_caching", False)
+    kw.setdefault("dtype", "float32")
     return LLMEngine(EngineConfig(model=str(folder), **kw))
 
 

@@ -69,7 +69,7 @@ def get_engine(folder, block_size, num_blocks, limits, caching, async_scheduling
                                                num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
                                                max_num_batched_tokens=budget, enable_prefix_caching=caching,
                                                preemption_mode=mode, num_cpu_blocks=num_cpu_blocks,
-                                               async_scheduling=async_scheduling,
+                                               async_scheduling=async_scheduling, dtype="float32",
                                                speculative_config=dict(spec) if spec else None))
     return _engines[key]
 
@@ -210,7 +210,7 @@ def _pipeline_engine(folder, block_size, num_blocks, limits, caching, pp):
             _engines[key] = LLMEngine(EngineConfig(
                 model=str(folder), block_size=block_size, num_gpu_blocks=num_blocks, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=budget, enable_prefix_caching=caching, preemption_mode=mode,
-                num_cpu_blocks=num_cpu_blocks, pipeline_parallel_size=pp))
+                num_cpu_blocks=num_cpu_blocks, pipeline_parallel_size=pp, dtype="float32"))
     return _engines[key]
 
 

@@ -28,7 +28,7 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64)
+    return LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, max_num_seqs=4, max_model_len=64, dtype="float32")
 
 
 def assert_untouched(llm):

@@ -22,7 +22,7 @@ DELTA = RequestOutputKind.DELTA
 PROMPTS = ["The capital of France is", "Hello, my name is", "Paged attention splits", "The KV cache"]
 # recompute, no swap pool: an engine starts without measuring preemption costs (~4 s less)
 ENGINE_ARGS = dict(num_gpu_blocks=48, block_size=4, max_num_seqs=8, preemption_mode="recompute",
-                   num_cpu_blocks=0)
+                   num_cpu_blocks=0, dtype="float32")
 
 
 def pid_alive(pid: int) -> bool:

@@ -11,6 +11,8 @@ from nanopaged import LLM, BeamSearchParams, EngineConfig, LLMEngine, SamplingPa
 from invariants import check_block_invariants, run_checked
 from conftest import interrupt_next_forward
 
+pytestmark = pytest.mark.exactness
+
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [list(range(100, 117)), [5, 6, 7, 8, 9], list(range(200, 230))]
 
@@ -18,13 +20,14 @@ PROMPTS = [list(range(100, 117)), [5, 6, 7, 8, 9], list(range(200, 230))]
 def engine(folder, async_scheduling, **kw) -> LLMEngine:
     kw.setdefault("num_gpu_blocks", 64)
     kw.setdefault("block_size", 4)
+    kw.setdefault("dtype", "float32")
     return LLMEngine(EngineConfig(model=str(folder), async_scheduling=async_scheduling, **kw))
 
 
 def generate(folder, async_scheduling, prompts, params, **kw):
     """(token_ids, finish_reason, stop_reason, text) of each completion, and the engine."""
-    llm = LLM(str(folder), num_gpu_blocks=kw.pop("num_gpu_blocks", 64), block_size=4,
-              async_scheduling=async_scheduling, **kw)
+    kw = dict(num_gpu_blocks=64, dtype="float32") | kw
+    llm = LLM(str(folder), block_size=4, async_scheduling=async_scheduling, **kw)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.get_stats()["num_free_gpu_blocks"] == llm.engine.block_manager.num_gpu_blocks
     return [[(c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in o.outputs] for o in outs], llm.engine
@@ -54,7 +57,8 @@ def test_eos_stop_is_the_same(tiny_model_dir):
     (base,), _ = generate(tiny_model_dir, False, PROMPTS[:1], GREEDY)
     eos = base[0][0][4]                     # the 5th greedy token becomes the eos id
     for async_scheduling in (False, True):
-        llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, async_scheduling=async_scheduling)
+        llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, async_scheduling=async_scheduling,
+                  dtype="float32")
         llm.engine.processor.eos_token_ids = frozenset({eos})
         c = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
         assert (c.token_ids, c.finish_reason) == (base[0][0][:5], "stop")
@@ -81,7 +85,8 @@ def test_beam_search_is_the_same(tiny_model_dir):
     params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
     outs = []
     for async_scheduling in (False, True):
-        llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, async_scheduling=async_scheduling)
+        llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, async_scheduling=async_scheduling,
+                  dtype="float32")
         outs.append([[(s.tokens, s.cum_logprob) for s in o.sequences]
                      for o in llm.beam_search([PROMPTS[0], PROMPTS[1]], params)])
     assert outs[0] == outs[1]

@@ -12,6 +12,8 @@ from nanopaged import LLM, SamplingParams, StructuredOutputsParams
 from nanopaged.core.beam_search import BeamSearchParams
 from nanopaged.exercises.tiny_model import TINY_FAMILIES
 
+from logit_bounds import beam_score_bound
+
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [30, 31, 32], list(range(100, 121)), [250, 3, 250, 3, 77]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -58,7 +60,11 @@ def test_beam_search_equals_transformers(tiny_family, arch):
         for ours, theirs, score in zip(out.sequences, g.sequences, g.sequences_scores):
             assert ours.tokens == theirs.tolist()[:len(ours.tokens)]
             assert all(t == 0 for t in theirs.tolist()[len(ours.tokens):])     # padding after EOS
-            assert ours.cum_logprob / (len(ours.tokens) - len(prompt)) == pytest.approx(score.item(), abs=1e-4)
+            # both fp32, other orders: each step's logprob within logit_bounds' bound (K = 128),
+            # the mean within their mean (beam_score_bound); measured at most 1.8e-6, 0.003 of it
+            err = abs(ours.cum_logprob / (len(ours.tokens) - len(prompt)) - score.item())
+            bound = beam_score_bound(hf, ours.tokens, len(prompt), ours.cum_logprob)
+            assert err <= bound, (err, bound)
     stats = llm.engine.get_stats()
     assert stats["num_free_gpu_blocks"] == stats["num_total_gpu_blocks"]
 

@@ -2,8 +2,7 @@
 ids with n-gram equal transformers' generate in float32 (block size 16); with n-gram and
 with a layer draft (SmolLM2's first 10 of 30 layers, a poor guesser: about 1% accepted)
 they equal the engine's own ids without speculation in bfloat16 (block sizes 4 and 1,
-a tight pool, a prefix hit; the dtype "auto" gives on a CPU with bf16 units, emulated
-elsewhere). The prompts ask the model to copy text, where n-gram drafts are accepted;
+a tight pool, a prefix hit; emulated on a CPU without bf16 units). The prompts ask the model to copy text, where n-gram drafts are accepted;
 plain chat is bench.py --sections spec's."""
 import pytest
 import torch
@@ -58,19 +57,23 @@ def greedy(model_dir, prompts, **kw):
 
 
 def test_float32_greedy_with_speculation_equals_transformers(default_model_dir, prompts, hf_reference):
+    """In float32 the ids are transformers' on every CPU, and so are the n-gram drafts
+    taken from them: the copy prompts accept many, in far fewer steps than without."""
+    _, base = greedy(default_model_dir, prompts, dtype="float32")
     ids, stats = greedy(default_model_dir, prompts, dtype="float32", speculative_config=NGRAM)
     assert ids == hf_reference
-    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["spec_decode_acceptance_rate"] > 0.2 and stats["num_steps"] < base["num_steps"], stats
 
 
 def test_bfloat16_greedy_with_speculation_equals_without(default_model_dir, prompts, layer_draft):
-    want, base = greedy(default_model_dir, prompts, dtype="bfloat16", block_size=4)
+    """Equal ids by design (the drafts only decide which rows a step verifies); how many
+    drafts are accepted follows bf16's text, which differs by CPU, so only that drafts
+    were proposed and checked is asserted here."""
+    want, _ = greedy(default_model_dir, prompts, dtype="bfloat16", block_size=4)
     for spec in (NGRAM, layer_draft):
         ids, stats = greedy(default_model_dir, prompts, dtype="bfloat16", block_size=4, speculative_config=spec)
         assert ids == want, spec["method"]
-        assert stats["spec_decode_num_accepted_tokens"] > 0, spec["method"]
-        if spec is NGRAM:          # the copy prompts accept many drafts: far fewer steps
-            assert stats["spec_decode_acceptance_rate"] > 0.2 and stats["num_steps"] < base["num_steps"], stats
+        assert stats["spec_decode_num_draft_tokens"] > 0, spec["method"]
 
 
 def test_block_size_1_a_tight_pool_and_a_prefix_hit(default_model_dir, prompts):

@@ -153,7 +153,7 @@ def test_node_0_killed_ends_node_1(tiny_model_dir):
 
 def one_process(model) -> list[str]:
     """PROMPTS' greedy texts from one process (tensor_parallel_size 1)."""
-    llm = LLM(str(model), dtype="float32", **TINY_ENGINE)
+    llm = LLM(str(model), **TINY_ENGINE)                # float32, as TINY_ENGINE names
     try:
         return [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(
             temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)]
@@ -167,7 +167,7 @@ def _llm_and_node_1(model) -> tuple[LLM, Headless, list[psutil.Process]]:
     port = _free_port()
     node1 = Headless(model, port, *GRID)
     try:
-        llm = LLM(str(model), tensor_parallel_size=2, nnodes=2, master_port=port, dtype="float32", **TINY_ENGINE)
+        llm = LLM(str(model), tensor_parallel_size=2, nnodes=2, master_port=port, **TINY_ENGINE)
     except BaseException:
         node1.end()
         raise

@@ -363,8 +363,8 @@ def test_default_model_matches_transformers_gguf_loader(default_model_dir, tmp_p
     ).state_dict()
     ours = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).state_dict()
     assert sorted(ours) == sorted(theirs)
-    for name in ours:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6, msg=name)
+    for name in ours:               # both dequantize the same blocks to fp32: no sum, nothing to round apart
+        assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]), name
 
 
 @pytest.mark.slow

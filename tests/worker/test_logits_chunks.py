@@ -15,6 +15,8 @@ from nanopaged.worker.logits_chunks import max_logits_rows, row_chunks
 
 from conftest import TINY_VOCAB
 
+pytestmark = pytest.mark.exactness
+
 ROW = TINY_VOCAB * 4
 
 
@@ -58,7 +60,7 @@ def test_chunked_logits_equal_unchunked_bit_for_bit(tiny_model_dir, speculative)
                                   "prompt_lookup_max": 3},
             "draft_model": {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3}}
     kw = dict(num_gpu_blocks=128, block_size=4, attention_backend="cpu", enable_prefix_caching=False,
-              speculative_config=spec[speculative])
+              speculative_config=spec[speculative], dtype="float32")
     whole = LLM(str(tiny_model_dir), **kw)
     want = run(whole)
     chunked = LLM(str(tiny_model_dir), max_logits_bytes=3 * ROW, **kw)      # a request's n rows fit
