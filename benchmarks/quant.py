@@ -336,4 +336,4 @@ def print_default_choice(rows: dict) -> None:
     fastest_t = max(candidates, key=lambda label: candidates[label]["tokens"] / candidates[label]["wall"])
     print(f"  fastest exact path: batch 1 {fastest1}, throughput {fastest_t}; LLM() runs "
           f"{rows['nanopaged LLM() default']['config']} (DEFAULT_MODEL_WEIGHTS[{cpu_class()!r}] = "
-          f"{DEFAULT_MODEL_WEIGHTS.get(cpu_class())!r})")
+          f"{DEFAULT_MODEL_WEIGHTS.get(cpu_class(), ('?',))[0]!r})")

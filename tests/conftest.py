@@ -21,6 +21,11 @@ from nanopaged.exercises.tiny_model import TINY_VOCAB, make_tiny_llama, make_tin
 
 
 def pytest_configure(config):
+    from nanopaged.utils.cpu import auto_cpu_dtype
+    try:
+        auto_cpu_dtype()                 # a bad NANOPAGED_AUTO_DTYPE: one line, not a traceback per test
+    except ValueError as e:
+        pytest.exit(str(e), returncode=4)
     config.addinivalue_line("markers", "slow: needs the real default model (download/convert once, "
                                        "then tens of seconds) or a long compile (nvcc)")
     config.addinivalue_line("markers", "exactness: compares two engines or paths for equal or close numbers; "
@@ -38,14 +43,15 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     """The kernel build this run loads, before anything is built: torch's capability, the
-    CPU class, the build's name and vector flags, and what dtype="auto" is here."""
+    CPU class, the build's name and vector flags, and what dtype="auto" is here (not shown
+    under -q)."""
     from nanopaged.layers.build import cpu_build_flags, cpu_build_name
     from nanopaged.utils.cpu import AUTO_DTYPE_ENV, auto_cpu_dtype, cpu_class
     forced = os.environ.get(AUTO_DTYPE_ENV)
     return (f"nanopaged: CPU class {cpu_class()} (torch capability {torch.backends.cpu.get_cpu_capability()}); "
             f"kernel build {cpu_build_name()} ({' '.join(cpu_build_flags()) or 'no vector flags: the portable body'}); "
             f"dtype auto = {str(auto_cpu_dtype()).removeprefix('torch.')}"
-            + (f" ({AUTO_DTYPE_ENV}={forced})" if forced else ""))
+            + (f" ({AUTO_DTYPE_ENV}={forced})" if forced else "") + " (the default model: float32)")
 
 
 def _kernel_paths() -> dict:
@@ -73,24 +79,27 @@ def _merge_paths(config, report: dict) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """Which kernel builds ran in the test processes (worker, server and rank processes
-    are not counted), and which of their instruction-set paths: the vector body (AVX512,
-    AVX2 or the portable one lane), AVX512-BF16's vdpbf16ps, AMX tiles; VNNI is in no
-    body (gguf_linear_a8 multiplies int8 with AVX2's vpmaddubsw)."""
+    """Which kernel builds ran in the test processes, and which of their instruction-set
+    paths: the vector body (AVX512, AVX2 or the portable one lane), AVX512-BF16's
+    vdpbf16ps, AMX tiles."""
+    from nanopaged.layers.build import cpu_build_name
     if not hasattr(config, "workerinput") and not config.pluginmanager.hasplugin("dsession"):
         _merge_paths(config, _kernel_paths())                 # one process (-n 0): its own counts
     report = config.__dict__.get("_nanopaged_kernel_paths", {})
     terminalreporter.section("nanopaged kernel paths")
+    terminalreporter.write_line("calls made in the test processes (servers, EngineCore and rank processes are not "
+                                "counted); VNNI is in no body: int8 x int8 runs on AVX2's vpmaddubsw")
     if not report:
         terminalreporter.write_line("no CPU kernel build was loaded in the test processes")
+    own = cpu_build_name()
     for name, info in sorted(report.items()):
         ran = info["ran"]
-        special = [f"{path} {'ran ' + str(ran[path]) + ' calls' if ran[path] else 'compiled in, never ran'}"
-                   for path in ("avx512_bf16", "amx") if info[path]]
+        special = [f"{ran[path]} on {label}" if ran[path] else f"{label} compiled in, never ran"
+                   for path, label in (("avx512_bf16", "vdpbf16ps"), ("amx", "AMX tiles")) if info[path]]
+        role = "this run's build" if name == own else "loaded to compare"
         terminalreporter.write_line(
-            f"{name} (flags: {info['flags']}): {info['vector']} body ran {ran['vector']} kernel calls; "
-            + ("; ".join(special) if special else "no AVX512-BF16 or AMX path compiled in")
-            + "; VNNI: no path uses it")
+            f"{name} ({role}; flags: {info['flags']}): {info['vector']} body, {ran['vector']} kernel calls"
+            + (f"; of them {', '.join(special)}" if special else ""))
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -15,8 +15,10 @@ import torch
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 FP32_U = UNIT_ROUNDOFF[torch.float32]
 # fast_exp (the kernel's Cephes polynomial: 8 multiply-adds, each fused or not as the
-# compiler contracts it for the build's instruction set) is within 8 u of exp in either
-# build, so two builds' (or a build's and libm's) exps of one value are within 16 u
+# compiler contracts it for the build's instruction set) is within 2 ulp (4 u) of libm's
+# expf, itself within 1 ulp: 6 u of exp, charged as 8 u a side, so two builds' (or a
+# build's and libm's) exps of one value are within 16 u. Below -87.3 it returns 0 where
+# exp is under 1.2e-38: nothing next to the max-subtracted softmax's largest term, 1.
 EXP_ROUNDINGS = 16
 
 
@@ -40,10 +42,14 @@ def matmul_bound(x: torch.Tensor, w: torch.Tensor, roundings: int) -> torch.Tens
 def rounded_apart(bound: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The bound on |a - b| after each of a and b is rounded once to `dtype`, given `bound`
     on their fp32 difference and `value` their exact value: each rounding adds at most
-    u_dtype of its own magnitude, |a|, |b| <= |value| + bound."""
+    u_dtype of its own magnitude, and |a|, |b| <= |value| + bound (so `bound` must also
+    bound each side's distance from `value`, as every caller's does: a two-sided bound
+    is at least each side's own). Below float16's smallest normal (6.1e-5) its spacing
+    stops shrinking: a rounding there moves a value by up to 2^-25, absolutely."""
     if dtype == torch.float32:
         return bound
-    return bound + 2 * UNIT_ROUNDOFF[dtype] * (value.abs().double() + bound)
+    subnormal = 2.0 ** -25 if dtype == torch.float16 else 0.0
+    return bound + 2 * UNIT_ROUNDOFF[dtype] * (value.abs().double() + bound) + 2 * subnormal
 
 
 def attention_bound(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,

@@ -22,7 +22,7 @@ from ..layers.pipeline import get_pp_indices
 from ..model.config import ModelConfig
 from ..model.llama import check_tensor_parallel
 from ..model.model_loader import DEFAULT_MODEL, check_model_dir, resolve_model
-from ..utils.cpu import cpu_class
+from ..utils.cpu import auto_cpu_dtype, cpu_class
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,13 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
 # beside the bf16 folder and LLM()'s own pick, and benchmarks/RESULTS.md keeps each class's
 # runs (its entries on the default model). Classes no run has measured keep what they ran
 # before: the file.
-DEFAULT_MODEL_WEIGHTS = {
-    "amx": "gguf",              # measured: the file faster at batch 1 and in throughput
-    "avx512_bf16": "gguf",      # measured: the file faster at batch 1, throughput equal
-    "avx512": "gguf",           # unmeasured, unchanged
-    "avx2": "gguf",             # measured: the file faster at batch 1, throughput no slower
-    "default": "gguf",          # unmeasured, unchanged (torch's emulated capability)
+DEFAULT_MODEL_WEIGHTS = {   # class -> (form, the evidence the start log quotes)
+    "amx": ("gguf", "measured: faster than the fp32 folder at batch 1 and in throughput"),
+    "avx512_bf16": ("gguf", "measured against the bf16 folder: faster at batch 1, as fast in throughput; "
+                            "the fp32 folder unmeasured there"),
+    "avx512": ("gguf", "unmeasured: unchanged"),
+    "avx2": ("gguf", "measured: faster than the fp32 folder at batch 1, no slower in throughput"),
+    "default": ("gguf", "unmeasured: unchanged (torch's emulated capability)"),
 }
 
 
@@ -91,20 +92,24 @@ def default_model_weights(config: EngineConfig) -> EngineConfig:
     if config.model in (None, DEFAULT_MODEL) and config.quantization is None and config.torch_device.type == "cpu":
         asked = config.dtype
         if asked == "auto":
+            auto_cpu_dtype()                   # a bad NANOPAGED_AUTO_DTYPE is refused here too
             config = replace(config, dtype="float32")
         if config.torch_dtype == torch.float32:
             cls = cpu_class()
-            form = DEFAULT_MODEL_WEIGHTS.get(cls, "gguf")
+            form, evidence = DEFAULT_MODEL_WEIGHTS.get(cls, ("gguf", "unmeasured: unchanged"))
             if form == "gguf":
                 try:
                     importlib.import_module(extensions.MODEL["quantization"].partition(":")[0])
                     config = replace(config, quantization="gguf")
+                    what = "its Q4_1 GGUF file as shipped"
                 except ImportError:
-                    form = "folder (the GGUF extension is not importable)"
-            what = "its Q4_1 GGUF file as shipped" if form == "gguf" else f"its float32 {form}"
-            logger.info("default model: %s, in float32 (%s; the fastest exact path measured on this CPU "
-                        "class, %s: benchmarks/RESULTS.md)", what,
-                        "dtype auto" if asked == "auto" else "dtype float32 asked", cls)
+                    what, evidence = "its float32 folder", "the GGUF extension is not importable: the same bits"
+            else:
+                what = "its float32 folder"
+            why = ("dtype auto: exact first; NANOPAGED_AUTO_DTYPE does not apply to the default model, "
+                   "dtype='bfloat16' runs its bf16 folder" if asked == "auto" else "dtype float32 asked")
+            logger.info("default model: %s, in float32 (%s); CPU class %s: %s (benchmarks/RESULTS.md)",
+                        what, why, cls, evidence)
     if config.activation_quantization is not None and config.quantization != "gguf":
         raise ValueError(f"activation_quantization={config.activation_quantization!r} multiplies GGUF blocks: "
                          "give quantization='gguf' with a .gguf model, or run the default model in float32 on "
@@ -187,8 +192,9 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
               "included, its Q4_1 GGUF file runs as shipped, exact; in bfloat16 or float16 its converted folder)"),
     "dtype": (str, "DTYPE", "auto, float32, bfloat16 or float16; auto is bfloat16 on CUDA and on CPUs "
               "with bf16 dot products, else float32 ($NANOPAGED_AUTO_DTYPE=bfloat16 or float32 decides "
-              "instead on the CPU). With --quantization, and for the default model on the CPU, auto is "
-              "float32 (exact against the dequantized model); bfloat16 also runs"),
+              "instead on the CPU, but for the default model). With --quantization, and for the default "
+              "model on the CPU, auto is float32 (exact against the dequantized model); --dtype bfloat16 "
+              "runs them in bf16 anyway"),
     "device": (str, "DEVICE", "auto (cuda if available, else cpu), cpu or cuda"),
     "block_size": (int, "N", "tokens per KV block (1, 2, 4 make paging visible)"),
     "num_gpu_blocks": (int, "N", "blocks in the device KV pool (not given: sized from --kv-cache-memory-bytes)"),

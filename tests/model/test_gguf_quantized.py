@@ -292,9 +292,10 @@ def test_default_model_runs_from_its_q4_1_file_as_shipped(default_model_dir):
 def test_the_default_model_runs_its_fastest_exact_path_on_every_cpu_class(cls, monkeypatch, caplog):
     """default_model_weights: the default model (None or its name) with no quantization
     given runs in float32 on the CPU, dtype "auto" included and whatever
-    NANOPAGED_AUTO_DTYPE says, from the form DEFAULT_MODEL_WEIGHTS picks for the CPU class
-    (its GGUF file), with one log line that says so and why; a dtype asked for (bfloat16),
-    any other model, or a quantization given are left as they are."""
+    NANOPAGED_AUTO_DTYPE says (a bad value is still refused), from the form
+    DEFAULT_MODEL_WEIGHTS picks for the CPU class (its GGUF file), with one log line that
+    says so and why, quoting the class's evidence; a dtype asked for (bfloat16), any other
+    model, or a quantization given are left as they are."""
     from nanopaged.engine import arg_utils
     from nanopaged.engine.arg_utils import DEFAULT_MODEL_WEIGHTS, default_model_weights
     from nanopaged.model.model_loader import DEFAULT_MODEL
@@ -315,16 +316,20 @@ def test_the_default_model_runs_its_fastest_exact_path_on_every_cpu_class(cls, m
                     got = default_model_weights(EngineConfig(model=model, dtype=dtype, **on_cpu))
                 assert (got.quantization, got.torch_dtype) == ("gguf", torch.float32)
                 line, = [r.getMessage() for r in caplog.records if r.getMessage().startswith("default model:")]
-                assert "GGUF file" in line and f"class, {cls}" in line and f"dtype {dtype}" in line, line
+                assert "GGUF file" in line and f"CPU class {cls}: " in line and f"dtype {dtype}" in line, line
+                assert DEFAULT_MODEL_WEIGHTS[cls][1] in line, line
             got = default_model_weights(EngineConfig(model=model, dtype="bfloat16", **on_cpu))
             assert (got.quantization, got.torch_dtype) == (None, torch.bfloat16)
     assert default_model_weights(EngineConfig(quantization="int8", dtype="float32", **on_cpu)).quantization == "int8"
     other = EngineConfig(model="some/folder", dtype="float32", **on_cpu)
     assert default_model_weights(other) is other
     # a class measured to serve faster from the converted folder runs it, still in float32
-    monkeypatch.setitem(DEFAULT_MODEL_WEIGHTS, cls, "folder")
+    monkeypatch.setitem(DEFAULT_MODEL_WEIGHTS, cls, ("folder", "measured: the folder faster"))
     got = default_model_weights(EngineConfig(**on_cpu))
     assert (got.quantization, got.torch_dtype) == (None, torch.float32)
+    monkeypatch.setenv(AUTO_DTYPE_ENV, "fp8")            # refused, as for any other model
+    with pytest.raises(ValueError, match="NANOPAGED_AUTO_DTYPE='fp8'"):
+        default_model_weights(EngineConfig(**on_cpu))
 
 
 def test_the_tracer_and_dashboard_name_the_weights_formats_and_bytes(tmp_path, capsys):
