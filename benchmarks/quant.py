@@ -52,7 +52,6 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path

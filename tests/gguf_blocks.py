@@ -90,6 +90,15 @@ def quantize(w: np.ndarray, qtype: T) -> np.ndarray:
     return blocks.reshape(w.shape[0], -1)
 
 
+def random_quantized(n: int, k: int, qtype, seed: int = 0):
+    """A random [n, k] matrix (N(0.3, 1)) quantized to qtype: (packed uint8 rows, its
+    dequantized float32 [n, k], nanopaged's dequantize)."""
+    import torch
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) + 0.3
+    q = torch.from_numpy(quantize(w, qtype).copy())
+    return q, dequantize(q, int(qtype))
+
+
 def kernel_roundings(k: int) -> int:
     """fp32 roundings a term of gguf_linear_a8's sum passes at most: its block's scales
     (d_x * d_w, the integer sum times it; K-quants a sub-block scale and a min: 4), one

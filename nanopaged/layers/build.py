@@ -61,15 +61,14 @@ def forget_builds() -> None:
 # torch's CPU capabilities the kernel has a body for, lowest first ("DEFAULT": the portable
 # body, one lane, no vector extension)
 CPU_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
-# Every kernel module this process loaded, by name, and a CPU build's vector flags:
+# Every CPU kernel module this process loaded, by name, with its vector flags:
 # kernel_paths reports them.
-_loaded: dict[str, object] = {}
-_loaded_flags: dict[str, list[str]] = {}
+_loaded: dict[str, tuple[object, list[str]]] = {}
 
 
-def _cpu_flags(capability: str | None = None) -> list[str]:
+def cpu_build_flags(capability: str | None = None) -> list[str]:
     """Vector flags for the CPU kernel: the instruction set torch itself dispatches to, or
-    `capability` ("AVX512", "AVX2", "DEFAULT") when given."""
+    `capability` ("AVX512", "AVX2", "DEFAULT") when given (empty: the portable body)."""
     cap = capability or torch.backends.cpu.get_cpu_capability()
     if cap.startswith("AVX512"):
         bf16 = ["-mavx512bf16"] if torch.cpu._is_avx512_bf16_supported() else []   # vdpbf16ps
@@ -109,14 +108,9 @@ def cpu_build_name(capability: str | None = None) -> str:
     instruction set and the special units it is built with, e.g.
     nanopaged_cpu_avx512_avx512bf16_amx_tile, nanopaged_cpu_avx2, nanopaged_cpu_default."""
     cap = capability or torch.backends.cpu.get_cpu_capability()
-    flags = _cpu_flags(cap)
+    flags = cpu_build_flags(cap)
     return (f"nanopaged_cpu_{cap.lower()}"
             + "".join(f"_{f[2:].replace('-', '_')}" for f in flags if f in ("-mavx512bf16", "-mamx-tile")))
-
-
-def cpu_build_flags(capability: str | None = None) -> list[str]:
-    """The compiler's vector flags of that build (empty for the portable body)."""
-    return _cpu_flags(capability)
 
 
 @functools.cache
@@ -145,8 +139,8 @@ def kernel_paths() -> dict[str, dict]:
     body it compiled in, "avx512", "avx2" or "portable", and whether the AVX512-BF16, AMX
     and VNNI paths are in it), its compiler flags, and `ran`: its path_counts() (calls of
     any kernel, of bf16 `linear` on vdpbf16ps, of `linear_amx`)."""
-    return {name: dict(module.build_info(), flags=" ".join(_loaded_flags.get(name, [])) or "none",
-                       ran=dict(module.path_counts())) for name, module in _loaded.items()}
+    return {name: dict(module.build_info(), flags=" ".join(flags) or "none", ran=dict(module.path_counts()))
+            for name, (module, flags) in _loaded.items()}
 
 
 def build_extension(name: str, source: Path, kind: str, capability: str | None = None):
@@ -179,9 +173,8 @@ def build_extension(name: str, source: Path, kind: str, capability: str | None =
         # every library that defines them, so two builds loaded in one process (the kernel
         # tests compare them) would share one scratch and one set of counters
         flags = dict(extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math", "-fno-gnu-unique",
-                                   *_cpu_flags(capability)],
+                                   *cpu_build_flags(capability)],
                      extra_ldflags=["-fopenmp"])
-        _loaded_flags[name] = _cpu_flags(capability)
     else:
         flags = dict(extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])   # __expf is explicit: no fast-math
         if torch.version.cuda is None:
@@ -197,7 +190,7 @@ def build_extension(name: str, source: Path, kind: str, capability: str | None =
     cached = _load_cached_build(name, build_dir / f"{name}{cpp_extension.LIB_EXT}")
     if cached is not None:
         (build_dir / "last-used").touch()
-        _remember(name, cached)
+        _remember(name, cached, flags)
         return cached
     if kind == "cuda" and cpp_extension.CUDA_HOME is None:
         raise KernelBuildError("nvcc not found (set CUDA_HOME)")
@@ -222,14 +215,15 @@ def build_extension(name: str, source: Path, kind: str, capability: str | None =
         logger.info("built the %s kernel %s in %.0f s", kind.upper(), source.name, time.monotonic() - start)
     (build_dir / "last-used").touch()
     prune_builds(build_dir)
-    _remember(name, module)
+    _remember(name, module, flags)
     return module
 
 
-def _remember(name: str, module) -> None:
-    """Keep a loaded CPU kernel module for kernel_paths (one that counts its paths)."""
+def _remember(name: str, module, flags: dict) -> None:
+    """Keep a loaded CPU kernel module and its vector flags for kernel_paths (a module that
+    counts its paths: the CUDA one, and tests' stand-ins, do not)."""
     if hasattr(module, "path_counts"):
-        _loaded[name] = module
+        _loaded[name] = (module, [f for f in flags["extra_cflags"] if f.startswith("-m")])
 
 
 @contextmanager

@@ -10,14 +10,12 @@ dequantized model by design, so checked against what it claims instead:
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from error_bounds import matmul_bound
-from gguf_blocks import assert_both_near_the_exact_product, kernel_roundings, quantize
+from gguf_blocks import assert_both_near_the_exact_product, kernel_roundings, random_quantized
 
 from nanopaged.layers.backends import TorchOps, get_ops
-from nanopaged.layers.quantization.gguf import dequantize
 from nanopaged.layers.quantization.gguf_a8 import A8_TYPES, quantize_activations
 
 T = gguf.GGMLQuantizationType
@@ -30,12 +28,6 @@ def ops():
     ops = get_ops("cpu", "cpu")
     assert hasattr(ops.ops, "gguf_linear_a8"), "the CPU kernel has no gguf_linear_a8"
     return ops
-
-
-def weights(n: int, k: int, qtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) + 0.3
-    q = torch.from_numpy(quantize(w, qtype).copy())
-    return q, dequantize(q, int(qtype))
 
 
 def activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
@@ -71,7 +63,7 @@ def test_rounding_equals_the_torch_reference_bit_for_bit(ops):
 def test_kernel_is_the_product_of_the_rounded_values(ops, qtype, m):
     k = 512 if qtype in K_QUANTS else 160
     n = 37                                           # not a multiple of 4: a short group
-    qw, w = weights(n, k, qtype)
+    qw, w = random_quantized(n, k, qtype)
     x = activations(m, k)
     out = torch.full((m, n), float("nan"))
     ops.ops.gguf_linear_a8(out, x, qw, int(qtype))
@@ -93,7 +85,7 @@ def test_kernel_rows_are_batch_invariant(ops, qtype):
     """Every m from 1 to 18 and 40 (the tiles of 2 rows, a last odd row), and a column slice
     of a wider output: each row's bits are the row's alone."""
     k = 256 if qtype in K_QUANTS else 96
-    qw, _ = weights(21, k, qtype)
+    qw, _ = random_quantized(21, k, qtype)
     x = activations(40, k)
     alone = torch.empty(40, 21)
     for i in range(40):
@@ -111,7 +103,7 @@ def test_kernel_rows_are_batch_invariant(ops, qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_the_pytorch_reference_agrees(ops, qtype):
     k = 256 if qtype in K_QUANTS else 128
-    qw, _ = weights(13, k, qtype)
+    qw, _ = random_quantized(13, k, qtype)
     x = activations(5, k)
     got, want = torch.empty(5, 13), torch.empty(5, 13)
     ops.gguf_linear_a8(got, x, qw, int(qtype))

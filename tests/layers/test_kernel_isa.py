@@ -20,16 +20,14 @@ is derived in tests/error_bounds.py or beside the test, from the reduction's len
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from error_bounds import (assert_within, matmul_bound, paged_attention_bound, rms_norm_bound, rope_bound,
                           rounded_apart, silu_and_mul_bound)
-from gguf_blocks import kernel_roundings, quantize
+from gguf_blocks import kernel_roundings, random_quantized
 from test_kernels import mixed_batch
 
 from nanopaged.layers import build
-from nanopaged.layers.quantization.gguf import dequantize
 from nanopaged.layers.quantization.gguf_a8 import quantize_activations
 
 T = gguf.GGMLQuantizationType
@@ -189,12 +187,6 @@ def test_amx_tiles_agree_with_the_portable_matmul(portable):
     assert ops.path_counts()["amx"] > 0
 
 
-def gguf_weights(n: int, k: int, qtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) + 0.3
-    q = torch.from_numpy(quantize(w, qtype).copy())
-    return q, dequantize(q, int(qtype))
-
-
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
 def test_gguf_matmuls_agree_within_fp32_summation(body, portable, qtype):
     """gguf_linear: each body widens the blocks to the dequantized weights exactly and runs
@@ -202,7 +194,7 @@ def test_gguf_matmuls_agree_within_fp32_summation(body, portable, qtype):
     gguf_linear_a8: integer block products (exact), then kernel_roundings(k) a side."""
     _, ops = body
     k = 512 if qtype in K_QUANTS else 160
-    qw, w = gguf_weights(37, k, qtype)
+    qw, w = random_quantized(37, k, qtype)
     for m in (1, 3, 20):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         got, want = torch.empty(m, 37), torch.empty(m, 37)
