@@ -14,6 +14,11 @@ chapters/20-pipeline-parallelism.md), in one run on this machine, SmolLM2-135M i
     two nodes    pp=2 with its stages in two "nodes" on this machine (--nnodes 2, node 1
                  a headless `python -m nanopaged.serve` process, a thread a rank), same
                  numbers
+    codec        the messages of the pp=1 run (each step's call with its SchedulerOutput,
+                 and the answer with its ModelRunnerOutput), recorded, then encoded and
+                 decoded with pickle (one host's ipc sockets) and with utils/codec.py
+                 (what crosses hosts): bytes and microseconds per message, in the results
+                 file's form
 
 Threads: pp=1 runs torch's default (one per core); a pp > 1 rank gets cores // pp, at
 least 1 (the executor's rule), so at pp=3 on 2 cores 3 ranks share 2 cores.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import socket
 import subprocess
 import sys
@@ -46,6 +52,61 @@ def _free_port() -> int:
 
 def _diff(after: list[dict], before: list[dict]) -> list[dict]:
     return [{k: a[k] - b.get(k, 0) for k in a} for a, b in zip(after, before)]
+
+
+def record_messages(model: str, prompts: list[list[int]]) -> list:
+    """The (call, answer) messages of one generate at pp=1, as the executor sends them."""
+    from nanopaged import LLM, SamplingParams
+
+    llm = LLM(model, dtype="float32", kv_cache_memory_bytes=KV_BYTES, num_cpu_blocks=0, preemption_mode="recompute")
+    executor, messages = llm.engine.engine_core.executor, []
+    step = executor.execute_model
+
+    def recorded(scheduler_output, non_blocking=False):
+        out = step(scheduler_output, non_blocking)
+        result = out.result() if hasattr(out, "result") else out
+        messages.append((len(messages), "execute_model", (scheduler_output,), time.monotonic()))
+        messages.append((len(messages), 0, True, result))
+        return out
+    executor.execute_model = recorded
+    try:
+        llm.generate(prompts, SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return messages
+
+
+def time_codecs(messages: list, repeats: int = 20) -> None:
+    """Encode and decode every recorded message with pickle and with the codec; one table
+    in the results file's form."""
+    import pickle
+
+    from nanopaged.utils import codec
+
+    ways = {"pickle (one host, ipc)": (lambda m: pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL), pickle.loads),
+            "codec (across hosts)": (codec.encode, codec.decode)}
+    rows = {}
+    for name, (dumps, loads) in ways.items():
+        assert all(loads(dumps(m)) == m for m in messages)       # the same messages back
+        data = [dumps(m) for m in messages]
+        enc = dec = float("inf")
+        for _ in range(repeats):                                             # best of repeats
+            t0 = time.perf_counter()
+            data = [dumps(m) for m in messages]
+            t1 = time.perf_counter()
+            for d in data:
+                loads(d)
+            t2 = time.perf_counter()
+            enc, dec = min(enc, t1 - t0), min(dec, t2 - t1)
+        rows[name] = (sum(map(len, data)) / len(data), 1e6 * enc / len(data), 1e6 * dec / len(data))
+    print(f"  codec: {len(messages)} recorded messages (steps of the pp=1 run: calls and answers), best of {repeats}:")
+    print("  | encoding | bytes per message | encode (us) | decode (us) | encode + decode (us) |")
+    print("  |---|---:|---:|---:|---:|")
+    for name, (size, enc, dec) in rows.items():
+        print(f"  | {name} | {size:.0f} | {enc:.1f} | {dec:.1f} | {enc + dec:.1f} |")
+    (_, pe, pd), (_, ce, cd) = rows.values()
+    print(f"  the codec costs {(ce + cd) / (pe + pd):.1f}x pickle's time per message")
 
 
 def run_pp(model: str, pp: int, prompts: list[list[int]], **node_args) -> dict:
@@ -100,7 +161,7 @@ def report(label: str, r: dict, base: dict) -> None:
 
 def start_headless_node(model: str, pp: int, port: int) -> subprocess.Popen:
     """Node 1 of 2: a headless server process holding the second stage."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")         # NANOPAGED_CLUSTER_SECRET: bench_pp's
     return subprocess.Popen([sys.executable, "-m", "nanopaged.serve", "--model", model, "--dtype", "float32",
                              "--pipeline-parallel-size", str(pp), "--nnodes", "2", "--node-rank", "1",
                              "--master-addr", "127.0.0.1", "--master-port", str(port), "--headless",
@@ -127,8 +188,10 @@ def bench_pp() -> None:
     report("pp=1", base, base)
     for pp in (2, 3):
         report(f"pp={pp}", run_pp(model, pp, prompts), base)
+    time_codecs(record_messages(model, prompts))
     # one thread a rank, as at pp=2 on one node (each node would otherwise take every core)
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("NANOPAGED_CLUSTER_SECRET", secrets.token_hex(32))     # both nodes hold it
     port = _free_port()
     node1 = start_headless_node(model, 2, port)
     try:

@@ -4,8 +4,7 @@
 (`vllm/config.py`: ModelConfig, CacheConfig, SchedulerConfig). An unknown keyword is a
 TypeError; a bad value is a ValueError naming the field. Fields left as None or "auto"
 are filled in from the model and the machine once, when the engine starts (`resolve`,
-called by engine/arg_utils.py), into a new frozen EngineConfig that every part takes
-whole. (The KV pool's size is the workers' to measure.)
+called by engine/arg_utils.py), into a new frozen EngineConfig that every part takes.
 """
 from __future__ import annotations
 
@@ -190,9 +189,11 @@ class EngineConfig:
             the ranks, each running the whole engine; tensor parallelism only).
         nnodes, node_rank, master_addr, master_port: ranks spread over nnodes hosts
             (vLLM's flags; worker/multinode.py): node n holds ranks [n*k, (n+1)*k).
-            Node 0 runs the engine and the rendezvous (a TCPStore) on
+            Node 0 runs the engine and its control socket on
             master_addr:master_port; the others run `python -m nanopaged.serve
             --headless` with the same settings. nnodes > 1 needs master_port and "mp".
+        node_ip, cluster_secret_file: where a headless node's ranks listen (None: its address
+            toward master_addr); the secret all nodes hold (None: docs/trust.md).
         speculative_config: speculative decoding, off by default: a dict of
             SpeculativeConfig's fields (vLLM's form), or that dict as JSON text, as on
             the command line ('{"method": "ngram", "num_speculative_tokens": 4,
@@ -241,6 +242,8 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    node_ip: str | None = None
+    cluster_secret_file: str | None = None
     speculative_config: SpeculativeConfig | dict | None = None
     max_logprobs: int = 20
     max_logits_bytes: int | None = None
@@ -320,6 +323,9 @@ class EngineConfig:
             raise invalid("master_addr", self.master_addr, "a host name or IP address")
         if self.master_port is not None and not (type(self.master_port) is int and 0 < self.master_port < 65536):
             raise invalid("master_port", self.master_port, "a port number, 1 to 65535")
+        for name, value in (("node_ip", self.node_ip), ("cluster_secret_file", self.cluster_secret_file)):
+            if value is not None and not (isinstance(value, str) and value):
+                raise invalid(name, value, "None or a non-empty str")
         if self.nnodes == 1:
             return
         if self.world_size % self.nnodes:
@@ -340,18 +346,14 @@ class EngineConfig:
     @property
     def executor_backend(self) -> str:
         """distributed_executor_backend with None resolved: "uni" at one rank, else "mp"."""
-        if self.distributed_executor_backend is not None:
-            return self.distributed_executor_backend
-        return "uni" if self.world_size == 1 else "mp"
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if isinstance(self.dtype, torch.dtype):
-            return self.dtype
-        if self.dtype == "auto":
-            fast = torch.bfloat16 if self.torch_device.type == "cuda" else auto_cpu_dtype()
-            return fast if self.quantization is None else torch.float32
-        return _DTYPES[self.dtype]
+        if isinstance(self.dtype, torch.dtype) or self.dtype != "auto":
+            return _DTYPES.get(self.dtype, self.dtype)
+        fast = torch.bfloat16 if self.torch_device.type == "cuda" else auto_cpu_dtype()
+        return fast if self.quantization is None else torch.float32
 
     def resolve(self, max_position_embeddings: int, vocab_size: int | None = None) -> EngineConfig:
         """This config with everything left to the engine filled in, as a new frozen
@@ -360,14 +362,11 @@ class EngineConfig:
         grid. Resolving a resolved config changes nothing.
 
         Raises:
-            ValueError: max_model_len above the model's limit, a token budget too
-                small for one full-length prompt, or a max_logits_bytes below one row
-                of logits.
+            ValueError: max_model_len above the model's limit, a token budget too small
+                for one full-length prompt, or max_logits_bytes below one logits row.
         """
-        max_model_len = self.max_model_len
-        if max_model_len is None:
-            max_model_len = max_position_embeddings
-        elif max_model_len > max_position_embeddings:
+        max_model_len = self.max_model_len or max_position_embeddings
+        if max_model_len > max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_position_embeddings}")
         budget = self.max_num_batched_tokens

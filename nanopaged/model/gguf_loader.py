@@ -1,12 +1,13 @@
-"""Running a GGUF file's weights as the file stores them: `LLM(model="x.gguf",
-quantization="gguf")`. vLLM: `model_executor/model_loader/gguf_loader.py` (GGUFModelLoader).
+"""Running a GGUF file's weights as the file stores them: `LLM(model="x.gguf")` (its
+path implies quantization="gguf"). vLLM: `model_executor/model_loader/gguf_loader.py`.
 
 Two steps:
 
 - `gguf_model_dir` gives the engine the folder it reads everywhere else: config.json,
   generation_config.json and the tokenizer, read from the file's metadata once (as
-  gguf_convert.py does) and cached, plus a marker naming the file. No weights are
-  written: they stay in the GGUF.
+  gguf_convert.py does) and cached under its header's hash (gguf_header.py checks the
+  header first), plus a marker naming the file. No weights are written: they stay in
+  the GGUF.
 - `GGUFQuantizedModel` is the extension the engine puts in front of the model's family
   class when config.quantization is "gguf" (extensions.MODEL). Its `load_weights` reads
   the file: the attention and MLP projections keep their blocks (Q8_0, Q4_0/1, Q5_0/1,
@@ -40,13 +41,14 @@ from ..utils.files import apply_umask_permissions, move_into_place
 from ..utils.paths import cache_dir
 from .gguf_families import gguf_family
 from .gguf_convert import _field, _read_family, _write_config, _write_tokenizer, gguf_to_hf_tensor_name, unpermute_qk
+from .gguf_header import GGUFHeader, open_reader, read_header
 from .model_loader import GGUF_MARKER_NAME
 
 logger = logging.getLogger(__name__)
 
 MARKER_NAME = GGUF_MARKER_NAME          # in a prepared folder: which file holds the weights
 INDEX_NAME = "gguf_tensors.json"        # in a prepared folder: where each tensor lies in the file
-PREPARER_VERSION = 2                    # bump when the prepared folder's contents change
+PREPARER_VERSION = 3                    # bump when the prepared folder's contents change
 
 # checkpoint matrix -> the layer that runs it (q, k, v and gate, up are stacked)
 PACKED_LAYERS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
@@ -79,18 +81,20 @@ def find_gguf(model: str | os.PathLike) -> Path:
 def gguf_model_dir(gguf_path: str | os.PathLike) -> Path:
     """The folder the engine reads for this GGUF file: its config.json, tokenizer and a
     marker naming the file, written once into <cache>/models/gguf/<name>-<key>/ (the key
-    is the file's absolute path, size and modification time).
+    is the file's absolute path, size and the hash of its header: gguf_header.py). A
+    file changed in place gets a folder of its own, whatever its modification time says;
+    a file that fails leaves nothing behind, so once mended it loads.
 
     Raises:
-        ValueError: not a readable GGUF of a supported family, or a tensor it needs is
-            missing (gguf_convert's checks).
+        ValueError: naming the file: not a readable GGUF (gguf_header.read_header says
+            what is wrong), not of a supported family, a tensor it needs missing
+            (gguf_convert's checks), or a projection of a type no layer runs.
     """
-    import gguf
-
     src = Path(gguf_path).expanduser().resolve()
-    dst = cache_dir() / "models" / "gguf" / f"{src.stem}-{_source_key(src)}"
-    stat = src.stat()
-    marker = {"source": str(src), "source_bytes": stat.st_size, "version": PREPARER_VERSION}
+    header = read_header(src)
+    dst = cache_dir() / "models" / "gguf" / f"{src.stem}-{_source_key(src, header)}"
+    marker = {"source": str(src), "source_bytes": header.size, "header_sha256": header.sha256,
+              "version": PREPARER_VERSION}
     try:
         if json.loads((dst / MARKER_NAME).read_text()) == marker:
             return dst
@@ -99,17 +103,14 @@ def gguf_model_dir(gguf_path: str | os.PathLike) -> Path:
     logger.info("reading %s's config and tokenizer (once, 15-40 s; the weights stay in the file; "
                 "cached in %s)", src.name, dst)
     start = time.perf_counter()
-    try:
-        reader = gguf.GGUFReader(src)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{src}: not a readable GGUF file: {e}") from e
+    reader = open_reader(src)
     family, head_size = _read_family(reader, src)
     # the shapes _write_config checks, without reading a tensor's data
     shapes = {gguf_to_hf_tensor_name(t.name, family.gguf_arch): torch.empty(tuple(reversed(t.shape.tolist())),
                                                                              device="meta")
               for t in reader.tensors if t.name in ("token_embd.weight", "output.weight", "blk.0.attn_q.weight")}
     pre_tokenizer = _field(reader, "tokenizer.ggml.pre")
-    index = TensorIndex.from_reader(reader, src)
+    index = TensorIndex.from_reader(reader, src, header)
     del reader
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
@@ -129,15 +130,14 @@ def gguf_model_dir(gguf_path: str | os.PathLike) -> Path:
     return dst
 
 
-def _source_key(src: Path) -> str:
-    """A prepared folder's key: its file's path, size and modification time (12 hex)."""
-    stat = src.stat()
-    return hashlib.sha256(f"{src}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+def _source_key(src: Path, header: GGUFHeader) -> str:
+    """A prepared folder's key: its file's path, size and header hash (12 hex)."""
+    return hashlib.sha256(f"{src}\n{header.size}\n{header.sha256}".encode()).hexdigest()[:12]
 
 
 def _prune_stale(parent: Path) -> None:
-    """Remove the prepared folders whose file is gone or has changed since (its key is
-    no longer theirs), so the cache holds one folder per file that still exists."""
+    """Remove the prepared folders whose file is gone, unreadable or changed since (its
+    key is no longer theirs), so the cache holds one folder per file that still exists."""
     for folder in parent.iterdir():
         marker = folder / MARKER_NAME
         if folder.name.startswith(".") or not marker.is_file():     # another's partial folder
@@ -146,7 +146,10 @@ def _prune_stale(parent: Path) -> None:
             source = Path(json.loads(marker.read_text())["source"])
         except (OSError, ValueError, KeyError):
             continue
-        stale = not source.is_file() or not folder.name.endswith(f"-{_source_key(source)}")
+        try:
+            stale = not folder.name.endswith(f"-{_source_key(source, read_header(source))}")
+        except ValueError:                                          # gone or no longer GGUF
+            stale = True
         if stale:
             logger.info("removing %s: the GGUF file it was prepared from is gone or changed", folder)
             shutil.rmtree(folder, ignore_errors=True)
@@ -197,17 +200,25 @@ class TensorIndex:
         self.arch, self.head_count, self.head_count_kv = meta["arch"], meta["head_count"], meta["head_count_kv"]
 
     @classmethod
-    def from_reader(cls, reader, src: Path) -> "TensorIndex":
-        """The index of an open GGUFReader's file (src)."""
+    def from_reader(cls, reader, src: Path, header: GGUFHeader) -> "TensorIndex":
+        """The index of an open GGUFReader's file (src, whose header read_header gave).
+        Raises ValueError naming the file and the tensor: a projection of a type no layer
+        runs (layers/quantization/gguf.py's check_type), or a tensor the family lacks."""
         family, _ = _read_family(reader, src)
         arch = family.gguf_arch
         n_head = _field(reader, f"{arch}.attention.head_count")
-        stat = src.stat()
         meta = {"arch": arch, "head_count": n_head,
                 "head_count_kv": _field(reader, f"{arch}.attention.head_count_kv", n_head),
-                "source_bytes": stat.st_size, "source_mtime_ns": stat.st_mtime_ns, "byte_order": reader.byte_order}
+                "source_bytes": header.size, "header_sha256": header.sha256, "byte_order": reader.byte_order}
         entries = [[t.name, int(t.tensor_type), [int(d) for d in t.shape], int(t.data_offset), int(t.n_bytes)]
                    for t in reader.tensors]
+        try:
+            for name, type_id, *_ in entries:                 # refused here, before anything is cached
+                hf_name = gguf_to_hf_tensor_name(name, arch)
+                if hf_name is not None and _is_projection(hf_name):
+                    check_type(name, type_id)
+        except ValueError as e:
+            raise ValueError(f"{src}: {e}") from None
         return cls(src, meta, entries, reader)
 
     def to_json(self) -> dict:
@@ -216,19 +227,17 @@ class TensorIndex:
     @classmethod
     def read(cls, folder: str | os.PathLike, src: Path) -> "TensorIndex":
         """The folder's index of src, or a new one from the reader when the folder has none
-        or src has changed since (size or modification time) or is byte-swapped."""
-        import gguf
-
-        stat = src.stat()
+        or src has changed since (its size or header hash) or is byte-swapped. Raises
+        ValueError as read_header and from_reader, naming the file."""
+        header = read_header(src)
         try:
             saved = json.loads((Path(folder) / INDEX_NAME).read_text())
             meta = saved["meta"]
-            if (meta["source_bytes"], meta["source_mtime_ns"], meta["byte_order"]) == (stat.st_size, stat.st_mtime_ns,
-                                                                                       "I"):
+            if (meta["source_bytes"], meta["header_sha256"], meta["byte_order"]) == (header.size, header.sha256, "I"):
                 return cls(src, meta, saved["tensors"])
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        return cls.from_reader(gguf.GGUFReader(src), src)
+        return cls.from_reader(open_reader(src), src, header)
 
     def tensors(self) -> list[IndexedTensor]:
         """Every tensor, its data a view of the file mapped read-only (as the reader's; the
@@ -263,17 +272,24 @@ class GGUFQuantizedModel:
     load_weights(folder): folder as gguf_model_dir made it.
 
     Raises:
-        ValueError: a projection of an unsupported type (naming the tensor and the
-            type), a tensor of the wrong shape, or one missing.
+        ValueError: naming the file: a projection of an unsupported type (naming the
+            tensor and the type), a tensor of the wrong shape, or one missing.
         FileNotFoundError: the folder's GGUF file is gone.
     """
 
     def load_weights(self, folder: str | os.PathLike) -> None:
+        src = gguf_source(folder)
+        try:
+            self._read_tensors(TensorIndex.read(folder, src), src)
+        except ValueError as e:                   # a tensor of the wrong shape, say: name the file too
+            if str(src) in str(e):
+                raise
+            raise ValueError(f"{src}: {e}") from None
+
+    def _read_tensors(self, index: TensorIndex, src: Path) -> None:
         import numpy as np
         from gguf.quants import dequantize
 
-        src = gguf_source(folder)
-        index = TensorIndex.read(folder, src)
         arch, n_head, n_kv = index.arch, index.head_count, index.head_count_kv
         permute_qk = gguf_family(arch, src).permute_qk
         methods: dict[str, GGUFLinearMethod] = {}
@@ -283,13 +299,14 @@ class GGUFQuantizedModel:
             if hf_name is None or not self._holds(hf_name):
                 continue
             type_id, shape = int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist()))
-            target = self._packed_layer(hf_name, type_id)
-            if target is not None:
-                check_type(t.name, type_id)
+            target = self._packed_layer(hf_name, type_id)     # its type checked by TensorIndex.from_reader
             if target is not None and type_id in BLOCK_FORMATS:
                 data = np.asarray(t.data)                    # uint8 [rows, k / 32 * block bytes]
             else:
-                data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+                try:
+                    data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+                except (NotImplementedError, ValueError) as e:       # a norm in Q8_K, say
+                    raise ValueError(f"tensor {t.name!r} of type {type_name(type_id)}: {e}") from None
             if permute_qk and (".attn_q." in t.name or ".attn_k." in t.name):
                 data = unpermute_qk(data, n_head if ".attn_q." in t.name else n_kv)
             data = torch.from_numpy(np.array(data, order="C", copy=True))
@@ -333,9 +350,15 @@ class GGUFQuantizedModel:
             # without it (a PPMissingLayer) or with the tied head, _load_one decides
             vocab = getattr(self, matrix)
             return (matrix, matrix) if isinstance(vocab, VocabParallelEmbedding) and vocab.tp.size == 1 else None
-        if leaf != "weight" or matrix not in PACKED_LAYERS:
+        if not _is_projection(hf_name):
             return None
         return ".".join([*path, PACKED_LAYERS[matrix]]), matrix
+
+
+def _is_projection(hf_name: str) -> bool:
+    """An attention or MLP projection's weight (q_proj ... down_proj: kept in its blocks)."""
+    *_, matrix, leaf = hf_name.split(".")
+    return leaf == "weight" and matrix in PACKED_LAYERS
 
 
 def _shard(name: str, layer, matrix: str, data: torch.Tensor, type_id: int) -> torch.Tensor:

@@ -1,24 +1,29 @@
 """A headless node: `python -m nanopaged.serve --headless` on a host other than node 0.
 
-It serves no API: it reads node 0's plan from the rendezvous store (multinode.py), starts
-this node's ranks with node 0's settings and this host's model folder, tells node 0
-when they are ready, then watches them and node 0 until one of them ends. vLLM:
+It serves no API: it joins node 0 on its control port (multinode.py: CURVE with keys
+from the cluster secret), gets the plan, starts this node's ranks with node 0's
+settings and this host's model folder, tells node 0 when they are ready, then watches
+them and node 0 until one of them ends. vLLM:
 `run_headless` in vllm/entrypoints/cli/serve.py.
 """
 from __future__ import annotations
 
+import logging
 import os
-import pickle
 import signal
 import socket
 import time
-from datetime import timedelta
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ..utils import codec
 from ..utils.proc import exit_reason, spawn_child, stop_processes, wait_ready
-from .multinode import HEARTBEAT_S, KEY, NodePlan, grid, join_timeout_s, local_ranks, node_name, node_timeout_s
+from .cluster_auth import HANDSHAKE_FAILED, SECRET_ENV, ClusterAuth, cluster_secret, interface_of, own_address
+from .multinode import (HEARTBEAT_S, Join, NodePlan, Ping, Refused, Report, grid, join_timeout_s, local_ranks,
+                        node_name, node_timeout_s)
+
+logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 600.0      # loading a shard, at most (as multiproc_executor's)
 
@@ -53,85 +58,93 @@ def run_headless(config, model_path, model_config) -> int:
 
 def _join(config, model_path, model_config, stop_signal: list[str]) -> int:
     """run_headless once its signal handlers are set."""
-    import torch.distributed as dist
-
-    r, addr, port = config.node_rank, config.master_addr, config.master_port
-    deadline = time.monotonic() + join_timeout_s()
+    secret = cluster_secret(config)
+    node = _HeadlessNode(config, model_path, secret, stop_signal)
     try:
-        _wait_for_port(addr, port, deadline, stop_signal)      # quietly: torch logs each failed try
-        store = dist.TCPStore(addr, port, is_master=False,
-                              timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
-        plan: NodePlan = pickle.loads(store.get(KEY + "plan"))
+        plan = node.join(model_config)
     except _Signalled:
+        node.close()
         return 0
-    except Exception as e:        # OSError, torch's DistNetworkError / DistStoreError
-        raise RuntimeError(f"node 0 did not answer at {addr}:{port} within {join_timeout_s():.0f} s "
-                           f"(NANOPAGED_JOIN_TIMEOUT_S): is it started, with the same --master-addr and "
-                           f"--master-port? ({type(e).__name__})") from None
-    host = f"{socket.gethostname()} pid {os.getpid()}"
-    problem = None
-    if grid(config) != plan.grid:
-        ours = ", ".join(f"{k}={v}" for k, v in grid(config).items())
-        theirs = ", ".join(f"{k}={v}" for k, v in plan.grid.items())
-        problem = f"node {r} has {ours} but node 0 has {theirs}"
-    elif model_config != plan.model_config:
-        problem = f"node {r}'s model ({model_path}) differs from node 0's (its config.json)"
-    elif store.add(KEY + f"node{r}", 1) > 1:
-        problem = f"another node already joined as node_rank={r}"
-    if problem:
-        me = node_name(r, local_ranks(plan.world_size, config.nnodes, r), host)
-        store.set(KEY + "refused", f"{me} refused to join: {problem}")
-        raise ValueError(problem)
-    return _HeadlessNode(config, plan, model_path, host, stop_signal).run()
-
-
-def _wait_for_port(addr: str, port: int, deadline: float, stop_signal: list[str]) -> None:
-    """Until something listens at addr:port. Raises OSError at the deadline, _Signalled
-    on SIGTERM / SIGINT."""
-    while True:
-        if stop_signal:
-            raise _Signalled(stop_signal[0])
-        try:
-            socket.create_connection((addr, port), timeout=1.0).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
+    except BaseException:
+        node.close()
+        raise
+    return node.run(plan)
 
 
 class _HeadlessNode:
-    """A headless node's life: its sockets, its ranks, its loop."""
+    """A headless node's life: its control connection to node 0, its ranks, its loop."""
 
-    def __init__(self, config, plan: NodePlan, model_path, host: str, stop_signal: list[str]) -> None:
-        self.r, self.host, self.stop_signal = config.node_rank, host, stop_signal
+    def __init__(self, config, model_path, secret: bytes, stop_signal: list[str]) -> None:
+        self.config, self.r, self.stop_signal = config, config.node_rank, stop_signal
+        self.host = f"{socket.gethostname()} pid {os.getpid()}"
+        self.secret, self.model_path = secret, model_path
+        self.node_0 = f"{config.master_addr}:{config.master_port}"
         self.ctx = zmq.Context()
-        self.report = self.ctx.socket(zmq.PUSH)
-        self.report.connect(plan.report_addresses[self.r])
-        self.pings = self.ctx.socket(zmq.SUB)
-        self.pings.setsockopt(zmq.SUBSCRIBE, b"")
-        self.monitor = self.pings.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.pings.connect(plan.ping_address)
+        self.control = self.ctx.socket(zmq.DEALER)
+        ClusterAuth(self.ctx, secret).connect_to(self.control)
+        self.monitor = self.control.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+        self.control.connect(f"tcp://{socket.gethostbyname(config.master_addr)}:{config.master_port}")
         self.last_ping = time.monotonic()
         self.ready = False
-        self.ranks = local_ranks(plan.world_size, config.nnodes, self.r)
-        self.me = node_name(self.r, self.ranks, host)
         self.procs = []
-        self.plan, self.model_path = plan, model_path
+        self.me = f"node {self.r} ({self.host})"
 
-    def _send(self, kind: str, payload=None) -> None:
-        self.report.send(pickle.dumps((kind, payload)))
+    def _send(self, message) -> None:
+        self.control.send(codec.encode(message))
+
+    def join(self, model_config) -> NodePlan:
+        """Ask node 0 to join (again each second until it answers) and return its plan.
+
+        Raises:
+            ValueError: node 0 refused this node (its settings or model differ, or its
+                cluster secret: the handshake failed).
+            RuntimeError: no answer within NANOPAGED_JOIN_TIMEOUT_S.
+            _Signalled: SIGTERM / SIGINT.
+        """
+        deadline, next_join = time.monotonic() + join_timeout_s(), 0.0
+        join = Join(self.r, self.host, grid(self.config), model_config, str(self.model_path))
+        while True:
+            if self.stop_signal:
+                raise _Signalled(self.stop_signal[0])
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node 0 did not answer at {self.node_0} within {join_timeout_s():.0f} s "
+                                   "(NANOPAGED_JOIN_TIMEOUT_S): is it started, with the same --master-addr and "
+                                   "--master-port?")
+            if time.monotonic() >= next_join:
+                self._send(join)
+                next_join = time.monotonic() + 1.0
+            while self.monitor.poll(0):
+                if recv_monitor_message(self.monitor)["event"] & HANDSHAKE_FAILED:
+                    raise ValueError(f"node 0 at {self.node_0} refused {self.me}: the handshake failed, so the "
+                                     "two hold different cluster secrets (--cluster-secret-file or "
+                                     f"{SECRET_ENV}), or that port is not a nanopaged node 0")
+            if self.control.poll(100):
+                try:
+                    answer = codec.decode(self.control.recv(), (NodePlan, Refused, Ping))
+                except codec.CodecError as e:
+                    logger.warning("dropped a malformed message from node 0: %s", e)
+                    continue
+                if isinstance(answer, Refused):
+                    raise ValueError(answer.reason)
+                if isinstance(answer, NodePlan):
+                    self.ranks = local_ranks(answer.world_size, self.config.nnodes, self.r)
+                    self.me = node_name(self.r, self.ranks, self.host)
+                    return answer
 
     def check(self) -> None:
         """Raise _Stop when node 0 stops the engine (or a rank ended as told by it),
         _Signalled on SIGTERM / SIGINT, _NodeZeroLost, or _RankDied."""
         if self.stop_signal:
             raise _Signalled(self.stop_signal[0])
-        while self.pings.poll(0):
-            kind, reason = pickle.loads(self.pings.recv())
+        while self.control.poll(0):
+            try:
+                ping = codec.decode(self.control.recv(), Ping)
+            except codec.CodecError as e:
+                logger.warning("dropped a malformed message from node 0: %s", e)
+                continue
             self.last_ping = time.monotonic()
-            if kind == "stop":
-                raise _Stop(reason)
+            if ping.kind == "stop":
+                raise _Stop(ping.reason)
         for rank, proc in zip(self.ranks, self.procs):
             if proc.poll() == 0:            # node 0 told it to shut down
                 raise _Stop(None)
@@ -144,14 +157,17 @@ class _HeadlessNode:
         if self.ready and silent > node_timeout_s():
             raise _NodeZeroLost(f"node 0 said nothing for {silent:.0f} s (NANOPAGED_NODE_TIMEOUT_S)")
 
-    def start_ranks(self) -> None:
+    def start_ranks(self, plan: NodePlan) -> None:
+        node_ip = self.config.node_ip or own_address(self.config.master_addr, self.config.master_port)
+        interface_of(node_ip)               # a ValueError now rather than in each rank
         threads = None if "OMP_NUM_THREADS" in os.environ else max(1, len(os.sched_getaffinity(0)) // len(self.ranks))
         ready = {}
         try:
             for rank in self.ranks:
-                settings = dict(self.plan.settings, rank=rank, input_address=self.plan.input_addresses[rank],
-                                model_path=str(self.model_path), num_threads=threads)
-                proc, fd = spawn_child("nanopaged.worker.multiproc_executor:WorkerProc", settings)
+                settings = dict(plan.settings, rank=rank, input_address=plan.input_addresses[rank],
+                                model_path=str(self.model_path), num_threads=threads, store=plan.store,
+                                node_ip=node_ip, cluster_secret=self.secret)
+                proc, fd = spawn_child("nanopaged.worker.worker_proc:WorkerProc", settings)
                 self.procs.append(proc)
                 ready[fd] = (f"rank {rank} (pid {proc.pid}) on {self.me}", proc)
             wait_ready(ready, _STARTUP_TIMEOUT_S, check=self.check)
@@ -159,17 +175,16 @@ class _HeadlessNode:
             for fd in ready:
                 os.close(fd)
 
-    def run(self) -> int:
+    def run(self, plan: NodePlan) -> int:
         status, normal = 1, False
         try:
-            self._send("hello", self.host)
-            self.start_ranks()
-            self._send("ready")
+            self.start_ranks(plan)
+            self._send(Report("ready"))
             self.ready = True
             next_beat = 0.0
             while True:
                 if time.monotonic() >= next_beat:
-                    self._send("alive")
+                    self._send(Report("alive"))
                     next_beat = time.monotonic() + HEARTBEAT_S
                 self.check()
                 time.sleep(0.1)
@@ -180,11 +195,11 @@ class _HeadlessNode:
                 print(f"nanopaged.worker.headless: error: node 0's engine died: {stop.reason}", flush=True)
         except _Signalled as sig:
             status = 0
-            self._send("left", (None, f"{self.me} was stopped ({sig})"))
+            self._send(Report("left", None, f"{self.me} was stopped ({sig})"))
         except _NodeZeroLost as e:
             print(f"nanopaged.worker.headless: error: {e}", flush=True)
         except RuntimeError as e:         # a rank died or failed to start: node 0 ends the engine
-            self._send("died", (getattr(e, "rank", None), str(e)))
+            self._send(Report("died", getattr(e, "rank", None), str(e)))
             print(f"nanopaged.worker.headless: error: {e}", flush=True)
         finally:
             self._end(normal)
@@ -196,9 +211,12 @@ class _HeadlessNode:
                 if proc.poll() is None:
                     proc.kill()
         stop_processes(self.procs)        # after a normal stop they go by themselves
-        self.report.close(linger=1000)
-        self.pings.close(linger=0)
+        self.close(linger_ms=1000)
+
+    def close(self, linger_ms: int = 0) -> None:
+        self.control.disable_monitor()
         self.monitor.close(linger=0)
+        self.control.close(linger=linger_ms)
         self.ctx.term()
 
 

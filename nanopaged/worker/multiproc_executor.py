@@ -1,11 +1,14 @@
 """MultiprocExecutor: one worker process per rank of the tensor_parallel_size x
 pipeline_parallel_size grid (chapter 17; tp inner: rank = pp_rank * tp + tp_rank).
 
-Each step the SchedulerOutput is pickled once and pushed to every rank over a pyzmq
+Each step the SchedulerOutput is encoded once and pushed to every rank over a pyzmq
 socket (vLLM pushes it through a shared-memory queue; bench.py --sections tp measures
-ours against a broadcast over the process group). The ranks run the same step and meet
-only in the model's collectives and the stages' sends over torch.distributed (gloo on
-the CPU, NCCL on CUDA). The last stage's first rank, global rank (pp - 1) * tp, answers
+ours against a broadcast over the process group). On one host the sockets are ipc, in
+a folder only the user can open (mode 0700), and the messages pickled; across hosts
+(nnodes > 1) every message is utils/codec.py's data-only encoding and every tcp socket
+CURVE (cluster_auth.py). Each rank is a worker_proc.WorkerProc. The ranks run the same
+step and meet only in the model's collectives and the stages' sends over
+torch.distributed (gloo on the CPU, NCCL on CUDA). The last stage's first rank, global rank (pp - 1) * tp, answers
 with the output, the last stage's other ranks with their sampled ids (checked equal).
 `execute_model(..., non_blocking=True)` returns at once with a future of that answer,
 so that pp batches can be in flight; answers are kept by call until asked for.
@@ -23,31 +26,30 @@ vLLM: `vllm/v1/executor/multiproc_executor.py` (`non_blocking`, `output_rank`).
 """
 from __future__ import annotations
 
+import logging
 import os
-import pickle
 import shutil
 import subprocess
 import tempfile
 import time
-import traceback
 import weakref
 
-import torch
 import zmq
 
-from ..layers.backends import TorchOps, get_ops
-from ..utils.proc import (EngineDeadError, exit_child, exit_reason, read_settings, report_ready, spawn_child,
-                          stop_processes, wait_ready)
+from ..layers.backends import TorchOps
+from ..utils import codec
+from ..utils.proc import EngineDeadError, exit_reason, spawn_child, stop_processes, wait_ready
+from .cluster_auth import ClusterAuth, cluster_secret
 from .executor import Executor, combine_stage_costs
-from .multinode import NodePlan, RemoteNodes, bind_tcp, join_timeout_s, rank_store
+from .multinode import NodePlan, RemoteNodes, bind_tcp, join_timeout_s
 from .multinode import grid as multinode_grid
-from .stage_progress import StageBoard, StageReporter
-from .worker import Worker, init_process_group
+from .stage_progress import StageBoard
+from .worker_proc import STEP_METHODS, output_rank, wire
 
 EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("NANOPAGED_EXECUTE_MODEL_TIMEOUT_S", "300"))
 _STARTUP_TIMEOUT_S = 600.0      # loading a shard and building the kernels, at most
 _SEND_TIMEOUT_MS = 5000
-_STEP_METHODS = ("execute_model", "sample_tokens")     # answered with a ModelRunnerOutput (or None)
+logger = logging.getLogger(__name__)
 
 
 class MultiprocExecutor(Executor):
@@ -69,13 +71,16 @@ class MultiprocExecutor(Executor):
         self.output_rank = output_rank(config)         # answers each step
         self.dead_reason: str | None = None
         # ranks [0, local) are this host's; the rest are other nodes' (multinode.py)
-        self.nodes = RemoteNodes(config, n) if config.nnodes > 1 else None
+        secret = cluster_secret(config, announce=logger.warning) if config.nnodes > 1 else None
+        self.nodes = RemoteNodes(config, n, secret, model_config) if secret else None
         self.num_local_ranks = local = n // config.nnodes
-        self._dir = tempfile.mkdtemp(prefix="nanopaged-tp-")
+        self._dumps, self._loads = wire(config.nnodes > 1)
+        self._dir = tempfile.mkdtemp(prefix="nanopaged-tp-")      # mode 0700: the ipc sockets' folder
         # one word per stage, written by the stage's first rank (pipeline parallelism only)
         self.stage_board = (StageBoard(os.path.join(self._dir, "stages"), config.pipeline_parallel_size, create=True)
                             if config.pipeline_parallel_size > 1 else None)
         self.ctx = zmq.Context()
+        self.auth = ClusterAuth(self.ctx, secret) if secret else None
         self.inputs, addresses = [], []
         for rank in range(n):
             sock = self.ctx.socket(zmq.PUSH)
@@ -83,16 +88,19 @@ class MultiprocExecutor(Executor):
             if rank < local:
                 addresses.append(f"ipc://{self._dir}/rank{rank}")
                 sock.bind(addresses[-1])
-            else:
+            else:                 # CURVE: only the rank holding the secret can take its messages
+                self.auth.serve(sock, f"rank {rank}'s input")
                 addresses.append(bind_tcp(sock, self.nodes.ip))
             self.inputs.append(sock)
         self.output = self.ctx.socket(zmq.PULL)
+        if self.auth is not None:
+            self.auth.serve(self.output, "the ranks' answers")
         self.output.bind(f"ipc://{self._dir}/output")
         self.procs: list[subprocess.Popen] = []         # this host's ranks
         # Ends the workers on shutdown(), on `del llm` and at interpreter exit.
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.inputs, self.output,
-                                           self.ctx, self._dir, self.nodes)
-        self.send_seconds = 0.0          # pickling + pushing control messages (the bench)
+                                           self.ctx, self._dir, self.nodes, self.auth, self._dumps)
+        self.send_seconds = 0.0          # encoding + pushing control messages (the bench)
         self._call_id = 0
         self._answers: dict[int, tuple[str, dict]] = {}   # call_id -> (method, rank -> answer), while awaited
         threads = None if "OMP_NUM_THREADS" in os.environ else max(1, len(os.sched_getaffinity(0)) // local)
@@ -102,14 +110,15 @@ class MultiprocExecutor(Executor):
         ready = {}
         try:
             if self.nodes is not None:      # the others start their ranks from node 0's plan
-                settings.update(init_method=None, store=(config.master_addr, config.master_port))
+                settings.update(init_method=None)
                 plan = dict(settings, output_address=bind_tcp(self.output, self.nodes.ip))
-                self.nodes.publish(NodePlan(multinode_grid(config), n, model_config, plan, addresses,
-                                            self.nodes.report_addresses, self.nodes.ping_address))
+                self.nodes.publish(NodePlan(multinode_grid(config), n, plan,
+                                            [None] * local + addresses[local:], self.nodes.store_address))
+                settings.update(store=self.nodes.store_address, node_ip=self.nodes.ip, cluster_secret=secret)
                 self.nodes.wait("joined", join_timeout_s())
             for rank in range(local):
                 board = self.stage_board is not None and rank % self.tensor_parallel_size == 0
-                proc, fd = spawn_child("nanopaged.worker.multiproc_executor:WorkerProc",
+                proc, fd = spawn_child("nanopaged.worker.worker_proc:WorkerProc",
                                        dict(settings, rank=rank, input_address=addresses[rank],
                                             stage_board=(self.stage_board.path, self.pipeline_parallel_size)
                                             if board else None))
@@ -180,7 +189,7 @@ class MultiprocExecutor(Executor):
         start = time.perf_counter()
         self._call_id += 1
         self._answers[self._call_id] = (method, {})
-        data = pickle.dumps((self._call_id, method, args, time.monotonic()), protocol=pickle.HIGHEST_PROTOCOL)
+        data = self._dumps((self._call_id, method, args, time.monotonic()))
         for rank, sock in enumerate(self.inputs):
             try:
                 sock.send(data, copy=False)
@@ -199,7 +208,10 @@ class MultiprocExecutor(Executor):
         deadline = time.monotonic() + timeout
         while len(answers) < self.world_size:
             if self.output.poll(100):
-                other, rank, ok, result = pickle.loads(self.output.recv())
+                answer = self._answer()
+                if answer is None:
+                    continue
+                other, rank, ok, result = answer
                 if other not in self._answers:
                     continue
                 if not ok:
@@ -213,13 +225,28 @@ class MultiprocExecutor(Executor):
         del self._answers[call_id]
         results = [answers[rank] for rank in range(self.world_size)]
         out = results[self.output_rank]
-        if method in _STEP_METHODS and out is not None:
+        if method in STEP_METHODS and out is not None:
             # the last stage's ranks sampled alike (the earlier stages sample nothing)
             for rank in range(self.output_rank + 1, self.world_size):
                 if results[rank] != out.sampled_token_ids:
                     self._fail(f"{self._rank_name(rank)} sampled {results[rank]}, rank {self.output_rank} "
                                f"{out.sampled_token_ids}")
         return results
+
+    def _answer(self) -> tuple | None:
+        """The next (call_id, rank, ok, result) on the output socket; None for bytes that
+        are not one (dropped with a line that does not quote them)."""
+        data = self.output.recv()
+        try:
+            answer = self._loads(data)
+        except codec.CodecError as e:
+            logger.warning("dropped a malformed answer from a worker: %s", e)
+            return None
+        if not (isinstance(answer, tuple) and len(answer) == 4 and type(answer[1]) is int
+                and 0 <= answer[1] < self.world_size):
+            logger.warning("dropped a malformed answer from a worker: not (call, rank, ok, result)")
+            return None
+        return answer
 
     def _rank_name(self, rank: int) -> str:
         if self.pipeline_parallel_size == 1:
@@ -235,8 +262,8 @@ class MultiprocExecutor(Executor):
         root cause (a rank that died makes the others raise in their collectives)."""
         end = time.monotonic() + 0.2
         while time.monotonic() < end:
-            if self.output.poll(50):
-                _, rank, ok, result = pickle.loads(self.output.recv())
+            if self.output.poll(50) and (answer := self._answer()) is not None:
+                _, rank, ok, result = answer
                 if not ok:
                     errors[rank] = result
         first = min(errors)
@@ -292,16 +319,11 @@ class StepFuture:
         return self._result
 
 
-def output_rank(config) -> int:
-    """The global rank that answers each step: the last stage's first tensor-parallel rank."""
-    return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
-
-
-def _stop_workers(procs, inputs, output, ctx, folder, nodes) -> None:
+def _stop_workers(procs, inputs, output, ctx, folder, nodes, auth, dumps) -> None:
     for rank, sock in enumerate(inputs):
         if rank >= len(procs) or procs[rank].poll() is None:     # another host's ranks: always
             try:
-                sock.send(pickle.dumps((0, "shutdown", (), 0.0)), flags=zmq.NOBLOCK)
+                sock.send(dumps((0, "shutdown", (), 0.0)), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
     stop_processes(procs)
@@ -309,88 +331,7 @@ def _stop_workers(procs, inputs, output, ctx, folder, nodes) -> None:
         nodes.stop()
     for sock in [*inputs, output]:
         sock.close(linger=0)
+    if auth is not None:
+        auth.stop()
     ctx.term()
     shutil.rmtree(folder, ignore_errors=True)
-
-
-class WorkerProc:
-    """A worker process's loop: take (method, args) messages, call the Worker, answer."""
-
-    def __init__(self, worker: Worker, rank: int, input_address: str, output_address: str,
-                 parent_pid: int, output_rank: int = 0, progress: StageReporter | None = None) -> None:
-        self.worker, self.rank, self.parent_pid = worker, rank, parent_pid
-        self.output_rank = output_rank          # the rank that answers steps whole
-        self.progress = progress                # a stage's first rank on node 0: its word on the board
-        self.ctx = zmq.Context()
-        self.input = self.ctx.socket(zmq.PULL)
-        self.input.connect(input_address)
-        self.output = self.ctx.socket(zmq.PUSH)
-        self.output.connect(output_address)
-        self.recv_seconds = 0.0        # from the engine's send to the unpickled message
-        self.execute_seconds = 0.0     # in execute_model
-
-    def run(self) -> None:
-        """Serve until told to shut down or the engine process is gone."""
-        while True:
-            if not self.input.poll(1000):
-                if os.getppid() != self.parent_pid:
-                    return
-                continue
-            call_id, method, args, sent_at = pickle.loads(self.input.recv())
-            if method == "shutdown":
-                return
-            start = time.monotonic()
-            self.recv_seconds += start - sent_at
-            try:
-                if method == "get_comm_stats":
-                    result = dict(self.worker.get_comm_stats(), recv_seconds=self.recv_seconds,
-                                  execute_seconds=self.execute_seconds)
-                elif self.progress is not None:
-                    result = self.progress.call(self.worker, call_id, method, args)
-                else:
-                    result = getattr(self.worker, method)(*args)
-                if method in _STEP_METHODS and self.rank != self.output_rank and result is not None:
-                    # the last stage's ranks: for the check that they agree; earlier stages: nothing
-                    result = result.sampled_token_ids if self.rank > self.output_rank else None
-                ok = True
-            except BaseException:
-                result, ok = traceback.format_exc(), False
-            if method in _STEP_METHODS:
-                self.execute_seconds += time.monotonic() - start
-            self.output.send(pickle.dumps((call_id, self.rank, ok, result), protocol=pickle.HIGHEST_PROTOCOL))
-            if not ok:      # the group's collectives are out of step now: the engine ends us all
-                raise SystemExit(1)
-
-    @staticmethod
-    def main() -> None:
-        """Entry point of `python -c "...WorkerProc.main()"`: read the settings from
-        stdin, join the process group, load this rank's shard, say ready, serve (the
-        KV pool comes by message: initialize_kv_cache)."""
-        s, ready_fd = read_settings()
-        if s["num_threads"]:
-            torch.set_num_threads(s["num_threads"])
-        parent_pid, exit_code = os.getppid(), 0
-
-        def start():
-            from ..model.config import ModelConfig
-
-            config = s["config"]
-            store = s.get("store") and rank_store(*s["store"], join_timeout_s())     # another host's rendezvous
-            group = init_process_group(s["rank"], s["world_size"], s["init_method"], config.torch_device, store)
-            ops = get_ops(s["ops"], config.torch_device)     # the kind the engine chose, loaded here
-            worker = Worker(config, s["model_path"], ModelConfig.from_pretrained(s["model_path"]), ops=ops,
-                            rank=s["rank"], world_size=s["world_size"], process_group=group)
-            board = s.get("stage_board")          # (path, stages): a stage's first rank on node 0
-            progress = board and StageReporter(StageBoard(*board), s["rank"] // config.tensor_parallel_size)
-            return WorkerProc(worker, s["rank"], s["input_address"], s["output_address"], parent_pid,
-                              output_rank(config), progress or None), None
-
-        proc = report_ready(ready_fd, start)
-        try:
-            proc.run()
-        except BaseException:
-            exit_code = 1
-        proc.input.close(linger=0)
-        proc.output.close(linger=1000)
-        proc.ctx.term()
-        exit_child(exit_code)

@@ -36,7 +36,7 @@ class PipelineModelRunner(ModelRunner):
 
     Attributes:
         stage_progress: where it reports its state: a private StageReporter until the
-            worker process gives it the board's (multiproc_executor.WorkerProc).
+            worker process gives it the board's (worker_proc.WorkerProc).
     """
 
     def __init__(self, *args, **kwargs) -> None:

@@ -32,6 +32,8 @@ import time
 import httpx
 import psutil
 import pytest
+import zmq
+from test_serve import ROOT, TINY_ARGS, TINY_ENGINE, Server, _free_port
 
 from nanopaged import LLM, SamplingParams
 from nanopaged.config import EngineConfig
@@ -39,9 +41,14 @@ from nanopaged.entrypoints.openai.api_server import serve_headless
 from nanopaged.entrypoints.openai.cli_args import parse_args
 from nanopaged.utils.proc import EngineDeadError
 
-from test_serve import ROOT, TINY_ARGS, TINY_ENGINE, Server, _free_port
-
 pytestmark = pytest.mark.timeout(300)
+SECRET = "a test cluster secret, the same on both nodes"
+
+
+@pytest.fixture(autouse=True)
+def cluster_secret(monkeypatch):
+    """Both nodes hold the same secret (the headless node inherits the environment)."""
+    monkeypatch.setenv("NANOPAGED_CLUSTER_SECRET", SECRET)
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "Paged attention splits"]
 GRID = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dtype", "float32"]
@@ -294,3 +301,48 @@ def test_a_mismatched_nnodes_is_an_error_on_both_hosts(tiny_model_dir):
         assert "Traceback" not in out, out
     finally:
         node1.end()
+
+
+@pytest.mark.slow          # six rank processes start on 2 cores: ~60 s
+def test_pp2_tp2_over_two_nodes_equals_pp1_tp2_on_one(tiny_model_dir):
+    """tensor_parallel_size=2 x pipeline_parallel_size=2, a stage (two ranks) per node,
+    gives the token ids and float32 logprobs of tensor_parallel_size=2 on one host, bit
+    for bit: the stages do the same operations in the same order (DESIGN.md)."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def run(llm) -> list:
+        try:
+            # one prompt at a time: the same batches on both sides (pp=2 keeps two in flight)
+            outs = [llm.generate(p, params, use_tqdm=False)[0] for p in PROMPTS]
+            return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                    for o in outs]
+        finally:
+            llm.shutdown()
+    one_host = run(LLM(str(tiny_model_dir), tensor_parallel_size=2, **TINY_ENGINE))
+    grid = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--nnodes", "2", "--dtype", "float32"]
+    port = _free_port()
+    node1 = Headless(tiny_model_dir, port, *grid)
+    try:
+        llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2, master_port=port,
+                  **TINY_ENGINE)
+        assert run(llm) == one_host
+        assert node1.proc.wait(timeout=30) == 0, node1.output()
+    finally:
+        node1.end()
+
+
+def test_single_host_worker_sockets_are_ipc_in_a_private_folder(tiny_model_dir):
+    """One host, two ranks: every executor socket is ipc, in a folder only the user can
+    open (mode 0700: pickle stays there), and the ranks listen on nothing but gloo's
+    loopback pairs."""
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, **TINY_ENGINE)
+    try:
+        executor = llm.engine.engine_core.executor
+        assert os.stat(executor._dir).st_mode & 0o777 == 0o700
+        endpoints = [s.getsockopt_string(zmq.LAST_ENDPOINT) for s in [*executor.inputs, executor.output]]
+        assert all(e.startswith(f"ipc://{executor._dir}/") for e in endpoints), endpoints
+        ranks = [psutil.Process(p.pid) for p in executor.procs]
+        listening = {c.laddr.ip for p in ranks for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+        assert listening <= {"127.0.0.1"}, listening
+    finally:
+        llm.shutdown()

@@ -172,17 +172,20 @@ def test_bad_engine_flag_exits_1_naming_the_field(tiny_model_dir, capsys):
     assert "block_size" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("which", ["a file", "missing"])
-def test_a_bad_model_path_exits_1_naming_it(tiny_model_dir, tmp_path, capsys, which):
-    """A file (a .gguf without --quantization gguf) or a missing path: the error, no traceback."""
+@pytest.mark.parametrize("which, words", [
+    ("a file", "quantization='gguf'"),                  # not a folder, and not a .gguf
+    ("a broken .gguf", "not a readable GGUF file: the file is 4 bytes"),    # run as GGUF: its own error
+    ("missing", "does not exist")])
+def test_a_bad_model_path_exits_1_naming_it(tiny_model_dir, tmp_path, capsys, which, words):
+    """A file that is no model, a .gguf that is not GGUF, or a missing path: the error
+    naming it, no traceback."""
     from nanopaged.entrypoints.openai.api_server import main
-    path = tmp_path / "model.gguf"
-    if which == "a file":
+    path = tmp_path / ("model.gguf" if which != "a file" else "model.bin")
+    if which != "missing":
         path.write_bytes(b"GGUF")
     assert main(["--model", str(path)]) == 1
     err = capsys.readouterr().err
-    assert str(path) in err and "Traceback" not in err, err
-    assert ("quantization='gguf'" if which == "a file" else "does not exist") in err, err
+    assert str(path) in err and "Traceback" not in err and words in err, err
 
 
 def test_speculative_decoding_through_the_server(tiny_model_dir):
@@ -373,6 +376,19 @@ def test_chat_template_kwargs_through_extra_body(client, http, tiny_llm, tiny_mo
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      ["logprobs"]),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, ["gpt-4"]),
+    # vLLM's fields the engine cannot honour: a 400 naming the field and its value, not ignored
+    ("/v1/completions", {"prompt": "hi", "best_of": 10**9}, 400, ["best_of=1000000000", "not supported"]),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2, "use_beam_search": True}, 400, ["best_of=2"]),
+    ("/v1/completions", {"prompt": "hi", "best_of": 1, "n": 2}, 400, ["best_of=1", "n=2"]),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, ["use_beam_search=true", "LLM.beam_search"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, 400,
+     ["use_beam_search=true"]),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1000}, 400, ["prompt_logprobs", "1000"]),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400,
+     ["SamplingParams.prompt_logprobs=21 is more than max_logprobs=20"]),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -2}, 400, ["prompt_logprobs", "-2"]),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400,
+     ["prompt_logprobs=1", "stream=true"]),
     # structured outputs: a spec that does not compile is refused before any generation
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, 400,
@@ -427,6 +443,34 @@ def test_api_key_needed_on_v1_only(tiny_server):
 def test_unknown_fields_are_ignored(http):
     r = _post(http, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "best_of_everything": 3, "user": "u"})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_prompt_logprobs_are_vllms_per_prompt_token(http, tiny_llm):
+    """vLLM's prompt_logprobs, in a completion's choices and atop a chat response: per
+    prompt token None for the first (nothing predicts it), then token id -> {logprob, rank,
+    decoded_token} for the prompt token and the top k, the engine's own numbers. Left out
+    unless asked for; best_of=1 with n=1 (all vLLM's V1 engine takes) is accepted."""
+    from nanopaged import SamplingParams
+    ids = [5, 6, 7, 8, 9, 10]
+    (want,) = tiny_llm.generate(ids, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0, "n": 2,
+                                           "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    got = [c["prompt_logprobs"] for c in r.json()["choices"]]
+    assert got[0] == got[1] and len(got[0]) == len(ids) and got[0][0] is None
+    for token, g, w in zip(ids[1:], got[0][1:], want.prompt_logprobs[1:]):
+        assert str(token) in g and set(g) == {str(t) for t in w} and len(g) <= 3
+        for t, lp in w.items():
+            assert g[str(t)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+            assert (g[str(t)]["rank"], g[str(t)]["decoded_token"]) == (lp.rank, lp.decoded_token)
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hello"}],
+                                                   "max_tokens": 1, "prompt_logprobs": 0}).json()
+    prompt = chat["prompt_logprobs"]
+    assert len(prompt) == chat["usage"]["prompt_tokens"] and prompt[0] is None and all(len(p) == 1 for p in prompt[1:])
+    plain = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "best_of": 1})
+    assert plain.status_code == 200 and "prompt_logprobs" not in plain.json()["choices"][0], plain.text
+    assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hello"}],
+                                                   "max_tokens": 1}).json()["prompt_logprobs"] is None
 
 
 def test_structured_outputs_through_every_request_field(client, tiny_model_dir):

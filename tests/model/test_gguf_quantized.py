@@ -223,7 +223,7 @@ def test_a_start_reads_the_index_and_a_missing_one_the_file(files, monkeypatch):
         (folder / gguf_loader.INDEX_NAME).unlink()
         assert torch.equal(paged_logits(_model(folder, "gguf"), tokens, 4, 5), want) and len(opened) == 1
         stale = json.loads(index)
-        stale["meta"]["source_mtime_ns"] += 1
+        stale["meta"]["header_sha256"] = "0" * 64            # an index of another header
         (folder / gguf_loader.INDEX_NAME).write_text(json.dumps(stale))
         assert torch.equal(paged_logits(_model(folder, "gguf"), tokens, 4, 5), want) and len(opened) == 2
     finally:
@@ -232,14 +232,17 @@ def test_a_start_reads_the_index_and_a_missing_one_the_file(files, monkeypatch):
 
 def test_prepared_folders_of_changed_or_deleted_files_are_pruned(tmp_path):
     """One prepared folder per .gguf that still exists: preparing a file removes the
-    folders of files since changed (another key) or deleted."""
+    folders of files since changed (another header: another key) or deleted. A new
+    modification time alone is no change."""
     make_tiny_model(tmp_path / "hf", "LlamaForCausalLM")
     a, b, c = (tmp_path / f"{name}.gguf" for name in "abc")
     write_gguf_from_hf(tmp_path / "hf", a, "llama", quant={})
     b.write_bytes(a.read_bytes())
     c.write_bytes(a.read_bytes())
     first, other = gguf_loader.gguf_model_dir(a), gguf_loader.gguf_model_dir(b)
-    os.utime(a, ns=(0, 10**9))                            # the file changed: a new key
+    os.utime(a, ns=(0, 10**9))
+    assert gguf_loader.gguf_model_dir(a) == first
+    write_gguf_from_hf(tmp_path / "hf", a, "llama", quant={"attn_q": T.Q8_0})     # the file changed
     second = gguf_loader.gguf_model_dir(a)
     assert second != first and second.is_dir() and not first.exists() and other.is_dir()
     b.unlink()
@@ -258,6 +261,30 @@ def test_unsupported_type_in_a_projection_is_named(tmp_path):
 def test_config_refuses_an_unknown_method():
     with pytest.raises(ValueError, match=r"quantization must be None or one of \('gguf', 'int8'\), got 'int4'"):
         EngineConfig(quantization="int4")
+
+
+def test_a_gguf_file_runs_as_gguf_without_quantization_given(tmp_path):
+    """LLM(model="x.gguf") runs the file as quantization="gguf" does (vLLM tells a GGUF
+    model by its path too: check_gguf_file), in float32 for dtype auto; a folder is left
+    alone; a .gguf file that is not GGUF is refused naming it and what is wrong."""
+    from nanopaged.engine.arg_utils import default_model_weights, is_gguf_file
+
+    make_tiny_model(tmp_path / "hf", "LlamaForCausalLM")
+    path = tmp_path / "model.gguf"
+    write_gguf_from_hf(tmp_path / "hf", path, "llama", quant=QUANT["Q4_1"])
+    engine = dict(attention_backend="torch", block_size=4, num_gpu_blocks=32)
+    ids = []
+    for kw in ({}, {"quantization": "gguf"}):
+        llm = LLM(str(path), **engine, **kw)
+        assert (llm.engine.config.quantization, llm.engine.config.torch_dtype) == ("gguf", torch.float32)
+        ids.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
+        llm.shutdown()
+    assert ids[0] == ids[1]
+    assert is_gguf_file(path) and not is_gguf_file(tmp_path / "hf") and not is_gguf_file(tmp_path / "x.gguf")
+    assert default_model_weights(EngineConfig(model=str(tmp_path / "hf"), device="cpu")).quantization is None
+    (tmp_path / "zip.gguf").write_bytes(b"PK\x03\x04 a zip file, not GGUF")
+    with pytest.raises(ValueError, match=r"zip\.gguf: not a readable GGUF file: it starts with b'PK"):
+        LLM(str(tmp_path / "zip.gguf"), **engine)
 
 
 def test_gguf_quantization_needs_a_gguf_file(tiny_model_dir, tmp_path):

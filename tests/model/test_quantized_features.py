@@ -132,6 +132,19 @@ def test_speculative_decoding_with_a_quantized_draft_keeps_the_ids(pair):
             assert quantization.replace("gguf", "Q4_1").upper() in llm.engine.weights.describe().upper()
 
 
+def test_a_gguf_draft_runs_as_gguf_without_quantization_given(pair):
+    """A .gguf file as the draft, no speculative_config.quantization given, runs as GGUF
+    as a .gguf model does (arg_utils.is_gguf_file): itself as its draft, every draft accepted."""
+    model, quantization, _ = pair
+    if quantization != "gguf":
+        pytest.skip("a .gguf file only")
+    llm = LLM(model, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 2}, **KW)
+    assert (llm.engine.config.quantization, llm.engine.config.speculative_config.quantization) == ("gguf", "gguf")
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+
+
 def test_a_bad_draft_quantization_is_named(pair):
     model, quantization, _ = pair
     with pytest.raises(ValueError, match="speculative_config.quantization"):

@@ -6,8 +6,9 @@ type or a missing field is a pydantic ValidationError, which api_server.py answe
 OpenAI-style 400); `to_sampling_params` turns it into the engine's SamplingParams, whose
 own checks (negative max_tokens, temperature < 0, ...) raise ValueError naming the field.
 Fields OpenAI has and we do not model are accepted and ignored, as vLLM ignores them
-(with a warning in the log). Responses are built as pydantic models too, so the
-official `openai` client parses them.
+(with a warning in the log); vLLM's own fields the engine cannot honour (best_of,
+use_beam_search) are a 400 naming them and their value. Responses are built as pydantic
+models too, so the official `openai` client parses them.
 vLLM: `vllm/entrypoints/openai/protocol.py`.
 """
 from __future__ import annotations
@@ -79,6 +80,9 @@ class _SamplingFields(OpenAIBaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None        # vLLM's: the top-k of every prompt token too
+    best_of: int | None = None                # vLLM's: None or 1 (its V1 engine has no best-of either)
+    use_beam_search: bool = False             # vLLM's: refused, beam search is LLM.beam_search's
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -94,6 +98,14 @@ class _SamplingFields(OpenAIBaseModel):
     guided_whitespace_pattern: str | None = None
 
     def _sampling_kwargs(self) -> dict[str, Any]:
+        if self.best_of not in (None, 1) or (self.best_of == 1 and self.n != 1):
+            raise ValueError(f"best_of={self.best_of} is not supported: no best-of sampling here (nor in vLLM's "
+                             f"V1 engine); leave it out, or 1 with n=1 (here n={self.n})")
+        if self.use_beam_search:
+            raise ValueError("use_beam_search=true is not served over HTTP: beam search runs through "
+                             "LLM.beam_search")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError(f"prompt_logprobs={self.prompt_logprobs} is not available with stream=true (as in vLLM)")
         bias = None
         if self.logit_bias is not None:         # OpenAI's keys are token ids as strings
             try:
@@ -105,13 +117,12 @@ class _SamplingFields(OpenAIBaseModel):
                   structured_outputs=self._structured_outputs(),
                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                   logit_bias=bias, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                  bad_words=self.bad_words,
+                  bad_words=self.bad_words, prompt_logprobs=self.prompt_logprobs,
                   skip_special_tokens=self.skip_special_tokens, output_kind=RequestOutputKind.DELTA)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
         return kw
-
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The request's constraint, from whichever field gave it. Raises ValueError for
@@ -266,6 +277,11 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: int | str | None = None        # vLLM's extra: the stop token id or string
+    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None     # vLLM's extra
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):      # left out unless asked for: a stream's chunks never have it
+        return {k: v for k, v in handler(self).items() if k != "prompt_logprobs" or v is not None}
 
 
 class CompletionResponse(BaseModel):
@@ -311,6 +327,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None     # vLLM's extra
 
 
 class DeltaMessage(BaseModel):

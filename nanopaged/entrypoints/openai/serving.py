@@ -84,6 +84,19 @@ def _absorb(choices: dict[int, _Choice], out) -> None:
             ch.logprobs += list(zip(c.token_ids, c.logprobs))
 
 
+async def _gather(first, rest) -> tuple[dict[int, _Choice], list | None]:
+    """A whole response's deltas added up per completion index, and the prompt's
+    logprobs (prompt_logprobs_json; None unless asked for)."""
+    choices: dict[int, _Choice] = {}
+    prompt = None
+    async with aclosing(_outputs(first, rest)) as outputs:
+        async for out in outputs:
+            _absorb(choices, out)
+            if out.prompt_logprobs is not None:      # in DELTA mode, the new ones (all with the first)
+                prompt = (prompt or []) + prompt_logprobs_json(out.prompt_logprobs)
+    return choices, prompt
+
+
 def _usage(first, choices: dict[int, _Choice]) -> UsageInfo:
     prompt = len(first.prompt_token_ids)
     completion = sum(c.num_tokens for c in choices.values())
@@ -108,6 +121,15 @@ def completion_logprobs(tokenizer, pairs, text_offset: int) -> CompletionLogProb
         out.top_logprobs.append({_token_str(tokenizer, i, lp): max(lp.logprob, _MIN_LOGPROB)
                                  for i, lp in sorted(top.items(), key=lambda kv: kv[1].rank or 0)})
     return out
+
+
+def prompt_logprobs_json(prompt_logprobs) -> list[dict[int, dict] | None]:
+    """vLLM's prompt_logprobs of [None | {id: Logprob}]: per prompt token None (the first:
+    nothing predicts it) or token id -> {logprob, rank, decoded_token}, the prompt token
+    and the top-k (-inf as -9999.0, as vLLM's clamp_prompt_logprobs)."""
+    return [None if top is None else {i: {"logprob": max(lp.logprob, _MIN_LOGPROB), "rank": lp.rank,
+                                          "decoded_token": lp.decoded_token} for i, lp in top.items()}
+            for top in prompt_logprobs]
 
 
 def chat_logprobs(tokenizer, pairs, top_k: int) -> ChatLogProbs:
@@ -193,29 +215,26 @@ async def guarded_stream(lines):
 # ---- whole responses ----------------------------------------------------------
 
 async def full_completion(tokenizer, first, rest, request_id: str, model: str, want_logprobs: bool):
-    """The whole CompletionResponse: the deltas added up per completion index."""
-    choices: dict[int, _Choice] = {}
-    _absorb(choices, first)
-    async for out in rest:
-        _absorb(choices, out)
+    """The whole CompletionResponse: the deltas added up per completion index; each
+    choice has the prompt's logprobs, when asked for (as vLLM's)."""
+    choices, prompt = await _gather(first, rest)
     return CompletionResponse(id=request_id, model=model, usage=_usage(first, choices), choices=[
         CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                         logprobs=completion_logprobs(tokenizer, c.logprobs, 0) if want_logprobs else None)
+                         logprobs=completion_logprobs(tokenizer, c.logprobs, 0) if want_logprobs else None,
+                         prompt_logprobs=prompt)
         for i, c in sorted(choices.items())])
 
 
 async def full_chat(tokenizer, first, rest, request_id: str, model: str, top_logprobs: int | None):
-    """The whole ChatCompletionResponse (top_logprobs None: no logprobs asked for)."""
-    choices: dict[int, _Choice] = {}
-    _absorb(choices, first)
-    async for out in rest:
-        _absorb(choices, out)
+    """The whole ChatCompletionResponse (top_logprobs None: no logprobs asked for), with
+    the prompt's logprobs when asked for (as vLLM's)."""
+    choices, prompt = await _gather(first, rest)
     return ChatCompletionResponse(id=request_id, model=model, usage=_usage(first, choices), choices=[
         ChatChoice(index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
                    stop_reason=c.stop_reason,
                    logprobs=chat_logprobs(tokenizer, c.logprobs, top_logprobs)
                    if top_logprobs is not None else None)
-        for i, c in sorted(choices.items())])
+        for i, c in sorted(choices.items())], prompt_logprobs=prompt)
 
 
 # ---- streams ------------------------------------------------------------------
