@@ -315,12 +315,14 @@ class RemoteNodes:
         elif self.plan is None:
             return                      # not yet: the node asks again
         if problem is not None:
+            logger.warning("refused %s: %s", me or f"a node claiming node_rank={r}", problem)
             self._send(rid, Refused(problem))
             if me is not None and r not in self.joined:
                 self._died(f"{me} refused to join: {problem}")
             return
         self.peers[rid], self.fds[r], self.joined[r] = r, fd, join.host
         self.last_heard[r] = time.monotonic()
+        logger.info("%s joined (%d of %d nodes)", self.name(r), 1 + len(self.joined), self.nnodes)
         self._send(rid, self.plan)
 
     def _on_event(self) -> None:

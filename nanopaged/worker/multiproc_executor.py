@@ -115,6 +115,8 @@ class MultiprocExecutor(Executor):
                 self.nodes.publish(NodePlan(multinode_grid(config), n, plan,
                                             [None] * local + addresses[local:], self.nodes.store_address))
                 settings.update(store=self.nodes.store_address, node_ip=self.nodes.ip, cluster_secret=secret)
+                logger.info("waiting up to %.0f s for %d more node(s) to join at %s:%s (NANOPAGED_JOIN_TIMEOUT_S)",
+                            join_timeout_s(), config.nnodes - 1, config.master_addr, config.master_port)
                 self.nodes.wait("joined", join_timeout_s())
             for rank in range(local):
                 board = self.stage_board is not None and rank % self.tensor_parallel_size == 0

@@ -379,7 +379,8 @@ def test_chat_template_kwargs_through_extra_body(client, http, tiny_llm, tiny_mo
     # vLLM's fields the engine cannot honour: a 400 naming the field and its value, not ignored
     ("/v1/completions", {"prompt": "hi", "best_of": 10**9}, 400, ["best_of=1000000000", "not supported"]),
     ("/v1/completions", {"prompt": "hi", "best_of": 2, "use_beam_search": True}, 400, ["best_of=2"]),
-    ("/v1/completions", {"prompt": "hi", "best_of": 1, "n": 2}, 400, ["best_of=1", "n=2"]),
+    ("/v1/completions", {"prompt": "hi", "best_of": 1, "n": 2}, 400, ["best_of=1 must be at least n=2"]),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2, "n": 2}, 400, ["best_of=2 is not supported"]),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, ["use_beam_search=true", "LLM.beam_search"]),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, 400,
      ["use_beam_search=true"]),

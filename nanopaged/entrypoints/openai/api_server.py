@@ -119,7 +119,7 @@ def serve_headless(args: argparse.Namespace) -> int:
     if config.nnodes == 1:
         raise ValueError("--headless is for a node of a multi-node engine: give --nnodes > 1")
     model_path = resolve_model(config.model, quantization=config.quantization)
-    logger.info("node %d of %d: starting its ranks for node 0 at %s:%s", config.node_rank, config.nnodes,
+    logger.info("node %d of %d: joining node 0 at %s:%s", config.node_rank, config.nnodes,
                 config.master_addr, config.master_port)
     return run_headless(config, model_path, ModelConfig.from_pretrained(model_path))
 

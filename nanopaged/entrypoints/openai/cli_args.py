@@ -49,7 +49,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--headless", action="store_true",
                     help="with --nnodes > 1 on a node other than 0: serve no API, start this node's "
                          "ranks for node 0's engine and exit when it ends (give the same --model, "
-                         "sizes, --nnodes, --master-addr, --master-port, and this node's --node-rank)")
+                         "sizes, --nnodes, --master-addr, --master-port, node 0's cluster secret "
+                         "(--cluster-secret-file), and this node's --node-rank)")
     add_cli_args(ap)
     return ap
 

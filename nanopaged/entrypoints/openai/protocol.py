@@ -98,9 +98,11 @@ class _SamplingFields(OpenAIBaseModel):
     guided_whitespace_pattern: str | None = None
 
     def _sampling_kwargs(self) -> dict[str, Any]:
-        if self.best_of not in (None, 1) or (self.best_of == 1 and self.n != 1):
-            raise ValueError(f"best_of={self.best_of} is not supported: no best-of sampling here (nor in vLLM's "
-                             f"V1 engine); leave it out, or 1 with n=1 (here n={self.n})")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of={self.best_of} must be at least n={self.n} (as in vLLM); leave it out")
+        if self.best_of not in (None, 1):
+            raise ValueError(f"best_of={self.best_of} is not supported: the engine returns all n completions it "
+                             "samples and picks no best among more (vLLM's V1 engine neither); leave it out")
         if self.use_beam_search:
             raise ValueError("use_beam_search=true is not served over HTTP: beam search runs through "
                              "LLM.beam_search")
