@@ -36,8 +36,10 @@ def run_headless(config, model_path, model_config) -> int:
     (the ranks are ended and node 0 told); 1 when a rank died or node 0 died or was lost.
 
     Raises:
-        ValueError: node_rank 0, or settings that differ from node 0's (nnodes, the
-            parallel sizes, the model); node 0 is told too.
+        ValueError: node_rank 0; no cluster secret, or one node 0 does not hold (the
+            CURVE handshake fails; node 0 logs the refused connection); settings that
+            differ from node 0's (nnodes, the parallel sizes, the model), which node 0
+            refuses and ends its own start with.
         RuntimeError: node 0 not found within NANOPAGED_JOIN_TIMEOUT_S, or a rank failed
             to start (node 0 is told).
     """
