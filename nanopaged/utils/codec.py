@@ -84,14 +84,7 @@ def register(*classes: type) -> None:
 # -- encoding ---------------------------------------------------------------------------------
 
 def _enc_hook(obj: Any) -> Any:
-    """What msgspec cannot write itself: the registered dataclasses, tensors, dtypes and
-    the containers MessagePack lacks."""
-    if isinstance(obj, tuple):
-        return msgspec.msgpack.Ext(TUPLE, _ENCODER.encode(list(obj)))
-    if isinstance(obj, frozenset):
-        return msgspec.msgpack.Ext(FROZENSET, _ENCODER.encode(list(obj)))
-    if isinstance(obj, set):
-        return msgspec.msgpack.Ext(SET, _ENCODER.encode(list(obj)))
+    """What msgspec cannot write itself and _wrap left as it was: tensors and dtypes."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         name = str(t.dtype).removeprefix("torch.")

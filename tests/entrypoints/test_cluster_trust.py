@@ -1,4 +1,6 @@
-"""A stranger against a two-node cluster (worker/multinode.py; docs/trust.md).
+"""A stranger against a two-node cluster (worker/multinode.py; docs/trust.md): field case
+C85, where a pickle sent by a process outside the cluster ran in node 0 and node 1 and a
+bare connect-and-close ended the engine.
 
 One module-scoped cluster on 127.0.0.1 serves every attempt (a start takes 40-100 s on
 2 cores): `serve --nnodes 2 --node-rank 0` and a headless node 1, pipeline_parallel_size

@@ -376,7 +376,8 @@ def test_chat_template_kwargs_through_extra_body(client, http, tiny_llm, tiny_mo
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      ["logprobs"]),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, ["gpt-4"]),
-    # vLLM's fields the engine cannot honour: a 400 naming the field and its value, not ignored
+    # vLLM's fields the engine cannot honour (field case C91, once a 200 that ignored them):
+    # a 400 naming the field and its value
     ("/v1/completions", {"prompt": "hi", "best_of": 10**9}, 400, ["best_of=1000000000", "not supported"]),
     ("/v1/completions", {"prompt": "hi", "best_of": 2, "use_beam_search": True}, 400, ["best_of=2"]),
     ("/v1/completions", {"prompt": "hi", "best_of": 1, "n": 2}, 400, ["best_of=1 must be at least n=2"]),

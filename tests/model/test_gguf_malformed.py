@@ -2,7 +2,7 @@
 is cached for them (model/gguf_header.py; gguf_loader.gguf_model_dir's folder is keyed
 by the file's header, not by its size and modification time).
 
-Field case: an outsider's 18 malformed files. Five gave a bare `IndexError: index 0 is
+Field case C86: an outsider's 18 malformed files. Five gave a bare `IndexError: index 0 is
 out of bounds` naming neither the file nor the problem (a tensor of n_dims 5, a tensor
 or kv count of 2**62, a string or array length of 2**40); a zero dim and a Q2_K or
 IQ2_XXS projection named the tensor but not the file; a file corrupted in place with its
@@ -87,6 +87,14 @@ CASES = {
     "bad_magic": (lambda raw: b"GGML" + raw[4:], ["starts with b'GGML', not the magic b'GGUF'"]),
     "version_1": (lambda raw: patch(raw, (4, "I", 1)), ["GGUF version 1 is not supported"]),
     "empty": (lambda raw: b"", ["0 bytes, shorter than a GGUF header"]),
+    "n_dims_0xFFFFFFFF": (lambda raw: patch(raw, (after(raw, Q), "I", 0xFFFFFFFF)),
+                          [f"tensor '{Q}' has n_dims 4294967295"]),
+    "truncated_99%": (lambda raw: raw[:len(raw) * 99 // 100], ["runs past the end of the file", "truncated"]),
+    # Q's info: name, n_dims (u32), 2 dims (u64), type (u32), then its data offset (u64)
+    "offset_past_the_end": (lambda raw: patch(raw, (after(raw, Q) + 24, "Q", 2**40)),
+                            [f"the data of tensor '{Q}'", "runs past the end of the file"]),
+    "shape_of_55_GB": (lambda raw: patch(raw, (after(raw, Q) + 4, "Q", 55 * 2**30 // 128)),
+                       [f"the data of tensor '{Q}'", "runs past the end of the file"]),
 }
 # types a layer does not run: refused before anything is cached; the converter dequantizes them
 TYPE_CASES = {"Q2_K_projection", "IQ2_XXS_projection"}
