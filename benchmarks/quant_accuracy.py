@@ -13,7 +13,7 @@ every position sees the same context, so one early difference does not decide th
 Deterministic (both paths are batch-invariant): the same numbers on every run of one kernel
 build. An AVX512 build sums the float32 parts (norms, attention, the exact matmuls) in 16
 lanes, not 8, so its numbers differ a little. Chapter 21 quotes the AVX2 build's, and
-tests/model/test_quant_accuracy.py checks that quote on AVX2 and its bounds everywhere.
+tests/quantization/test_quant_accuracy.py checks that quote on AVX2 and its bounds everywhere.
 """
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def bench_spec(model, args) -> None:
     import torch
     from nanopaged import LLM, SamplingParams
     from nanopaged.engine.processor import apply_chat_template
-    from nanopaged.worker.spec_decode.draft_model import make_layer_draft
+    from nanopaged.spec_decode.draft_model import make_layer_draft
 
     common = dict(dtype=args.dtype, attention_backend=args.attention_backend,
                   enable_prefix_caching=False,          # rounds repeat the prompts: no cache hits

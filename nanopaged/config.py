@@ -188,7 +188,7 @@ class EngineConfig:
             gloo on the CPU or NCCL on CUDA) or "external_launcher" (torchrun starts
             the ranks, each running the whole engine; tensor parallelism only).
         nnodes, node_rank, master_addr, master_port: ranks spread over nnodes hosts
-            (vLLM's flags; worker/multinode.py): node n holds ranks [n*k, (n+1)*k).
+            (vLLM's flags; multiproc/multinode.py): node n holds ranks [n*k, (n+1)*k).
             Node 0 runs the engine and its control socket on
             master_addr:master_port; the others run `python -m nanopaged.serve
             --headless` with the same settings. nnodes > 1 needs master_port and "mp".
@@ -212,10 +212,10 @@ class EngineConfig:
             activations (exact vs the dequantized model) or bfloat16 ones, widened first.
         activation_quantization: None (exact); "int8" with GGUF weights (quantization="gguf", or the default
             model in float32): a projection's input rounded to int8 in blocks of 32 and multiplied by the
-            weights' blocks in integers, llama.cpp's way (layers/quantization/gguf_a8.py): faster at
+            weights' blocks in integers, llama.cpp's way (quantization/gguf_a8.py): faster at
             batch 1, not exact (chapter 21's accuracy table); float tensors stay exact.
         enforce_eager: run every step eagerly (vLLM's flag); False: small all-decode batches on the CPU
-            kernels replay their recorded kernel calls without the module calls (worker/cpu_graph.py).
+            kernels replay their recorded kernel calls without the module calls (cpu_graph/model_runner.py).
     """
 
     model: str | os.PathLike | None = None

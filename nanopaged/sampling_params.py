@@ -56,7 +56,7 @@ class StructuredOutputsParams:
             instead (e.g. r"[ ]?", or vLLM's r"[ \t\n\r]*"); overrides
             disable_any_whitespace.
 
-    The engine compiles the constraint with llguidance (core/structured_output.py)
+    The engine compiles the constraint with llguidance (structured_output/manager.py)
     and masks every token that would leave the language before each sampling step.
     Here only the shape is checked; whether a schema, regex or grammar compiles is
     checked when the request is added (Processor), before any generation.

@@ -14,8 +14,8 @@ import gguf
 import numpy as np
 from error_bounds import assert_within, matmul_bound
 
-from nanopaged.layers.quantization.gguf import dequantize
-from nanopaged.layers.quantization.gguf_a8 import quantize_activations
+from nanopaged.quantization.gguf import dequantize
+from nanopaged.quantization.gguf_a8 import quantize_activations
 
 T = gguf.GGMLQuantizationType
 QK_K = 256

@@ -2,7 +2,7 @@
 carries each package that setup.py finds (a hand-kept list once left out
 nanopaged.exercises, so `python -m nanopaged.exercise` failed after a wheel install) and
 kernels/ as nanopaged/_kernels/ (pyproject.toml), and the dashboard page's files
-(nanopaged/entrypoints/openai/dashboard/, package data), and the course's chapters/ as
+(nanopaged/dashboard/page/, package data), and the course's chapters/ as
 nanopaged/_chapters/ with their figures; an installed nanopaged finds them there, runs
 the course's exercise runner (whose `start` names a chapter that is on disk) and the
 tracer (and its replay export) from outside the checkout.
@@ -57,7 +57,7 @@ def test_the_wheel_carries_every_package_of_the_checkout(installed):
     assert packages and all(f"{p}/__init__.py" in names for p in packages), sorted(packages - {
         n.rsplit("/", 1)[0] for n in names})
     assert all(f"nanopaged/_kernels/{s}" in names for s in SOURCES), sorted(names)
-    page = {f"nanopaged/entrypoints/openai/dashboard/{f}" for f in ("index.html", "dashboard.js", "dashboard.css")}
+    page = {f"nanopaged/dashboard/page/{f}" for f in ("index.html", "dashboard.js", "dashboard.css")}
     assert page <= set(names), sorted(page - set(names))
     chapters = {f"nanopaged/_chapters/{p.relative_to(ROOT / 'chapters')}" for p in (ROOT / "chapters").rglob("*")
                 if p.is_file()}

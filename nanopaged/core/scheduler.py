@@ -3,7 +3,7 @@ what the model produced. Continuous batching (Orca; PagedAttention §4.5): `sche
 runs the running requests (a decode or a prompt's next chunk; preempting the latest
 arrival by swap or recompute when blocks run out), then the swapped-out, then the
 waiting (FCFS), within max_num_seqs, max_num_batched_tokens and the free blocks.
-Later features override the methods marked "Hook" (extensions.py).
+Later features override the methods marked "Hook" (features.py composes them).
 vLLM: `vllm/v1/core/sched/scheduler.py`; v0's for swapping.
 """
 from __future__ import annotations

@@ -9,7 +9,6 @@ process starts; everything after takes the frozen result whole.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 from dataclasses import fields, replace
@@ -17,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .. import extensions
+from ..features import importable, model_folder
 from ..config import EngineConfig
-from ..layers.pipeline import get_pp_indices
+from ..layers.groups import get_pp_indices
 from ..model.config import ModelConfig
 from ..model.llama import check_tensor_parallel
 from ..model.model_loader import DEFAULT_MODEL, check_model_dir, resolve_model
@@ -42,7 +41,7 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
                          "with `python -m nanopaged.serve --headless` and the same --nnodes, --master-addr, "
                          "--master-port")
     config = default_model_weights(config)
-    model_path = resolve_model(config.model, quantization=config.quantization)
+    model_path = find_model(config.model, config)
     model_config = ModelConfig.from_pretrained(model_path)
     resolved = config.resolve(max_model_len_limit(config, model_config), model_config.vocab_size)
     check_tensor_parallel(model_config, resolved.tensor_parallel_size)
@@ -60,7 +59,7 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
 # The default model's weights in float32 on each CPU class (utils/cpu.py's cpu_class):
 # whichever of its two exact forms serves faster there, its Q4_1 GGUF file as shipped
 # ("gguf") or the float32 folder converted from it ("folder"); both give the same bits
-# (tests/model/test_gguf_quantized.py). `python bench.py --sections quant` times both
+# (tests/quantization/test_gguf_quantized.py). `python bench.py --sections quant` times both
 # beside the bf16 folder and LLM()'s own pick, and benchmarks/RESULTS.md keeps each class's
 # runs (its entries on the default model). Classes no run has measured keep what they ran
 # before: the file.
@@ -116,12 +115,11 @@ def default_model_weights(config: EngineConfig) -> EngineConfig:
             cls = cpu_class()
             form, evidence = DEFAULT_MODEL_WEIGHTS.get(cls, ("gguf", "unmeasured: unchanged"))
             if form == "gguf":
-                try:
-                    importlib.import_module(extensions.MODEL["quantization"].partition(":")[0])
+                if importable(replace(config, quantization="gguf")):
                     config = replace(config, quantization="gguf")
                     what = "its Q4_1 GGUF file as shipped"
-                except ImportError:
-                    what, evidence = "its float32 folder", "the GGUF extension is not importable: the same bits"
+                else:
+                    what, evidence = "its float32 folder", "the GGUF feature is not importable: the same bits"
             else:
                 what = "its float32 folder"
             why = ("dtype auto: exact first; NANOPAGED_AUTO_DTYPE does not apply to the default model, "
@@ -159,7 +157,7 @@ def max_model_len_limit(config: EngineConfig, model_config: ModelConfig) -> int:
 
 
 def check_pipeline_parallel(model_config: ModelConfig, pipeline_parallel_size: int) -> None:
-    """Every stage needs a layer (layers/pipeline.get_pp_indices splits them).
+    """Every stage needs a layer (layers/groups.get_pp_indices splits them).
 
     Raises:
         ValueError: pipeline_parallel_size above the model's num_hidden_layers (names both).
@@ -181,7 +179,8 @@ def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor
     from transformers import AutoTokenizer
 
     try:
-        draft_path = resolve_model(draft, quantization="gguf") if quantization == "gguf" else check_model_dir(draft)
+        draft_path = (find_model(draft, EngineConfig(quantization="gguf")) if quantization == "gguf"
+                      else check_model_dir(draft))
     except (ValueError, OSError) as e:
         raise ValueError(f"speculative_config.model: {e}") from None
     draft_config = ModelConfig.from_pretrained(draft_path)
@@ -263,7 +262,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
                                 "integers, as llama.cpp does: faster at batch 1, not exact (chapter 21's "
                                 "accuracy table; not given: exact float activations)"),
     "enforce_eager": (bool, "BOOL", "run every step eagerly; else small all-decode batches on the CPU kernels "
-                      "replay their recorded kernel calls without the module calls (worker/cpu_graph.py)"),
+                      "replay their recorded kernel calls without the module calls (cpu_graph/model_runner.py)"),
 }
 
 
@@ -302,3 +301,11 @@ def add_cli_args(parser: argparse.ArgumentParser, description: str | None = None
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The EngineConfig fields the command line set, and model: LLM(**engine_kwargs(args))."""
     return {name: getattr(args, name) for name in ENGINE_FLAGS if hasattr(args, name)}
+
+
+def find_model(model, config: EngineConfig) -> Path:
+    """The local folder of `model` for config's weight format: a feature's finder when
+    one reads the weights in a format of its own (features.model_folder: GGUF's prepared
+    folder), else model_loader.resolve_model."""
+    find = model_folder(config)
+    return resolve_model(model) if find is None else find(model)

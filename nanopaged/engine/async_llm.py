@@ -21,9 +21,9 @@ Signs of life: `start_heartbeat(interval)` pings the core every interval, and ev
 message the output handler reads stamps `seconds_since_heard()`: a live core is heard
 from at least every interval plus one step; a frozen one ages (the server's /health).
 
-The live dashboard: `add_dashboard_viewer(callback)` starts the core's DashboardSampler
-(engine/dashboard.py, a watcher of the core process); the output handler hands each
-snapshot it sends to every viewer's callback.
+Watchers: `watch(name, factory, callback)` runs a watcher inside the core process
+(engine_core_client.CoreWatcher: the live dashboard's sampler is one), and the output
+handler hands each payload it sends to `callback`; `unwatch(name)` stops it.
 
 Leaving a `generate` loop early (break, the task cancelled, an HTTP client gone) aborts
 the request: the core frees its blocks before its next step (field case C23). If the
@@ -33,14 +33,14 @@ vLLM: `vllm/v1/engine/async_llm.py`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator, Callable
 
 from ..config import EngineConfig
+from ..features import Composition
 from ..utils.proc import EngineDeadError
 from .arg_utils import create_engine_config
 from .engine_core_client import AsyncMPClient
@@ -48,15 +48,11 @@ from .output_processor import OutputProcessor
 from ..outputs import RequestOutput
 from .processor import Processor
 
-if TYPE_CHECKING:                     # the dashboard's modules load only when a viewer comes
-    from ..dashboard_messages import DashboardSnapshot
-
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineUnresponsiveError"]
 
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0        # check_health's default wait; the server's /health limit of silence
-DASHBOARD = "dashboard"       # the name of the dashboard's watcher in the core process
 
 
 class EngineUnresponsiveError(TimeoutError):
@@ -81,7 +77,10 @@ class AsyncLLM:
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.config, self.model_path, model_config = create_engine_config(EngineConfig(model=model, **engine_args))
-        self.processor = Processor.from_config(self.config, self.model_path, model_config)
+        self.composition = Composition.of(self.config)     # the core process decides the same
+        self.processor = self.composition.build(Processor, "processor").from_config(
+            self.config, self.model_path, model_config)
+        logger.info("%s", *self.composition.describe({"processor": Processor}))   # the core logs its parts
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = AsyncMPClient(self.config, self.model_path)
@@ -94,8 +93,7 @@ class AsyncLLM:
         self._ping_counter = itertools.count()
         self._heartbeat: asyncio.Task | None = None
         self._last_heard = time.monotonic()                 # the core just said "ready"
-        self._dashboard_viewers: dict = {}                  # callback -> with_text
-        self._prompt_texts: dict[str, str] = {}              # decoded token-id prompts, for with_text
+        self._watchers: dict[str, Callable] = {}            # watcher name -> its callback
         self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
 
     @property
@@ -174,46 +172,25 @@ class AsyncLLM:
         num_unfinished_requests, the requests this front end still follows."""
         return {**self._stats, "num_unfinished_requests": len(self._queues)}
 
-    # -- the live dashboard -------------------------------------------------------------------
+    # -- watchers of the core process ------------------------------------------------------
 
-    def add_dashboard_viewer(self, callback, with_text: bool = False) -> None:
-        """Call callback(snapshot) with every DashboardSnapshot from now on (the first at
-        once, idle or not), in the output handler's task, so it must not block. with_text:
-        fill each request's prompt and output text from this front end's state. Call it
-        from the event loop."""
+    def watch(self, name: str, factory, callback: Callable) -> None:
+        """Run watcher `name` in the core process (built there once by factory(), a class
+        or function pickled by reference: engine_core_client.CoreWatcher) and call
+        callback(payload) with every payload it sends from now on (it may send one at
+        once, idle or not). The callback runs in the output handler's task, after the
+        step's outputs went through the OutputProcessor (so its state includes this
+        step's tokens), and must not block. Watching a name again replaces its
+        callback. Call it from the event loop."""
         self._check_alive()
         self._start_output_handler()
-        from .dashboard import DashboardSampler
-        self._dashboard_viewers[callback] = with_text
-        self.engine_core.watch(DASHBOARD, DashboardSampler)
+        self._watchers[name] = callback
+        self.engine_core.watch(name, factory)
 
-    def remove_dashboard_viewer(self, callback) -> None:
-        """Stop calling callback; the last viewer gone, the core stops its snapshots."""
-        if self._dashboard_viewers.pop(callback, None) is not None and not self._dashboard_viewers:
-            if not self.errored and not self.engine_core._closed:
-                self.engine_core.watch(DASHBOARD, None)
-
-    def _show_dashboard(self, snapshot: DashboardSnapshot) -> None:
-        with_text = self._with_text(snapshot) if any(self._dashboard_viewers.values()) else None
-        for callback, text in list(self._dashboard_viewers.items()):
-            callback(with_text if text else snapshot)
-
-    def _with_text(self, snapshot: DashboardSnapshot) -> DashboardSnapshot:
-        """A copy of snapshot with each request's prompt and (first sequence's) output text."""
-        states, texts = self.output_processor.request_states, {}
-        requests = []
-        for r in snapshot.requests:
-            state = states.get(r.request_id)
-            if state is not None:
-                first = state.completions.get(0)
-                prompt = state.prompt          # None for a prompt of token ids (chat): decoded once
-                if prompt is None:
-                    prompt = self._prompt_texts.get(r.request_id) or self.tokenizer.decode(state.prompt_token_ids)
-                    texts[r.request_id] = prompt
-                r = dataclasses.replace(r, prompt=prompt, output=first.text if first is not None else "")
-            requests.append(r)
-        self._prompt_texts = texts
-        return dataclasses.replace(snapshot, requests=requests)
+    def unwatch(self, name: str) -> None:
+        """Stop watcher `name` in the core process, and its callback."""
+        if self._watchers.pop(name, None) is not None and not self.errored and not self.engine_core._closed:
+            self.engine_core.watch(name, None)
 
     async def generate(self, prompt, sampling_params=None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -321,8 +298,10 @@ class AsyncLLM:
                     if queue is not None:
                         queue.put_nowait(ValueError(message))
                 processed = self.output_processor.process_outputs(outputs)
-                if DASHBOARD in outputs.watcher_outputs:      # after: its text includes this step's tokens
-                    self._show_dashboard(outputs.watcher_outputs[DASHBOARD])
+                for name, payload in outputs.watcher_outputs.items():   # after: the front end's state
+                    callback = self._watchers.get(name)                   # has this step's tokens
+                    if callback is not None:
+                        callback(payload)
                 for out in processed.request_outputs:
                     queue = self._queues.get(out.request_id)
                     if queue is not None:

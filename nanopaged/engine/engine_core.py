@@ -10,7 +10,7 @@ PagedAttention paper §4.5; vLLM v1's `EngineCore.step`):
 
 Everything in and out is a message of messages.py, so the core can run in a process of
 its own behind a client (engine_core_client.py). Later features subclass it
-(extensions.py): async scheduling (async_engine_core.py), structured outputs' second
+(features.py): async scheduling (async_sched/engine_core.py), structured outputs' second
 sampling call. vLLM: `vllm/v1/engine/core.py`.
 """
 from __future__ import annotations
@@ -23,9 +23,10 @@ from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.scheduler import Scheduler
 from ..events import Observers
-from ..extensions import build_class
+from ..features import Composition
 from ..messages import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput, WeightsInfo
 from ..model.config import ModelConfig
+from ..model.registry import get_model_class
 from ..worker.executor import Executor
 from ..layers.backends import get_ops
 from ..worker.model_runner import ModelRunner
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     """Scheduler + block manager + model runner. Build it with
-    extensions.build_class(EngineCore, "engine_core", config) for the config's features.
+    Composition.of(config).build(EngineCore, "engine_core") for the config's features.
 
     Args:
         config: a resolved EngineConfig (arg_utils.create_engine_config: the model
@@ -43,17 +44,22 @@ class EngineCore:
         model_path: the local Hugging Face folder of the model.
         model_config: its ModelConfig.
         observers: where the scheduler and block manager publish events (events.py).
+        composition: which classes serve each part (features.py); default
+            Composition.of(config). Logged once, here.
 
     `weights` (a WeightsInfo): the bytes the workers' weights hold, by format, asked of
     every rank once at start.
     """
 
     def __init__(self, config: EngineConfig, model_path, model_config: ModelConfig,
-                 observers: Observers | None = None) -> None:
-        self.config = config
+                 observers: Observers | None = None, composition: Composition | None = None) -> None:
+        self.config, self.model_config = config, model_config
+        self.composition = Composition.of(config) if composition is None else composition
+        for line in self.composition.describe(self.part_bases(model_config)):
+            logger.info("%s", line)
         self.attn_backend = get_ops(config.attention_backend, config.torch_device)
         # the workers load their weights first; only then is the KV pool sized
-        self.executor = Executor.create(config, model_path, model_config, self.attn_backend)
+        self.executor = Executor.create(config, model_path, model_config, self.attn_backend, self.composition)
         try:
             num_gpu_blocks, num_cpu_blocks = self._initialize_kv_caches()
             # what the ranks' weights hold resident, by format (the tracer and dashboard show it)
@@ -65,9 +71,20 @@ class EngineCore:
         self.block_manager = BlockManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
                                           num_cpu_blocks, self.observers)
         costs = self.executor.measure_preemption_costs() if config.preemption_mode == "auto" else None
-        self.scheduler = build_class(Scheduler, "scheduler", config)(config, self.block_manager, costs=costs)
+        self.scheduler = self.composition.build(Scheduler, "scheduler")(config, self.block_manager, costs=costs)
         self.num_steps = 0
         self.start_time = time.monotonic()        # when the core started: an observer's time origin
+
+    def part_bases(self, model_config: ModelConfig) -> dict[str, type]:
+        """Each part's base class (the model's: its family's), for describe(). (The
+        processor is the front end's: LLMEngine.describe adds its line.)"""
+        return {"engine_core": EngineCore, "scheduler": Scheduler,
+                "executor": Executor.base_class(self.config), "model_runner": ModelRunner,
+                "model": get_model_class(model_config.architecture)}
+
+    def describe(self) -> list[str]:
+        """Which classes serve each of the core's parts, one line each, the base first."""
+        return self.composition.describe(self.part_bases(self.model_config))
 
     @property
     def model_runner(self) -> ModelRunner:

@@ -199,11 +199,13 @@ class EngineCoreProc:
 
         def start():
             from ..model.config import ModelConfig
-            from ..extensions import build_class
+            from ..features import Composition
             from .engine_core import EngineCore
 
-            core = build_class(EngineCore, "engine_core", config)(config, model_path,
-                                                                 ModelConfig.from_pretrained(model_path))
+            composition = Composition.of(config)
+            core = composition.build(EngineCore, "engine_core")(config, model_path,
+                                                                ModelConfig.from_pretrained(model_path),
+                                                                composition=composition)
             return (core, EngineCoreProc(core, input_address, output_address, parent_pid)), core.get_stats()
 
         core, proc = report_ready(ready_fd, start)

@@ -21,17 +21,20 @@ vLLM: `vllm/v1/engine/llm_engine.py`.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable
 
 from ..config import EngineConfig
 from ..events import Observer, Observers
-from ..extensions import build_class
+from ..features import Composition
 from ..outputs import RequestOutput
 from .arg_utils import create_engine_config
 from .engine_core import EngineCore
 from .engine_core_client import InprocClient
 from .output_processor import OutputProcessor
 from .processor import Processor
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -49,13 +52,22 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config, self.model_path, self.model_config = create_engine_config(config)   # resolved once
-        self.processor = Processor.from_config(self.config, self.model_path, self.model_config)
+        self.composition = Composition.of(self.config)     # which classes serve each part: decided once
+        self.processor = self.composition.build(Processor, "processor").from_config(
+            self.config, self.model_path, self.model_config)
+        logger.info("%s", *self.composition.describe({"processor": Processor}))
         self.tokenizer, self.eos_token_ids = self.processor.tokenizer, self.processor.eos_token_ids
         self.observers = Observers()
-        core_cls = build_class(EngineCore, "engine_core", self.config)    # the base and its enabled extensions
-        self.engine_core = core_cls(self.config, self.model_path, self.model_config, self.observers)
+        core_cls = self.composition.build(EngineCore, "engine_core")
+        self.engine_core = core_cls(self.config, self.model_path, self.model_config, self.observers,
+                                    self.composition)
         self.core_client = InprocClient(self.engine_core)     # AsyncLLM's runs it in a process
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    def describe(self) -> list[str]:
+        """Which classes serve each part, one line each, the base first (what the start
+        log says): e.g. "scheduler: Scheduler <- StructuredOutputScheduler <- BeamSearchScheduler"."""
+        return self.composition.describe({"processor": Processor}) + self.engine_core.describe()
 
     # the core's parts, for tests, the tracer and the bench
     scheduler = property(lambda self: self.engine_core.scheduler)

@@ -16,7 +16,6 @@ import json
 import os
 import time
 
-from .. import extensions
 from ..messages import EngineCoreRequest
 from ..sampling_params import BeamSearchParams, SamplingParams
 from ..utils.checks import check_text, is_int, is_list_of
@@ -89,15 +88,10 @@ class Processor:
         self._check_prompt(prompt_ids)
         params = SamplingParams() if params is None else params
         beam = None
-        if isinstance(params, BeamSearchParams):      # beams: greedy rows with top logprobs
-            require_extension("beam_search", "BeamSearchParams")
-            from ..core.beam_search import num_candidates
-
+        if isinstance(params, BeamSearchParams):
             beam = params
             self._check_num_seqs("BeamSearchParams.beam_width", beam.beam_width)
-            params = SamplingParams(n=beam.beam_width, temperature=0, max_tokens=beam.max_tokens,
-                                    ignore_eos=beam.ignore_eos,
-                                    logprobs=num_candidates(beam.beam_width, self.eos_token_ids))
+            params = self._beam_sampling_params(beam)
         elif not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams or BeamSearchParams, "
                             f"got {type(params).__name__}")
@@ -164,18 +158,22 @@ class Processor:
                 raise ValueError(f"SamplingParams.{name}={k} is more than max_logprobs={self.max_logprobs}, "
                                  f"the most top logprobs per token this engine returns")
         if params.structured_outputs is not None:
-            require_extension("structured_outputs", "SamplingParams.structured_outputs")
-            from ..core import structured_output
+            self._check_structured_outputs(params.structured_outputs)
 
-            structured_output.validate(params.structured_outputs)   # compiles? (a few ms)
+    # -- hooks: the per-request features' processors override these (features.py) ------------
 
+    def _beam_sampling_params(self, beam: BeamSearchParams) -> SamplingParams:
+        """Hook: the SamplingParams a beam search's rows run with. The base engine has no beam
+        search: raises ValueError (beam_search/processor.py gives the rows)."""
+        raise ValueError(f"BeamSearchParams needs the beam search feature, which is not available "
+                         f"in this installation (nanopaged/beam_search cannot be imported)")
 
-def require_extension(name: str, field: str) -> None:
-    """Raises ValueError when extension `name`, which a request's `field` asks for, cannot be
-    imported (extensions.py: the base engine runs without it)."""
-    if not extensions.available(name):
-        raise ValueError(f"{field} needs the {name} extension, which is not available in this "
-                         f"installation (its modules cannot be imported)")
+    def _check_structured_outputs(self, spec) -> None:
+        """Hook: raises ValueError when `spec` (SamplingParams.structured_outputs) cannot be
+        served. The base engine serves none (structured_output/processor.py compiles it)."""
+        raise ValueError("SamplingParams.structured_outputs needs the structured outputs feature, which "
+                         "is not available in this installation (nanopaged/structured_output cannot be "
+                         "imported)")
 
 
 # apply_chat_template's own arguments: the engine sets them, or they change what the call

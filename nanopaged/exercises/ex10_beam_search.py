@@ -4,8 +4,8 @@ from __future__ import annotations
 NUMBER = 10
 CHAPTER = "10-beam-search.md"
 TITLE = "Beam search: rank the candidates, finish or continue"
-TARGETS = ["nanopaged.core.beam_search:top_candidates",
-           "nanopaged.core.beam_search:split_candidates"]
+TARGETS = ["nanopaged.beam_search.scheduler:top_candidates",
+           "nanopaged.beam_search.scheduler:split_candidates"]
 TASK = """
 Write the rules of a beam-search step, the ones transformers' generate(num_beams=k,
 early_stopping=True) follows, so that nanopaged agrees with it token for token.
@@ -52,7 +52,7 @@ def _row(tokens, logprobs):
 
 
 def _state(beam_width, **params):
-    from nanopaged.core.beam_search import BeamSearchParams, BeamState
+    from nanopaged.beam_search.scheduler import BeamSearchParams, BeamState
 
     return BeamState(BeamSearchParams(beam_width=beam_width, max_tokens=10, **params))
 
@@ -63,7 +63,7 @@ def _show(ranked):
 
 def check_top_candidates():
     """candidates are scored cumulative_logprob + logprob, best first, the row's first entry (the sampled token) excluded"""
-    from nanopaged.core.beam_search import top_candidates
+    from nanopaged.beam_search.scheduler import top_candidates
 
     b0, b1 = _beams(-1.0, -0.5)
     rows = {10: _row([5, 5, 6, 7], [-0.1, -0.1, -0.2, -3.0]),      # sampled token 5, then the top 3
@@ -83,7 +83,7 @@ def check_top_candidates():
 
 def check_finished_hypotheses():
     """an ending candidate ranked among the first beam_width becomes a hypothesis scored cum_logprob / gen_len ** length_penalty"""
-    from nanopaged.core.beam_search import split_candidates
+    from nanopaged.beam_search.scheduler import split_candidates
 
     b0, b1 = _beams(-1.0, -0.5)
     state = _state(2, length_penalty=2.0)
@@ -109,7 +109,7 @@ def check_finished_hypotheses():
 
 def check_next_beams_and_done():
     """the best beam_width candidates that go on are the next beams; the search is done once beam_width hypotheses are in, or too few go on"""
-    from nanopaged.core.beam_search import BeamSearchSequence, split_candidates
+    from nanopaged.beam_search.scheduler import BeamSearchSequence, split_candidates
 
     b0, b1 = _beams(-1.0, -0.5)
     state = _state(2)

@@ -56,11 +56,11 @@ class _CoreHere:
 
     def __init__(self, config, model_path) -> None:
         from nanopaged.engine.engine_core import EngineCore
-        from nanopaged.extensions import build_class
+        from nanopaged.features import Composition
         from nanopaged.model.config import ModelConfig
 
-        self.core = build_class(EngineCore, "engine_core", config)(config, model_path,
-                                                                  ModelConfig.from_pretrained(model_path))
+        self.core = Composition.of(config).build(EngineCore, "engine_core")(config, model_path,
+                                                                           ModelConfig.from_pretrained(model_path))
         self.initial_stats = self.core.get_stats()
         self.dead_reason: str | None = None
         self._closed = False

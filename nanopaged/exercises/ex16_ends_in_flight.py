@@ -6,7 +6,7 @@ import functools
 NUMBER = 16
 CHAPTER = "16-async-scheduling.md"
 TITLE = "AsyncScheduler._ends_in_flight: no step for a sequence that is surely done"
-TARGETS = ["nanopaged.core.async_scheduler:AsyncScheduler._ends_in_flight"]
+TARGETS = ["nanopaged.async_sched.scheduler:AsyncScheduler._ends_in_flight"]
 TASK = """
 With async scheduling the scheduler plans step t+1 while step t runs, counting the
 token t is sampling for each sequence as a placeholder (seq.num_output_placeholders)
@@ -46,7 +46,7 @@ def _sequence(num_prompt, num_output, placeholders, max_tokens):
 
 def _scheduler(max_model_len=256):
     from nanopaged.config import EngineConfig
-    from nanopaged.core.async_scheduler import AsyncScheduler
+    from nanopaged.async_sched.scheduler import AsyncScheduler
     from nanopaged.core.block_manager import BlockManager
 
     config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=max_model_len,

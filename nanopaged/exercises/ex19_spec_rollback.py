@@ -116,7 +116,7 @@ def scripted_drafts(full_token_ids: list[int], wrong_positions: set[int]):
     without speculation), the next num_speculative_tokens tokens of it, except that the
     draft for each position in wrong_positions is a wrong token. So a test chooses where
     drafts are rejected, e.g. at a block's first slot. Other sequences get no drafts."""
-    from nanopaged.worker.spec_decode.ngram_proposer import NgramProposer
+    from nanopaged.spec_decode.ngram_proposer import NgramProposer
 
     original = NgramProposer.propose_text       # propose hands it the tokens as a str
 

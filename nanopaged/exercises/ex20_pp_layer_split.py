@@ -9,12 +9,12 @@ import tempfile
 
 # imported now, before a check swaps your get_pp_indices in: the stage model imports it
 # by name, and the swap (runner.swapped_in) replaces it there too, and puts it back after
-from ..model import pipeline_stage  # noqa: F401
+from ..pipeline import stage_model as pipeline_stage  # noqa: F401
 
 NUMBER = 20
 CHAPTER = "20-pipeline-parallelism.md"
 TITLE = "get_pp_indices: which layers each pipeline stage holds"
-TARGETS = ["nanopaged.layers.pipeline:get_pp_indices"]
+TARGETS = ["nanopaged.layers.groups:get_pp_indices"]
 TASK = """
 Write get_pp_indices(num_layers, pp_rank, pp_size) -> (start, end): the layers
 [start, end) that stage pp_rank of a pipeline of pp_size stages holds, by vLLM's rule
@@ -24,8 +24,8 @@ it, and so on, never the last stage (it also runs the final norm, the LM head an
 sampler). The stages are consecutive and cover every layer once. A pipeline with more
 stages than layers is a ValueError naming both numbers. The checks compare your split
 with vLLM's on a table, then build the tiny Llama's stages with your split
-(model/pipeline_stage.py), chain them in this process (each stage's IntermediateTensors
-sent to the next through PPGroup, over a queue standing in for gloo) and ask for the
+(pipeline/stage_model.py), chain them in this process (each stage's IntermediateTensors
+sent to the next by pipeline/hop.py, over a queue standing in for gloo) and ask for the
 whole model's logits, to the bit.
 """
 HINT = """
@@ -50,7 +50,7 @@ def _vllm_rule(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
 
 def check_vllm_examples():
     """vLLM's own examples: 22 layers over 4 stages -> 5, 6, 6, 5; 5 over 3 -> 2, 2, 1; 4 over 3 -> 1, 2, 1"""
-    from nanopaged.layers.pipeline import get_pp_indices
+    from nanopaged.layers.groups import get_pp_indices
 
     for num_layers, pp_size, counts in [(22, 4, [5, 6, 6, 5]), (5, 3, [2, 2, 1]), (4, 3, [1, 2, 1])]:
         got = [get_pp_indices(num_layers, r, pp_size) for r in range(pp_size)]
@@ -62,7 +62,7 @@ def check_vllm_examples():
 
 def check_every_split_up_to_40_layers():
     """every split of 1 to 40 layers over 1 to 8 stages is vLLM's: consecutive, each layer once, the remainder never on the last stage"""
-    from nanopaged.layers.pipeline import get_pp_indices
+    from nanopaged.layers.groups import get_pp_indices
 
     for num_layers in range(1, 41):
         for pp_size in range(1, min(8, num_layers) + 1):
@@ -82,7 +82,7 @@ def check_every_split_up_to_40_layers():
 
 def check_more_stages_than_layers():
     """more stages than layers is a ValueError that names both numbers"""
-    from nanopaged.layers.pipeline import get_pp_indices
+    from nanopaged.layers.groups import get_pp_indices
 
     for num_layers, pp_size in [(2, 3), (30, 31)]:
         try:
@@ -101,8 +101,8 @@ class _Sent:
 
 
 class _QueueGroup:
-    """A stand-in for the pipeline's torch.distributed ProcessGroup (what PPGroup.send
-    and .recv call), for stages run one after the other in this process: a send puts
+    """A stand-in for the pipeline's torch.distributed ProcessGroup (what hop.send and
+    hop.recv call), for stages run one after the other in this process: a send puts
     the tensor on the queue to its destination stage, a recv takes the next one off
     its own."""
 
@@ -139,15 +139,16 @@ def _tiny_folder(num_layers: int, tie: bool) -> str:
 
 def _stage_logits(folder: str, pp_size: int):
     """The tiny model's logits for a prefill of 6 tokens, then 3 decodes (paged, block
-    size 4), with the model split into pp_size stages chained through PPGroup (pp_size
+    size 4), with the model split into pp_size stages chained by hop.send / recv (pp_size
     1: the whole model). Also returns each stage's [start, end)."""
     import torch
 
     from nanopaged.layers.attention import AttentionMetadata
-    from nanopaged.layers.pipeline import PPGroup
+    from nanopaged.layers.groups import PPGroup
     from nanopaged.model.config import ModelConfig
     from nanopaged.model.llama import LlamaForCausalLM
-    from nanopaged.model.pipeline_stage import PipelineStageModel
+    from nanopaged.pipeline.hop import recv, send
+    from nanopaged.pipeline.stage_model import PipelineStageModel
 
     config = ModelConfig.from_pretrained(folder)
     inboxes = [queue.Queue() for _ in range(pp_size)]
@@ -179,10 +180,10 @@ def _stage_logits(folder: str, pp_size: int):
                 if pp_size == 1:
                     hidden = model(ids, positions, kv[rank], meta)
                     continue
-                previous = None if rank == 0 else model.pp.recv(end - start, config.hidden_size, torch.float32)
+                previous = None if rank == 0 else recv(model.pp, end - start, config.hidden_size, torch.float32)
                 out = model(ids, positions, kv[rank], meta, previous)
                 if rank < pp_size - 1:
-                    model.pp.send(out)
+                    send(model.pp, out)
                 else:
                     hidden = out
             logits.append(stages[-1].compute_logits(hidden))

@@ -6,7 +6,7 @@ import functools
 NUMBER = 21
 CHAPTER = "21-quantization.md"
 TITLE = "dequantize_q4_1: GGUF's Q4_1 blocks back to float32 weights"
-TARGETS = ["nanopaged.layers.quantization.gguf:dequantize_q4_1"]
+TARGETS = ["nanopaged.quantization.gguf:dequantize_q4_1"]
 TASK = """
 Write dequantize_q4_1(qweight) -> float32 [n, k]: the rows of a Q4_1 matrix as a GGUF
 file stores them (uint8 [n, k / 32 * 20]) widened back to weights. Each row is k / 32
@@ -57,7 +57,7 @@ def _compare(packed, what: str) -> None:
     guess at why (the nibble order, m forgotten)."""
     import torch
 
-    from nanopaged.layers.quantization.gguf import dequantize_q4_1
+    from nanopaged.quantization.gguf import dequantize_q4_1
 
     want = _reference(packed)
     got = dequantize_q4_1(packed.clone())
@@ -123,7 +123,7 @@ def check_edge_cases():
 @functools.cache
 def _default_gguf_engine():
     """The default model's Q4_1 file run as shipped, with the PyTorch reference backend
-    (TorchOps.gguf_linear: dequantize, then F.linear), made once per process."""
+    (quantization/gguf.py's gguf_linear: dequantize, then F.linear), made once per process."""
     from nanopaged import LLM
 
     return LLM(quantization="gguf", attention_backend="torch", block_size=16, num_gpu_blocks=8,

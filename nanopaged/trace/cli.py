@@ -30,9 +30,9 @@ from rich.text import Text
 
 from .. import events as ev
 from ..engine.arg_utils import add_cli_args, engine_kwargs
-from ..engine.dashboard import batches_during_step, in_flight_batches
+from ..dashboard.sampler import batches_during_step, in_flight_batches
 from ..utils.cli import quiet_broken_pipe
-from .replay import ReplayRecorder, replay_page
+from ..dashboard.replay import ReplayRecorder, replay_page
 from .scenarios import SCENARIOS, BatchesInFlight, History, Scenario, prompt_scenario
 from .view import TraceView
 

@@ -10,7 +10,7 @@ is left (`determine_available_memory`) and gives them their KV pools
 (`initialize_kv_cache`). Three kinds:
 
 - UniProcExecutor: one Worker in this process (one rank, the default).
-- MultiprocExecutor: one process per rank (multiproc_executor.py, imported only then).
+- MultiprocExecutor: one process per rank (multiproc/executor.py, a feature of its own).
 - ExternalLauncherExecutor: for `torchrun` (vLLM's "external_launcher"): each of the N
   processes torchrun starts runs the whole engine with one Worker, in torchrun's process
   group; every copy schedules the same way, so nothing is sent. Spans machines.
@@ -18,7 +18,6 @@ is left (`determine_available_memory`) and gives them their KV pools
 from __future__ import annotations
 
 import atexit
-import importlib
 import os
 import weakref
 from concurrent.futures import Future
@@ -34,15 +33,18 @@ class Executor:
     """Runs the model on the workers. Subclasses give collective_rpc."""
 
     @staticmethod
-    def create(config, model_path, model_config, ops: TorchOps) -> "Executor":
-        """The executor config.distributed_executor_backend names, its workers started
-        with their weights loaded and no KV pool yet (initialize_kv_cache makes it).
+    def base_class(config) -> type["Executor"]:
+        """The base engine's executor for config.executor_backend ("uni" or
+        "external_launcher"; "mp", one process per rank, is a feature's: multiproc/)."""
+        return ExternalLauncherExecutor if config.executor_backend == "external_launcher" else UniProcExecutor
+
+    @staticmethod
+    def create(config, model_path, model_config, ops: TorchOps, composition) -> "Executor":
+        """The executor the composition chose (features.py: the base's, or the worker
+        processes' MultiprocExecutor), its workers started with their weights loaded and
+        no KV pool yet (initialize_kv_cache makes it).
         ops: the kernels the engine chose (layers/backends.get_ops)."""
-        if config.executor_backend == "mp":
-            # an extension, loaded by name (as extensions.py does): the base never imports it
-            kind = importlib.import_module("nanopaged.worker.multiproc_executor").MultiprocExecutor
-        else:
-            kind = {"uni": UniProcExecutor, "external_launcher": ExternalLauncherExecutor}[config.executor_backend]
+        kind = composition.build(Executor.base_class(config), "executor")
         return kind(config, model_path, model_config, ops)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:

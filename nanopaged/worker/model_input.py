@@ -26,7 +26,7 @@ class ModelInput:
             of the sequences that want prompt logprobs of this step's tokens.
         seq_ids: the scheduled sequences, in the batch's order (decodes first).
         spec_token_ids: seq_id -> the drafts it verifies, in row order (speculative
-            decoding: worker/spec_decode/spec_model_runner.py; empty otherwise).
+            decoding: spec_decode/model_runner.py; empty otherwise).
         proposal_seq_ids: the sequences the proposer drafts for (speculative decoding).
     """
 

@@ -11,7 +11,7 @@ logits (logits_chunks.py).
 Later features subclass it in files of their own and override the hooks
 (`_token_ids`, `_sampled_rows`, `prepare_inputs`, `_move_blocks`, `_forward`,
 `_after_forward`, `_sample_step`, `_sample`, `_compute_logits`, `_after_sample`,
-`_profile_forward`); extensions.py builds the class.
+`_profile_forward`); features.py composes the class.
 
 It owns the KV cache, zero-filled once (padded block-table entries are read, then
 masked, and 0 * NaN would still be NaN):

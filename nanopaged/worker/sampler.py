@@ -77,7 +77,7 @@ def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) ->
 
 def apply_grammar_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """Structured outputs: set to -inf, in place, the logit of every token the grammar
-    forbids in the given rows (core/structured_output.py makes the masks).
+    forbids in the given rows (structured_output/manager.py makes the masks).
 
     logits: [num_rows, vocab] float32; rows: the logits row of each mask row;
     bitmask: [len(rows), ceil(vocab / 32)] int32 on the logits' device, bit j of word w

@@ -5,7 +5,7 @@ runner.
 Every rank gets the same SchedulerOutput and runs the same step; the ranks of a stage
 meet only in the model's collectives (layers/parallel.py), and every rank samples the
 same tokens from the same gathered logits (chapter 17). The stages of a pipeline pass
-their hidden states on (layers/pipeline.py); only the last stage samples. At start a
+their hidden states on (pipeline/hop.py); only the last stage samples. At start a
 rank loads its shard and measures the memory left for its KV pool
 (`determine_available_memory`); the EngineCore takes the smallest answer and sizes
 every pool (`initialize_kv_cache`).
@@ -21,12 +21,12 @@ from datetime import timedelta
 
 import torch
 
-from .. import extensions
+from ..features import Composition
 from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput, WeightsInfo
 from ..model.config import ModelConfig
 from ..model.model_loader import load_model, weights_source
 from ..layers.backends import TorchOps
-from ..layers.pipeline import make_parallel_groups
+from ..layers.groups import make_parallel_groups
 from .model_runner import ModelRunner
 
 # Seconds a collective may wait for the other ranks before it raises (gloo and NCCL):
@@ -44,7 +44,7 @@ def init_process_group(rank: int, world_size: int, init_method: str | None, devi
     """Join the torch.distributed group of all the ranks (gloo on the CPU,
     NCCL on CUDA) and return it. `init_method`: "env://" under torchrun, else a
     "tcp://127.0.0.1:PORT" or "file://PATH" rendezvous the executor chose; or None and
-    a `store` (node 0's TCPStore: worker/multinode.py)."""
+    a `store` (node 0's TCPStore: multiproc/multinode.py)."""
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -84,13 +84,14 @@ class Worker:
         if world_size != tp_size * pp_size:
             raise ValueError(f"world_size={world_size} but tensor_parallel_size={tp_size} x "
                              f"pipeline_parallel_size={pp_size} = {tp_size * pp_size}")
+        self.composition = Composition.of(config)          # which classes serve the model and runner
         self.tp, self.pp = make_parallel_groups(rank, tp_size, pp_size, process_group, device=device)
         if rank == 0:
             logger.info("loading weights from %s (%s, %s%s)", weights_source(model_path), config.dtype, device,
                         f", {tp_size} tensor-parallel x {pp_size} pipeline ranks" if world_size > 1 else "")
         start = time.perf_counter()
         self.model = load_model(model_path, config.torch_dtype, device, config.max_model_len, self.tp, self.pp,
-                                model_class=lambda family: extensions.build_class(family, "model", config))
+                                model_class=lambda family: self.composition.build(family, "model"))
         if rank == 0:
             logger.info("weights loaded in %.1f s: %s", time.perf_counter() - start,
                         weights_info(self.model).describe())
@@ -100,8 +101,8 @@ class Worker:
             # its weights' own format; a draft's activations stay exact
             draft_config = dataclasses.replace(config, quantization=sc.quantization, activation_quantization=None)
             self.draft_model = load_model(sc.model, config.torch_dtype, device, config.max_model_len, self.tp,
-                                          model_class=lambda family: extensions.build_class(family, "model",
-                                                                                            draft_config))
+                                          model_class=lambda family: Composition.of(draft_config).build(
+                                              family, "model"))
             if rank == 0:
                 logger.info("draft model loaded from %s (%d layers): %s", weights_source(sc.model),
                             self.draft_model.config.num_hidden_layers, weights_info(self.draft_model).describe())
@@ -136,8 +137,8 @@ class Worker:
     def initialize_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Build this rank's model runner, with its KV pool of num_gpu_blocks blocks (the
         EngineCore's choice) and swap pool of num_cpu_blocks; the class is the base with
-        the config's extensions (extensions.py)."""
-        runner_class = extensions.build_class(ModelRunner, "model_runner", self.config)
+        the config's features in front (features.py)."""
+        runner_class = self.composition.build(ModelRunner, "model_runner")
         extra = {} if self.draft_model is None else {"draft_model": self.draft_model}
         self.model_runner = runner_class(self.config, self.model, num_gpu_blocks=num_gpu_blocks,
                                          num_cpu_blocks=num_cpu_blocks, ops=self.ops, **extra)

@@ -193,7 +193,7 @@ def four_layer_dir(tmp_path_factory):
 def _pipeline_engine(folder, block_size, num_blocks, limits, caching, pp):
     """get_engine's engine with pipeline_parallel_size=pp (PipelineEngineCore and
     PipelineScheduler: up to pp batches in flight) over one whole-model worker in this
-    process, each batch run when it is sent (tests/engine/test_pipeline_parallel.py)."""
+    process, each batch run when it is sent (tests/pipeline/test_pipeline_parallel.py)."""
     from dataclasses import replace
 
     from nanopaged.worker import executor as em
@@ -202,7 +202,7 @@ def _pipeline_engine(folder, block_size, num_blocks, limits, caching, pp):
     if key not in _engines:
         max_num_seqs, budget, (mode, num_cpu_blocks) = limits
 
-        def one_worker(config, model_path, model_config, ops):
+        def one_worker(config, model_path, model_config, ops, composition):
             whole = replace(config, pipeline_parallel_size=1, distributed_executor_backend="uni")
             return em.UniProcExecutor(whole, model_path, model_config, ops)
         with pytest.MonkeyPatch.context() as m:

@@ -1,5 +1,5 @@
-"""The base scheduler stands alone (issue 35): core/scheduler.py is short and names none
-of the later features, which join it as subclasses at its hooks (extensions.py); the
+"""The base scheduler stands alone: core/scheduler.py names none of the later features,
+which join it as subclasses at its hooks, composed from the config (features.py); the
 engine core imports none of them either."""
 import ast
 import re
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nanopaged import extensions
+from nanopaged import features
 from nanopaged.config import EngineConfig
 from nanopaged.core.scheduler import Scheduler
 from nanopaged.engine.engine_core import EngineCore
@@ -22,10 +22,6 @@ def test_the_base_scheduler_names_no_later_feature(path):
     assert [line for line in text.splitlines() if FEATURE_WORDS.search(line)] == []
 
 
-def test_the_base_scheduler_is_at_most_300_lines():
-    assert len((PACKAGE / "core/scheduler.py").read_text().splitlines()) <= 300
-
-
 def test_the_engine_core_imports_no_feature_module():
     tree = ast.parse((PACKAGE / "engine/engine_core.py").read_text())
     imported = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
@@ -36,13 +32,68 @@ def test_the_engine_core_imports_no_feature_module():
 def test_each_feature_is_a_subclass_built_in_front_of_the_base():
     config = EngineConfig(async_scheduling=True, speculative_config={"method": "ngram"})
     for base, part in ((Scheduler, "scheduler"), (EngineCore, "engine_core")):
-        cls = extensions.build_class(base, part, config)
-        features = [c for c in cls.__mro__[1:] if c is not base and issubclass(c, base)]
-        assert [c.__module__ for c in features] == [extensions.PARTS[part][name].partition(":")[0]
-                                                    for name, on in extensions.ENABLED.items()
-                                                    if name in extensions.PARTS[part] and on(config)]
+        cls = features.Composition.of(config).build(base, part)
+        joined = [c for c in cls.__mro__[1:] if c is not base and issubclass(c, base)]
+        assert cls.__mro__[1] is joined[0]          # the built class adds nothing of its own
+        assert [f"{c.__module__}:{c.__qualname__}" for c in joined] == [
+            features.qualname(f, part) for f in features.FEATURES if part in f.parts and f.on(config)]
     # pipeline parallelism is built on async scheduling: its classes subclass the async ones
     config = EngineConfig(pipeline_parallel_size=2, async_scheduling=True)
-    mro = extensions.build_class(Scheduler, "scheduler", config).__mro__
-    assert [c.__module__.rpartition(".")[2] for c in mro[1:5]] == [
-        "pipeline_scheduler", "async_scheduler", "beam_search", "structured_output_scheduler"]
+    mro = features.Composition.of(config).build(Scheduler, "scheduler").__mro__
+    assert [c.__module__.removeprefix("nanopaged.") for c in mro[1:5]] == [
+        "pipeline.scheduler", "async_sched.scheduler", "beam_search.scheduler", "structured_output.scheduler"]
+
+
+def test_a_composed_class_is_named_for_what_it_holds_and_the_log_says_it():
+    config = EngineConfig(async_scheduling=True, speculative_config={"method": "ngram"}, enforce_eager=True)
+    composition = features.Composition.of(config)
+    assert composition.features == ("async scheduling", "speculative decoding", "beam search", "structured outputs")
+    cls = composition.build(Scheduler, "scheduler")
+    assert cls.__name__ == "AsyncSpecDecodeBeamSearchStructuredOutputScheduler"
+    lines = composition.describe({"scheduler": Scheduler, "engine_core": EngineCore})
+    assert lines == ["scheduler: Scheduler <- StructuredOutputScheduler <- BeamSearchScheduler <- "
+                     "SpecDecodeScheduler <- AsyncScheduler",
+                     "engine_core: EngineCore <- StructuredOutputEngineCore <- SpecDecodeEngineCore <- "
+                     "AsyncEngineCore"]
+    assert features.Composition.of(EngineConfig(enforce_eager=True)).build(EngineCore, "engine_core").__name__ \
+        == "StructuredOutputEngineCore"
+
+
+def _hooks(base: type) -> list[str]:
+    """The methods of `base` that its source calls hooks: a docstring that starts "Hook",
+    or a name in the module docstring's list of hooks (the runner's)."""
+    import inspect
+    names = [n for n, f in vars(base).items() if callable(f) and (f.__doc__ or "").startswith("Hook")]
+    listed = re.search(r"override the hooks\s*\((.*?)\)", inspect.getmodule(base).__doc__ or "", re.S)
+    return names + (re.findall(r"`(\w+)`", listed.group(1)) if listed else [])
+
+
+def _real_body(function) -> bool:
+    """More than `pass`, a docstring, or a bare `return super()...` / `return <constant>`."""
+    import inspect
+    import textwrap
+    body = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0].body
+    body = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    def only_super(e):                  # super().name(...), nothing around it
+        return isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and ast.unparse(e.func.value) == "super()"
+    trivial = all(isinstance(s, ast.Pass) or (isinstance(s, (ast.Return, ast.Expr)) and (
+        s.value is None or isinstance(s.value, ast.Constant) or only_super(s.value))) for s in body)
+    return not trivial
+
+
+def test_every_hook_has_a_feature_that_overrides_it_with_a_real_body():
+    """A hook exists only where some feature needs it: for each base part, every hook is
+    overridden by a class of the feature table, and is no no-op in every class that
+    defines it (a `pass` that switches the base's body off is a real override)."""
+    from nanopaged.engine.processor import Processor
+    from nanopaged.worker.model_runner import ModelRunner
+    classes = [features.resolve(features.qualname(f, part)) for f in features.FEATURES for part in f.parts]
+    missing = []
+    for base in (Scheduler, EngineCore, ModelRunner, Processor):
+        hooks = _hooks(base)
+        assert hooks, f"{base.__name__} names no hook"
+        for hook in hooks:
+            overriders = [c for c in classes if issubclass(c, base) and hook in vars(c)]
+            if not overriders or not any(_real_body(vars(c)[hook]) for c in [base, *overriders]):
+                missing.append(f"{base.__name__}.{hook}")
+    assert missing == []

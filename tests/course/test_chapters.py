@@ -9,7 +9,7 @@ block number and the line of the chapter it starts on.
 
 Other tests check that every module of nanopaged/ is explained in some chapter, and that
 the chapters follow the split of issue 35: a base chapter lists only base files, and a
-feature's chapter names its extension's files and shows the hook it overrides.
+feature's chapter names its package's files and shows the hook it overrides.
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanopaged import extensions
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = sorted((ROOT / "chapters").glob("*.md"))
@@ -102,11 +101,23 @@ def test_python_blocks_parser():
     assert python_blocks(text) == [(2, "print(1)\n", "1\n"), (9, "x = 2\n", None)]
 
 
-# The chapters of the base engine, and each extension's chapter (extensions.MODULES' keys).
+# The chapters of the base engine, and each feature's chapter (its package below nanopaged/).
 BASE_CHAPTERS = [p for p in CHAPTERS if re.match(r"(0[1-9]|11)[a-z]?-", p.name)]
-EXTENSION_CHAPTERS = {"10": "beam_search", "16": "async_scheduling", "17": "worker_processes",
-                      "18": "structured_outputs", "19": "speculative_decoding", "20": "pipeline_parallel",
+EXTENSION_CHAPTERS = {"10": "beam_search", "16": "async_sched", "17": "multiproc",
+                      "18": "structured_output", "19": "spec_decode", "20": "pipeline",
                       "21": "quantization"}
+BASE_FOLDERS = {"core", "worker", "engine", "model", "layers", "utils", "entrypoints", "trace", "exercises"}
+
+
+def feature_modules(package: str) -> list[str]:
+    """A feature package and every module in it, dotted."""
+    folder = ROOT / "nanopaged" / package
+    return [f"nanopaged.{package}"] + [f"nanopaged.{package}.{p.stem}" for p in sorted(folder.glob("*.py"))
+                                       if p.name != "__init__.py"]
+
+
+FEATURE_PACKAGES = sorted(p.parent.name for p in (ROOT / "nanopaged").glob("*/__init__.py")
+                          if p.parent.name not in BASE_FOLDERS)
 
 
 def files_paragraph(text: str) -> str:
@@ -117,9 +128,9 @@ def files_paragraph(text: str) -> str:
 
 
 def module_pattern(module: str) -> re.Pattern:
-    """Where a text names `module` (dotted) as a path: nanopaged.core.beam_search as
-    `nanopaged/core/beam_search.py`, `core/beam_search.py` or `beam_search.py`; a package
-    as its folder (`nanopaged/worker/spec_decode/`, ..., `spec_decode/`)."""
+    """Where a text names `module` (dotted) as a path: nanopaged.beam_search.scheduler as
+    `nanopaged/beam_search/scheduler.py`, `beam_search/scheduler.py` or `scheduler.py` (not
+    `core/scheduler.py`); a package as its folder (`nanopaged/spec_decode/` or `spec_decode/`)."""
     parts = module.split(".")
     leaf = "/" if (ROOT / Path(*parts)).is_dir() else ".py"
     tails = ["/".join(parts[i:]) + leaf for i in range(len(parts))]
@@ -137,33 +148,35 @@ def hook_section(text: str) -> str:
 
 
 def test_module_pattern():
-    p = module_pattern("nanopaged.core.beam_search")
-    assert p.search("`nanopaged/core/beam_search.py` (x)") and p.search("see `beam_search.py`")
-    assert p.search("core/beam_search.py") and not p.search("worker/beam_search.py")
-    assert not p.search("my_beam_search.py") and not p.search("nanopaged.core.beam_search")
-    assert module_pattern("nanopaged.worker.spec_decode").search("`nanopaged/worker/spec_decode/` (")
-    assert not module_pattern("nanopaged.worker.spec_decode").search("core/spec_decode.py")
+    p = module_pattern("nanopaged.beam_search.scheduler")
+    assert p.search("`nanopaged/beam_search/scheduler.py` (x)") and p.search("see `beam_search/scheduler.py`")
+    assert p.search("see `scheduler.py`") and not p.search("core/scheduler.py")
+    assert not p.search("my_beam_search/scheduler.py") and not p.search("nanopaged.beam_search.scheduler")
+    assert module_pattern("nanopaged.spec_decode").search("`nanopaged/spec_decode/` (")
+    assert module_pattern("nanopaged.spec_decode").search("spec_decode/scheduler.py")
+    assert not module_pattern("nanopaged.spec_decode").search("core/spec_decode.py")
     assert files_paragraph("# t\n\nFiles: a,\nb.\n\nprose") == "Files: a,\nb."
 
 
 @pytest.mark.parametrize("chapter", BASE_CHAPTERS, ids=lambda p: p.name)
 def test_base_chapter_lists_only_base_files(chapter):
     """Chapters 01-09 and 11 read the base engine: their Files paragraph names no module
-    of a later feature (extensions.MODULES)."""
+    of a later feature (a package beside the base folders)."""
     files = files_paragraph(chapter.read_text())
     assert files, f"{chapter.name} has no Files: paragraph"
-    every = [m for modules in extensions.MODULES.values() for m in modules]
+    every = [m for package in FEATURE_PACKAGES for m in feature_modules(package)]
     assert not named_modules(files, every), \
-        f"{chapter.name}'s Files paragraph names extension modules {named_modules(files, every)}"
+        f"{chapter.name}'s Files paragraph names feature modules {named_modules(files, every)}"
 
 
 @pytest.mark.parametrize("number", sorted(EXTENSION_CHAPTERS))
 def test_extension_chapter_shows_its_hook(number):
-    """A feature's chapter names its extension's files in its Files paragraph and has a
-    "## The hook(s)" section whose python snippet imports the extension and prints what
-    it overrides (checked against the block under it, by test_chapter_snippets_run)."""
+    """A feature's chapter names its package's files in its Files paragraph and has a
+    "## The hook(s)" section whose python snippet imports the package and prints what
+    it overrides (checked against the block under it, by test_chapter_snippets_run), and
+    says how the class is built (`Composition`, features.py)."""
     (chapter,) = [p for p in CHAPTERS if p.name.startswith(number + "-")]
-    modules = extensions.MODULES[EXTENSION_CHAPTERS[number]]
+    modules = feature_modules(EXTENSION_CHAPTERS[number])
     text = chapter.read_text()
     assert named_modules(files_paragraph(text), modules), \
         f"{chapter.name}'s Files paragraph names none of {modules}"
@@ -172,4 +185,4 @@ def test_extension_chapter_shows_its_hook(number):
     blocks = python_blocks(section)
     assert any(expected is not None and any(m in code for m in modules) for _, code, expected in blocks), \
         f"{chapter.name}'s hook section has no python snippet importing one of {modules} with its output"
-    assert "build_class" in section, f"{chapter.name}'s hook section does not say how the class is built"
+    assert "Composition" in section, f"{chapter.name}'s hook section does not say how the class is built"

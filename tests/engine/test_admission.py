@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from nanopaged import LLM, SamplingParams, StructuredOutputsParams
-from nanopaged.core.beam_search import BeamSearchParams
+from nanopaged.beam_search.scheduler import BeamSearchParams
 
 from conftest import TINY_VOCAB
 
@@ -158,21 +158,20 @@ def test_the_repl_refuses_max_tokens_past_the_context(tiny_model_dir):
     assert r.returncode == 1 and "--max-tokens 300 leaves no room" in r.stderr, r.stderr
 
 
-FEATURE_MODULES = {"beam_search": ["nanopaged.core.beam_search"],
-                   "structured_outputs": ["nanopaged.core.structured_output", "nanopaged.core.structured_output_scheduler",
-                                          "nanopaged.engine.structured_output_core"]}
+FEATURE_MODULES = {"beam search": ["nanopaged.beam_search"], "structured outputs": ["nanopaged.structured_output"]}
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURE_MODULES))
 def test_a_request_for_a_feature_whose_module_cannot_be_imported_is_refused_by_name(tiny_model_dir, monkeypatch,
                                                                                       feature):
-    """extensions.py: the base engine runs without a per-request feature's modules; a
+    """features.py: the base engine runs without a per-request feature's package; a
     request that asks for it is a ValueError naming the feature, and the engine serves on."""
-    for module in FEATURE_MODULES[feature]:
-        monkeypatch.setitem(sys.modules, module, None)          # `import` of it now fails
+    for package in FEATURE_MODULES[feature]:                    # `import` of it now fails
+        for module in [m for m in sys.modules if m == package or m.startswith(package + ".")] + [package]:
+            monkeypatch.setitem(sys.modules, module, None)
     llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4)
-    with pytest.raises(ValueError, match=f"needs the {feature} extension"):
-        if feature == "beam_search":
+    with pytest.raises(ValueError, match=f"needs the {feature} feature"):
+        if feature == "beam search":
             llm.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=2))
         else:
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[0-9]+")),

@@ -1,8 +1,7 @@
-"""The base engine runs alone (issue 35; DESIGN.md "The base engine and its extensions").
+"""The base engine runs alone (DESIGN.md "The base engine and its features").
 
-In a subprocess whose import system refuses every extension module (speculative
-decoding, structured outputs, beam search, the dashboard, async scheduling, the worker
-processes), the engine serves greedy and seeded sampling, n > 1, prefix-cache hits,
+In a subprocess whose import system refuses every feature package (every package beside
+the base folders, read from the tree), the engine serves greedy and seeded sampling, n > 1, prefix-cache hits,
 chunked prefill, and preemption by swap and by recompute; the same script in a plain
 subprocess (the full engine) gives the same ids.
 """
@@ -14,13 +13,19 @@ import sys
 
 import pytest
 
-from nanopaged import extensions
+from pathlib import Path
+
+from nanopaged.model.registry import MODELS
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.exactness]
 
-# Module names (and their submodules) the base engine must never import: every
-# extension's modules, and the grammar library
-BLOCKED = [m for modules in extensions.MODULES.values() for m in modules] + ["llguidance"]
+PACKAGE = Path(__file__).resolve().parents[2] / "nanopaged"
+BASE = {"core", "worker", "engine", "model", "layers", "utils", "entrypoints", "trace", "exercises"}
+# every later feature's package, from the tree
+FEATURES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py") if p.parent.name not in BASE)
+# Module names (and their submodules) the base engine must never import: every feature
+# package, and the grammar library
+BLOCKED = [f"nanopaged.{name}" for name in FEATURES] + ["llguidance"]
 
 SCRIPT = r'''
 import importlib.abc, json, sys
@@ -29,18 +34,18 @@ BLOCKED, model, block = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3] == "bl
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if any(name == b or name.startswith(b + ".") for b in BLOCKED):
-            raise ImportError(f"{name} is an extension: blocked in this test")
+            raise ImportError(f"{name} is a feature: blocked in this test")
         return None
 
 if block:
     sys.meta_path.insert(0, Refuse())
 from nanopaged import LLM, SamplingParams
-from nanopaged import extensions
+from nanopaged import features
 
-# the extension tables name modules that exist and that this test blocks
-for table in extensions.PARTS.values():
-    for path in table.values():
-        module = path.partition(":")[0]
+# the feature table names classes in packages that this test blocks
+for feature in features.FEATURES:
+    for part in feature.parts:
+        module = features.qualname(feature, part).partition(":")[0]
         assert any(module == b or module.startswith(b + ".") for b in BLOCKED), module
 
 def run(**kw):
@@ -71,15 +76,34 @@ for mode in ("swap", "recompute"):
     llm.shutdown()
 
 # the default model runs in float32 on the CPU, dtype auto included, whether or not the
-# quantization extension imports; with it, from its GGUF file; without it, from its
+# quantization feature imports; with it, from its GGUF file; without it, from its
 # converted folder: the same bits (engine/arg_utils.py, default_model_weights)
 from nanopaged.config import EngineConfig
 from nanopaged.engine.arg_utils import default_model_weights
 stats["default_weights"] = [[c.quantization, str(c.torch_dtype)] for c in
                             (default_model_weights(EngineConfig(dtype=d, device="cpu")) for d in ("float32", "auto"))]
 
+# AsyncLLM: the core in a process of its own, the same ids
+import asyncio
+from nanopaged.engine.async_llm import AsyncLLM
+
+async def streamed():
+    engine = AsyncLLM(model=model, attention_backend="torch", block_size=4, seed=0, dtype="float32",
+                      num_gpu_blocks=64)
+    try:
+        out = None
+        async for out in engine.generate(prompts[0], greedy, request_id="a"):
+            pass
+        return list(out.outputs[0].token_ids)
+    finally:
+        engine.shutdown()
+
+result["async"] = asyncio.run(streamed())
+
 loaded = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED))
-print(json.dumps({"result": result, "stats": stats, "loaded": loaded}))
+base = sorted(m for m in sys.modules if m.split(".")[:2][-1] in ("core", "worker", "engine", "model", "layers")
+              and m.startswith("nanopaged."))
+print(json.dumps({"result": result, "stats": stats, "loaded": loaded, "base": base}))
 '''
 
 
@@ -101,13 +125,20 @@ def test_the_base_engine_serves_alone_and_gives_the_full_engines_ids(tiny_model_
     assert stats["swap"]["num_preemptions_swap"] > 0 and stats["recompute"]["num_preemptions_recompute"] > 0
     full = _run(tiny_model_dir, block=False)
     assert base["result"] == full["result"]
+    assert base["result"]["async"] == base["result"]["plain"][0][0]
+    # every module of the base folders is part of the base run (the other model families
+    # load only for their own checkpoints)
+    families = {f"nanopaged.model.{module}" for module, _ in MODELS.values()} - {"nanopaged.model.llama"}
+    every = {".".join(("nanopaged",) + p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+             for folder in ("core", "worker", "engine", "model", "layers") for p in (PACKAGE / folder).rglob("*.py")}
+    assert sorted(every - families - set(base["base"])) == []
     assert base["stats"]["default_weights"] == [[None, "torch.float32"]] * 2
     assert full["stats"]["default_weights"] == [["gguf", "torch.float32"]] * 2
 
 
-def test_the_block_can_see_an_extension(tiny_model_dir):
-    """The refusal works: blocked, a beam search (an extension) cannot run."""
-    script = SCRIPT.split("from nanopaged import extensions")[0] + (
+def test_the_block_can_see_a_feature(tiny_model_dir):
+    """The refusal works: blocked, a beam search (a feature) cannot run."""
+    script = SCRIPT.split("from nanopaged import features")[0] + (
         "from nanopaged.entrypoints.llm import LLM\n"
         "from nanopaged.sampling_params import BeamSearchParams\n"
         "llm = LLM(model, attention_backend='torch', block_size=4)\n"
@@ -115,3 +146,49 @@ def test_the_block_can_see_an_extension(tiny_model_dir):
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(BLOCKED), str(tiny_model_dir), "block"],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0 and "beam" in proc.stderr.lower()
+
+
+ONE_SCRIPT = r'''
+import importlib.abc, json, sys
+blocked, model = sys.argv[1], sys.argv[2]
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == blocked or name.startswith(blocked + "."):
+            raise ImportError(f"{name} is a feature: blocked in this test")
+        return None
+
+sys.meta_path.insert(0, Refuse())
+from nanopaged import LLM, SamplingParams
+llm = LLM(model, block_size=4, seed=0, dtype="float32", num_gpu_blocks=64)
+greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+outs = llm.generate([list(range(1, 12)), list(range(20, 27))], greedy, use_tqdm=False)
+print(json.dumps({"ids": [o.outputs[0].token_ids for o in outs], "features": llm.engine.composition.features}))
+'''
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_each_feature_blocked_in_turn_leaves_an_engine_that_serves(tiny_model_dir, feature):
+    """One feature package unimportable at a time (the list is the tree's): the engine
+    serves with the default config (the kernels' attention, CPU graphs on), gives the ids
+    of the same engine with every package, and its composition names no feature of the
+    blocked package."""
+    def run(blocked):
+        proc = subprocess.run([sys.executable, "-c", ONE_SCRIPT, blocked, str(tiny_model_dir)],
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    from nanopaged import features
+    alone, full = run(f"nanopaged.{feature}"), _full_run(tiny_model_dir, run)
+    assert alone["ids"] == full["ids"]
+    assert not {f.name for f in features.FEATURES if f.package == feature} & set(alone["features"])
+
+
+_FULL: dict = {}
+
+
+def _full_run(model_dir, run) -> dict:
+    if "full" not in _FULL:
+        _FULL["full"] = run("nanopaged.no_such_package")
+    return _FULL["full"]

@@ -126,7 +126,7 @@ def test_a_prompt_must_leave_room_for_one_output_token(llm24, length, how):
     (issue 34): prompt_len + max_tokens <= max_model_len, else its "maximum context
     length" message; max_tokens that fit are honoured to the token."""
     from nanopaged.engine.processor import apply_chat_template
-    from nanopaged.core.beam_search import BeamSearchParams
+    from nanopaged.beam_search.scheduler import BeamSearchParams
     if how == "chat":                  # a user message whose templated prompt is `length` ids
         tok = llm24.get_tokenizer()
         chats = ([{"role": "user", "content": "hi " * k + "a" * j}] for k in range(40) for j in range(4))

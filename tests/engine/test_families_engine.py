@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanopaged import LLM, SamplingParams, StructuredOutputsParams
-from nanopaged.core.beam_search import BeamSearchParams
+from nanopaged.beam_search.scheduler import BeamSearchParams
 from nanopaged.exercises.tiny_model import TINY_FAMILIES
 
 from logit_bounds import beam_score_bound
@@ -149,7 +149,7 @@ def test_qwen3_enable_thinking_reaches_its_template(tmp_path):
 def test_speculative_decoding_keeps_each_familys_ids(tiny_family, arch, tmp_path):
     """n-gram drafts and a draft made of the family's own first layer
     (make_layer_draft): greedy ids as without speculation, float32."""
-    from nanopaged.worker.spec_decode.draft_model import make_layer_draft
+    from nanopaged.spec_decode.draft_model import make_layer_draft
     folder, _ = tiny_family(arch, _tied(arch))
     engine = dict(dtype="float32", block_size=4, num_gpu_blocks=128)
     want = ids(LLM(str(folder), **engine).generate(PROMPTS, GREEDY, use_tqdm=False))

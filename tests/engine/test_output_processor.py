@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from nanopaged.core.beam_search import BeamSearchParams
+from nanopaged.beam_search.scheduler import BeamSearchParams
 from nanopaged.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from nanopaged.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                 FinishReason, Logprobs)

@@ -28,8 +28,8 @@ from nanopaged.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 from nanopaged.sampling_params import StructuredOutputsParams
 from nanopaged.utils.checks import MAX_NESTING_DEPTH, check_json_nesting, check_text
 
-from test_dashboard_server import FakeEngine
-from test_serve import KEY, TINY_ARGS, Server
+from serve_harness import FakeEngine
+from serve_harness import KEY, TINY_ARGS, Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,7 +92,7 @@ def test_deep_chat_template_kwargs_are_a_value_error_offline_too():
 
 
 def test_a_schema_as_deep_json_text_is_a_value_error_not_a_recursion_error():
-    from nanopaged.core.structured_output import validate
+    from nanopaged.structured_output.manager import validate
     for depth in (900, 100_000):
         with pytest.raises(ValueError, match=rf"StructuredOutputsParams.json nests JSON arrays / objects "
                                              rf"{depth} levels deep"):

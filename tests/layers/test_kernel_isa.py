@@ -28,7 +28,7 @@ from gguf_blocks import kernel_roundings, random_quantized
 from test_kernels import mixed_batch
 
 from nanopaged.layers import build
-from nanopaged.layers.quantization.gguf_a8 import quantize_activations
+from nanopaged.quantization.gguf_a8 import quantize_activations
 
 T = gguf.GGMLQuantizationType
 GGUF_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -190,7 +190,7 @@ def test_amx_tiles_agree_with_the_portable_matmul(portable):
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
 def test_gguf_matmuls_agree_within_fp32_summation(body, portable, qtype):
     """gguf_linear: each body widens the blocks to the dequantized weights exactly and runs
-    its fp32 matmul on them (tests/layers/test_gguf_linear.py), so k + 1 roundings a side;
+    its fp32 matmul on them (tests/quantization/test_gguf_linear.py), so k + 1 roundings a side;
     gguf_linear_a8: integer block products (exact), then kernel_roundings(k) a side."""
     _, ops = body
     k = 512 if qtype in K_QUANTS else 160

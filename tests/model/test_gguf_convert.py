@@ -1,6 +1,6 @@
 """Tests for nanopaged.model.gguf_convert: GGUF -> Hugging Face folder conversion.
 
-The fast tests build a tiny synthetic Llama GGUF (tests/model/tiny_gguf.py) whose Q/K rows
+The fast tests build a tiny synthetic Llama GGUF (tests/tiny_gguf.py) whose Q/K rows
 are permuted exactly as llama.cpp's ``convert_hf_to_gguf.py`` does, and check that
 conversion gives back the original tensors bit for bit. The real SmolLM2 conversion
 is checked by the ``slow`` tests of test_model_loader.py.

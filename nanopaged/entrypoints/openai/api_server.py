@@ -31,7 +31,7 @@ from .exception_handlers import add_exception_handlers
 from .metrics import ServerMetrics
 from .middleware import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from .routes import dashboard_router, router
-from .serving_dashboard import DashboardHub
+from ...dashboard.serving import DashboardHub
 
 logger = logging.getLogger("nanopaged.entrypoints.openai.api_server")
 
@@ -108,17 +108,19 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def serve_headless(args: argparse.Namespace) -> int:
-    """`--headless`: this node's ranks for node 0's engine, no API (worker/headless.py).
+    """`--headless`: this node's ranks for node 0's engine, no API (multiproc/headless.py).
     Returns their exit status. Raises ValueError / RuntimeError as run_headless."""
     from ...config import EngineConfig
     from ...model.config import ModelConfig
     from ...model.model_loader import resolve_model
-    from ...worker.headless import run_headless
+    from ...multiproc.headless import run_headless
 
     config = default_model_weights(EngineConfig(**engine_kwargs(args)))
     if config.nnodes == 1:
         raise ValueError("--headless is for a node of a multi-node engine: give --nnodes > 1")
-    model_path = resolve_model(config.model, quantization=config.quantization)
+    if config.quantization == "gguf":           # the folder made for the GGUF file
+        from ...quantization.gguf_loader import resolve_gguf_model as resolve_model
+    model_path = resolve_model(config.model)
     logger.info("node %d of %d: joining node 0 at %s:%s", config.node_rank, config.nnodes,
                 config.master_addr, config.master_port)
     return run_headless(config, model_path, ModelConfig.from_pretrained(model_path))

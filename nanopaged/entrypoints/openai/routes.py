@@ -15,7 +15,7 @@ from starlette.background import BackgroundTask
 from ...utils.proc import EngineDeadError
 from . import serving
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIError, random_id
-from .serving_dashboard import page_file
+from ...dashboard.serving import page_file
 
 logger = logging.getLogger("nanopaged.entrypoints.openai.api_server")
 router = APIRouter()

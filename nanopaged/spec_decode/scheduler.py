@@ -1,0 +1,199 @@
+"""Speculative decoding, the scheduler's side: SpecDecodeScheduler and its helpers.
+
+The runner proposes drafts after each step (spec_decode/); they wait on the
+sequence (Sequence.spec_token_ids). The next schedule() gives a decoding sequence 1 + k
+positions: its last token and the k drafts (`take_drafts`), with slots for them and for
+the draft model's lookahead, or fewer when the pool is short (`slot_plans`: drafts are
+never worth a preemption). After the forward, update_from_output rolls
+num_computed_tokens back past the rejected drafts and takes back the blocks that held
+only their slots (`_verified`); the next message tells the runner how many
+(SchedulerOutput.num_blocks_taken_back).
+vLLM v1: the spec-token half of `vllm/v1/core/sched/scheduler.py` and
+`vllm/v1/spec_decode/metrics.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import EngineConfig
+from ..events import DraftsVerified
+from ..messages import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from ..core.block_manager import BlockManager, ComputedBlocks
+from ..core.scheduler import Scheduler
+from ..core.scheduler_output import ScheduledSequence, ScheduledStep
+from ..core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def take_drafts(group: SequenceGroup, work: list[tuple[Sequence, int]], budget: int,
+                max_model_len: int) -> list[list[int]]:
+    """The drafts each sequence of `group` verifies this step, from its proposals
+    (seq.spec_token_ids, used up here). work: (sequence, tokens it computes this step
+    without drafts). Only a decode (1 token) verifies drafts, and they are cut so that
+    the step stays within `budget` (the tokens left of the token budget), the sequence
+    within max_tokens and max_model_len (a verify step gives it up to k + 1 tokens),
+    and, with structured outputs, before the first draft its grammar forbids (a
+    proposal the grammar forbids is rejected at its position: vLLM v1 does the same)."""
+    drafts = []
+    for seq, n in work:
+        proposed, seq.spec_token_ids = seq.spec_token_ids, []
+        room = min(budget, group.sampling_params.max_tokens - len(seq.output_token_ids) - 1,
+                   max_model_len - seq.num_tokens - 1)
+        d = proposed[:max(room, 0)] if n == 1 and seq.num_uncomputed_tokens == 1 else []
+        if d and seq.grammar is not None:
+            d = d[:seq.grammar.validate_tokens(d)]
+        budget -= len(d)
+        drafts.append(d)
+    return drafts
+
+
+def slot_plans(work: list[tuple[Sequence, int]], drafts: list[list[int]],
+               num_lookahead_tokens: int) -> list[tuple[list[list[int]], list[int]]]:
+    """What to ask the block manager for, best first, as (drafts, slots past its own
+    tokens) per sequence: the drafts plus the draft model's lookahead for a sequence
+    that samples, then the drafts only. A plan that asks for no extra slot is left out:
+    the plan without speculation is the base scheduler's, tried last."""
+    lookahead = [num_lookahead_tokens if s.num_computed_tokens + n >= s.num_tokens else 0 for s, n in work]
+    plans = []
+    for extra in ([len(d) + x for d, x in zip(drafts, lookahead)], [len(d) for d in drafts]):
+        if any(extra) and extra not in [p[1] for p in plans]:
+            plans.append((drafts, extra))
+    return plans
+
+
+@dataclass
+class SpecDecodingStats:
+    """Counts of speculative decoding so far (vLLM's SpecDecodingStats).
+
+    Attributes:
+        num_drafts: verify steps (a sequence checking its drafts in one forward).
+        num_draft_tokens: drafts proposed and checked.
+        num_accepted_tokens: drafts the model agreed with.
+        num_accepted_tokens_per_pos: how often the draft at position i was accepted.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0..1; 0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """One verify step of one sequence."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        if len(self.num_accepted_tokens_per_pos) < num_accepted_tokens:
+            self.num_accepted_tokens_per_pos += [0] * (num_accepted_tokens - len(self.num_accepted_tokens_per_pos))
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+
+class SpecDecodeScheduler(Scheduler):
+    """The scheduler with speculative decoding's draft slots and rollback (see the module doc).
+
+    Attributes:
+        spec_decoding_stats: SpecDecodingStats of every verify step so far.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, **kwargs) -> None:
+        super().__init__(config, block_manager, **kwargs)
+        self.speculative_config = config.speculative_config
+        self.num_lookahead_tokens = config.speculative_config.num_lookahead_tokens
+        self.spec_decoding_stats = SpecDecodingStats()
+        self._taken_back: dict[int, int] = {}     # seq_id -> blocks rolled back since its last message
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Also a ValueError for beam search (beams advance one token a step together)."""
+        if request.beam_search is not None:
+            raise ValueError("beam search does not work with speculative_config "
+                             f"(method {self.speculative_config.method!r}): use one or the other")
+        super().add_request(request)
+
+    def _append_slots(self, work: list[ScheduledSequence], ends: list[int], step: ScheduledStep) -> list | None:
+        """A decode also verifies its drafts (take_drafts), with slots for them and the
+        lookahead if they fit (slot_plans); else the base's plan, without them."""
+        plain = [(w.seq, w.num_new_tokens) for w in work]
+        drafts = take_drafts(work[0].seq_group, plain, step.budget - sum(n for _, n in plain), self.max_model_len)
+        for drafts, extra in slot_plans(plain, drafts, self.num_lookahead_tokens):
+            copies = self.block_manager.append_slots([w.seq for w in work], [e + x for e, x in zip(ends, extra)])
+            if copies is not None:
+                for w, d in zip(work, drafts):
+                    w.spec_token_ids, w.num_new_tokens = d, w.num_new_tokens + len(d)
+                return copies
+        return super()._append_slots(work, ends, step)
+
+    def _allocate(self, group: SequenceGroup, computed: ComputedBlocks, first_end: int) -> list[int] | None:
+        """A prompt that completes also gets the draft model's lookahead slots, if they fit."""
+        if self.num_lookahead_tokens and first_end == group.seqs_to_compute()[0].num_tokens:
+            starts = self.block_manager.allocate(group, computed, first_end + self.num_lookahead_tokens)
+            if starts is not None:
+                return starts
+        return super()._allocate(group, computed, first_end)
+
+    def _preempt(self, group: SequenceGroup, step: ScheduledStep) -> None:
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            seq.spec_token_ids = []                  # proposed for a state it loses
+        super()._preempt(group, step)
+
+    def _after_schedule(self, step: ScheduledStep, samples: list[bool], out: SchedulerOutput) -> None:
+        """The drafts each sequence verifies, and the blocks rolled back since a sequence's
+        last message (num_blocks_taken_back: for cached deltas that append)."""
+        super()._after_schedule(step, samples, out)
+        out.scheduled_spec_decode_tokens = {s.seq.seq_id: list(s.spec_token_ids)
+                                            for s in step.scheduled if s.spec_token_ids}
+        appended = {i for i, replaced in zip(out.scheduled_cached_reqs.seq_ids,
+                                             out.scheduled_cached_reqs.block_ids_replaced) if not replaced}
+        for s in step.scheduled:
+            n = self._taken_back.pop(s.seq.seq_id, 0)
+            if n and s.seq.seq_id in appended:
+                out.num_blocks_taken_back[s.seq.seq_id] = n
+        for seq_id in [i for i in self._taken_back if i not in self.queues.seqs]:
+            del self._taken_back[seq_id]            # left before it was sent again
+
+    def _computed(self, seq: Sequence, group: SequenceGroup, start: int, n: int, scheduler_output: SchedulerOutput,
+                  runner_output: ModelRunnerOutput, result: EngineCoreOutputs) -> None:
+        # the positions of rejected drafts are not computed: rolled back here
+        rejected = (len(scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, ()))
+                    - runner_output.num_accepted_tokens.get(seq.seq_id, 0))
+        super()._computed(seq, group, start, n - rejected, scheduler_output, runner_output, result)
+
+    def _append_tokens(self, seq: Sequence, group: SequenceGroup, tokens: list[int], scheduler_output: SchedulerOutput,
+                       runner_output: ModelRunnerOutput, result: EngineCoreOutputs) -> None:
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, [])
+        accepted = drafts[:runner_output.num_accepted_tokens.get(seq.seq_id, 0)]
+        super()._append_tokens(seq, group, accepted + tokens, scheduler_output, runner_output, result)
+
+    def _after_update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                      starts: dict[int, int], result: EngineCoreOutputs) -> None:
+        """Verify: count drafts, name the accepted tokens' blocks, roll back; keep the new proposals."""
+        super()._after_update(scheduler_output, runner_output, starts, result)
+        spec, seqs = scheduler_output.scheduled_spec_decode_tokens, self.queues.seqs
+        for seq_id in scheduler_output.num_scheduled_tokens:
+            if seq_id in seqs and (seq_id in spec or self.num_lookahead_tokens):
+                self._verified(*seqs[seq_id], starts[seq_id], spec.get(seq_id, []), runner_output)
+        for seq_id, drafts in runner_output.draft_token_ids.items():
+            if seq_id in seqs and seqs[seq_id][0].status == SequenceStatus.RUNNING:
+                seqs[seq_id][0].spec_token_ids = list(drafts)     # for its next step
+
+    def _verified(self, seq: Sequence, group: SequenceGroup, start: int, drafts: list[int],
+                  runner_output: ModelRunnerOutput) -> None:
+        """After seq's tokens are appended: count its drafts, name the blocks its accepted
+        tokens filled (only now are they known), and take back the blocks that hold only
+        rejected slots or lookahead (BlockManager.free_slots_past_computed)."""
+        if drafts:
+            accepted = runner_output.num_accepted_tokens.get(seq.seq_id, 0)
+            self.spec_decoding_stats.observe(len(drafts), accepted)
+            if self.observers:
+                self.observers.publish(DraftsVerified(group.request_id, seq.seq_id, start, tuple(drafts), accepted,
+                                                      seq.num_computed_tokens))
+        if seq.status != SequenceStatus.RUNNING:
+            return                                # finished: its blocks are freed already
+        self.block_manager.cache_full_blocks(seq, start, seq.num_computed_tokens)
+        held = len(seq.block_table.block_ids)
+        self.block_manager.free_slots_past_computed(seq)
+        if held > len(seq.block_table.block_ids):
+            self._taken_back[seq.seq_id] = self._taken_back.get(seq.seq_id, 0) + held - len(seq.block_table.block_ids)
