@@ -32,10 +32,10 @@ from typing import Callable
 
 from .config import EngineConfig
 
-PARTS = ("processor", "engine_core", "scheduler", "executor", "model_runner", "model")
+PARTS = ("processor", "engine_core", "scheduler", "executor", "worker", "model_runner", "model")
 # a built class's name: the features' class names less this suffix, then the base's name
 _SUFFIX = {"processor": "Processor", "engine_core": "EngineCore", "scheduler": "Scheduler",
-           "executor": "Executor", "model_runner": "ModelRunner", "model": "Model"}
+           "executor": "Executor", "worker": "Worker", "model_runner": "ModelRunner", "model": "Model"}
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class Feature:
     base's: an executor is chosen, not stacked); optional: composed only when its
     package imports (the engine serves the same without it); model_folder: "module:function" that finds
     the model's local folder when this feature reads the weights in a format of its own
-    (function(model) -> Path), else None.
+    (function(model) -> Path), else None; resolve_config: "module:function" that
+    finishes a resolved config for this feature (function(config, model_path,
+    model_config) -> config, e.g. a draft model's folder), else None.
     """
     name: str
     package: str
@@ -56,6 +58,7 @@ class Feature:
     parts: dict[str, str]
     optional: bool = False
     model_folder: str | None = None
+    resolve_config: str | None = None
 
 
 # In method order: the first is outermost. Pipeline parallelism is built on async
@@ -70,7 +73,8 @@ FEATURES: list[Feature] = [
              "model_runner": "model_runner:AsyncModelRunner"}),
     Feature("speculative decoding", "spec_decode", lambda c: c.speculative_config is not None,
             {"scheduler": "scheduler:SpecDecodeScheduler", "engine_core": "engine_core:SpecDecodeEngineCore",
-             "model_runner": "model_runner:SpecDecodeModelRunner"}),
+             "worker": "worker:SpecDecodeWorker", "model_runner": "model_runner:SpecDecodeModelRunner"},
+            resolve_config="config:resolve_draft"),
     Feature("beam search", "beam_search", lambda c: True,
             {"processor": "processor:BeamSearchProcessor", "scheduler": "scheduler:BeamSearchScheduler"},
             optional=True),
@@ -123,6 +127,15 @@ def model_folder(config: EngineConfig) -> Callable | None:
         if feature.on(config) and feature.model_folder is not None:
             return resolve(f"{__package__}.{feature.package}.{feature.model_folder}")
     return None
+
+
+def resolve_features(config: EngineConfig, model_path, model_config) -> EngineConfig:
+    """config finished by each enabled feature's resolve_config, in FEATURES' order."""
+    for feature in FEATURES:
+        if feature.on(config) and feature.resolve_config is not None:
+            config = resolve(f"{__package__}.{feature.package}.{feature.resolve_config}")(
+                config, model_path, model_config)
+    return config
 
 
 def importable(config: EngineConfig) -> bool:

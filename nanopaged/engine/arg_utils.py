@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from ..features import importable, model_folder
+from ..features import importable, model_folder, resolve_features
 from ..config import EngineConfig
 from ..layers.groups import get_pp_indices
 from ..model.config import ModelConfig
 from ..model.llama import check_tensor_parallel
-from ..model.model_loader import DEFAULT_MODEL, check_model_dir, resolve_model
+from ..model.model_loader import DEFAULT_MODEL, resolve_model
 from ..utils.cpu import auto_cpu_dtype, cpu_class
 
 logger = logging.getLogger(__name__)
@@ -46,13 +46,7 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
     resolved = config.resolve(max_model_len_limit(config, model_config), model_config.vocab_size)
     check_tensor_parallel(model_config, resolved.tensor_parallel_size)
     check_pipeline_parallel(model_config, resolved.pipeline_parallel_size)
-    sc = resolved.speculative_config
-    if sc is not None and sc.method == "draft_model":
-        if sc.quantization is None and is_gguf_file(sc.model):
-            sc = replace(sc, quantization="gguf")              # a .gguf draft, as the model (is_gguf_file)
-        draft_path = check_draft_model(sc.model, model_path, model_config, resolved.tensor_parallel_size,
-                                       sc.quantization)
-        resolved = replace(resolved, speculative_config=replace(sc, model=str(draft_path)))
+    resolved = resolve_features(resolved, model_path, model_config)     # e.g. a draft model's folder
     return resolved, model_path, model_config
 
 
@@ -163,38 +157,6 @@ def check_pipeline_parallel(model_config: ModelConfig, pipeline_parallel_size: i
         ValueError: pipeline_parallel_size above the model's num_hidden_layers (names both).
     """
     get_pp_indices(model_config.num_hidden_layers, 0, pipeline_parallel_size)
-
-
-def check_draft_model(draft, model_path: Path, model_config: ModelConfig, tensor_parallel_size: int,
-                      quantization: str | None = None) -> Path:
-    """The draft model's local folder, once it fits the target: the same vocabulary
-    (the target checks the draft's ids as its own) and heads that split over
-    tensor_parallel_size. With quantization="gguf" (speculative_config.quantization),
-    `draft` is a .gguf file or a folder holding one, and the folder returned is
-    gguf_loader.gguf_model_dir's for it.
-
-    Raises:
-        ValueError: naming speculative_config.model and what differs.
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        draft_path = (find_model(draft, EngineConfig(quantization="gguf")) if quantization == "gguf"
-                      else check_model_dir(draft))
-    except (ValueError, OSError) as e:
-        raise ValueError(f"speculative_config.model: {e}") from None
-    draft_config = ModelConfig.from_pretrained(draft_path)
-    if draft_config.vocab_size != model_config.vocab_size:
-        raise ValueError(f"speculative_config.model: the draft's vocab_size {draft_config.vocab_size} differs "
-                         f"from the target's {model_config.vocab_size} ({draft_path})")
-    if AutoTokenizer.from_pretrained(draft_path).get_vocab() != AutoTokenizer.from_pretrained(model_path).get_vocab():
-        raise ValueError(f"speculative_config.model: the draft's tokenizer differs from the target's "
-                         f"({draft_path} vs {model_path}): its token ids would mean other text")
-    try:
-        check_tensor_parallel(draft_config, tensor_parallel_size)
-    except ValueError as e:
-        raise ValueError(f"speculative_config.model: {e}") from None
-    return draft_path
 
 
 # ---- the command line: one vocabulary for every door (vLLM: EngineArgs.add_cli_args) ----

@@ -30,6 +30,7 @@ from ..model.registry import get_model_class
 from ..worker.executor import Executor
 from ..layers.backends import get_ops
 from ..worker.model_runner import ModelRunner
+from ..worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class EngineCore:
         """Each part's base class (the model's: its family's), for describe(). (The
         processor is the front end's: LLMEngine.describe adds its line.)"""
         return {"engine_core": EngineCore, "scheduler": Scheduler,
-                "executor": Executor.base_class(self.config), "model_runner": ModelRunner,
+                "executor": Executor.base_class(self.config), "worker": Worker, "model_runner": ModelRunner,
                 "model": get_model_class(model_config.architecture)}
 
     def describe(self) -> list[str]:

@@ -24,6 +24,7 @@ from ..utils.proc import exit_child, read_settings, report_ready
 from .cluster_auth import ClusterAuth
 from .multinode import join_timeout_s, rank_store
 from .stage_progress import StageBoard, StageReporter
+from ..features import Composition
 from ..worker.worker import Worker, init_process_group
 
 STEP_METHODS = ("execute_model", "sample_tokens")     # answered with a ModelRunnerOutput (or None)
@@ -124,7 +125,7 @@ class WorkerProc:
             store = s.get("store") and rank_store(s["node_ip"], s["store"], join_timeout_s())    # nnodes > 1
             group = init_process_group(s["rank"], s["world_size"], s["init_method"], config.torch_device, store)
             ops = get_ops(s["ops"], config.torch_device)     # the kind the engine chose, loaded here
-            worker = Worker(config, s["model_path"], ModelConfig.from_pretrained(s["model_path"]), ops=ops,
+            worker = Composition.of(config).build(Worker, "worker")(config, s["model_path"], ModelConfig.from_pretrained(s["model_path"]), ops=ops,
                             rank=s["rank"], world_size=s["world_size"], process_group=group)
             board = s.get("stage_board")          # (path, stages): a stage's first rank on node 0
             progress = board and StageReporter(StageBoard(*board), s["rank"] // config.tensor_parallel_size)

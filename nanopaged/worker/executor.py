@@ -26,6 +26,7 @@ import torch
 
 from ..layers.backends import TorchOps
 from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from ..features import Composition
 from .worker import Worker, init_process_group
 
 
@@ -122,7 +123,7 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config, model_path, model_config, ops: TorchOps,
                  rank: int = 0, world_size: int = 1, process_group=None) -> None:
-        self.driver_worker = Worker(config, model_path, model_config, ops=ops, rank=rank, world_size=world_size,
+        self.driver_worker = Composition.of(config).build(Worker, "worker")(config, model_path, model_config, ops=ops, rank=rank, world_size=world_size,
                                     process_group=process_group)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:

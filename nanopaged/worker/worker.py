@@ -13,7 +13,6 @@ vLLM: `vllm/v1/worker/gpu_worker.py`, `cpu_worker.py`.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -95,25 +94,21 @@ class Worker:
         if rank == 0:
             logger.info("weights loaded in %.1f s: %s", time.perf_counter() - start,
                         weights_info(self.model).describe())
-        self.draft_model = None                            # speculative decoding's draft
-        sc = config.speculative_config
-        if sc is not None and sc.method == "draft_model":
-            # its weights' own format; a draft's activations stay exact
-            draft_config = dataclasses.replace(config, quantization=sc.quantization, activation_quantization=None)
-            self.draft_model = load_model(sc.model, config.torch_dtype, device, config.max_model_len, self.tp,
-                                          model_class=lambda family: Composition.of(draft_config).build(
-                                              family, "model"))
-            if rank == 0:
-                logger.info("draft model loaded from %s (%d layers): %s", weights_source(sc.model),
-                            self.draft_model.config.num_hidden_layers, weights_info(self.draft_model).describe())
+        self.extra_models = self._load_extra_models()
         self.model_runner: ModelRunner | None = None       # made by initialize_kv_cache
+
+    def _load_extra_models(self) -> dict:
+        """Hook: models that run beside this one on the same block tables, by the runner's
+        keyword for them (spec_decode/worker.py: the draft model). Loaded with the
+        weights, before the KV pool is sized, so their KV blocks are counted."""
+        return {}
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one KV block takes on this rank (its KV heads, its stage's layers), K
-        and V; with a draft model, its block of the same tokens too (it shares the tables)."""
+        and V; with extra models, their blocks of the same tokens too (they share the tables)."""
         return sum(ModelRunner.kv_cache_bytes_per_block(m.config, self.config.block_size, self.config.torch_dtype,
                                                         m.num_local_kv_heads, m.num_kv_cache_layers)
-                   for m in (self.model, self.draft_model) if m is not None)
+                   for m in (self.model, *self.extra_models.values()))
 
     def determine_available_memory(self) -> int:
         """Bytes this rank can give its KV pool, measured now that its weights are on
@@ -130,18 +125,17 @@ class Worker:
         return min(_DEFAULT_CPU_KV_BYTES, _free_host_memory() // 4)
 
     def describe_weights(self) -> WeightsInfo:
-        """The bytes this rank's weights hold resident, by format (its model, and a draft
-        model's)."""
-        return WeightsInfo.combine([weights_info(m) for m in (self.model, self.draft_model) if m is not None])
+        """The bytes this rank's weights hold resident, by format (its model and its
+        extra models)."""
+        return WeightsInfo.combine([weights_info(m) for m in (self.model, *self.extra_models.values())])
 
     def initialize_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Build this rank's model runner, with its KV pool of num_gpu_blocks blocks (the
         EngineCore's choice) and swap pool of num_cpu_blocks; the class is the base with
         the config's features in front (features.py)."""
         runner_class = self.composition.build(ModelRunner, "model_runner")
-        extra = {} if self.draft_model is None else {"draft_model": self.draft_model}
         self.model_runner = runner_class(self.config, self.model, num_gpu_blocks=num_gpu_blocks,
-                                         num_cpu_blocks=num_cpu_blocks, ops=self.ops, **extra)
+                                         num_cpu_blocks=num_cpu_blocks, ops=self.ops, **self.extra_models)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step on this rank (every rank of a stage computes the same
