@@ -8,11 +8,12 @@ feature, when a config turns it on, and its subclass of each part it joins.
 `Composition.of(config)` reads the table once. The engine builds each part as the base
 class with the enabled features' subclasses in front of it (Python's method order, each
 override calling super(), so two features that override one hook compose), names the
-built class for what it holds, and logs the whole composition at start:
+built class for what it holds, and logs the whole composition at start, e.g. by default:
 
-    scheduler: Scheduler <- AsyncScheduler <- SpecDecodeScheduler
+    scheduler: BeamSearchStructuredOutputScheduler = Scheduler <- StructuredOutputScheduler <- BeamSearchScheduler
 
-`LLM.engine.composition` is the same object. A name in this table is data, not an import:
+`LLM(...).engine.composition` is the same object, and `LLM(...).engine.describe()` returns
+those lines. A name in this table is data, not an import:
 the base is handed a qualified name and resolves it (`resolve`) without naming any
 feature, as vLLM's `SchedulerConfig.get_scheduler_cls` resolves `scheduler_cls`.
 
@@ -179,23 +180,37 @@ class Composition:
 
     def build(self, base: type, part: str) -> type:
         """`base` with this composition's classes for `part` in front, named for what it
-        holds (e.g. AsyncSpecDecodeScheduler); `base` itself when no feature joins it.
-        For "executor", the feature's class replaces `base`."""
+        holds (e.g. BeamSearchStructuredOutputScheduler); `base` itself when no feature
+        joins it, and a feature's class itself when it is the only one (it already says
+        what it holds). For "executor", the feature's class replaces `base`."""
         classes = [resolve(q) for q in self.parts.get(part, ())]
         if not classes:
             return base
         if part == "executor" or (len(classes) == 1 and issubclass(classes[0], base)):
-            return classes[0]              # chosen, or one subclass: it already says what it holds
-        suffix = _SUFFIX[part]
-        name = "".join(c.__name__.removesuffix(suffix) for c in classes) + base.__name__
-        return type(name, (*classes, base), {"__doc__": base.__doc__, "__module__": classes[0].__module__})
+            return classes[0]
+        name = "".join(c.__name__.removesuffix(_SUFFIX[part]) for c in classes) + base.__name__
+        built = type(name, (*classes, base), {"__module__": __name__})
+        built.__doc__ = f"Built by features.py for this config: {chain(built, base)}.\n\n{base.__doc__ or ''}"
+        return built
 
     def describe(self, bases: dict[str, type]) -> list[str]:
-        """One line per part, the base first: "scheduler: Scheduler <- AsyncScheduler"."""
+        """One line per part: the class that serves it, and the chain it is built of,
+        read from its method order, the base first and each class after it overriding
+        the one before: "scheduler: BeamSearchStructuredOutputScheduler = Scheduler <-
+        StructuredOutputScheduler <- BeamSearchScheduler"."""
         lines = []
         for part, base in bases.items():
-            names = [base.__name__] + [q.rpartition(":")[2] for q in reversed(self.parts.get(part, ()))]
-            if part == "executor" and len(names) > 1:
-                names = names[1:]
-            lines.append(f"{part}: " + " <- ".join(names))
+            built = self.build(base, part)
+            if built is base or part == "executor":
+                lines.append(f"{part}: {built.__name__}")
+            else:
+                lines.append(f"{part}: {built.__name__} = {chain(built, base)}")
         return lines
+
+
+def chain(built: type, base: type) -> str:
+    """The chain "Base <- Feature1 <- Feature2": the classes of `built`'s method order
+    that are not the base's own (a feature that subclasses another brings it along), base
+    first, each overriding the one before."""
+    own = [c for c in built.__mro__ if c not in base.__mro__ and c.__module__ != __name__]
+    return " <- ".join(c.__name__ for c in [base, *reversed(own)])

@@ -109,7 +109,7 @@ class DashboardSnapshot:
         step: the last step it includes; time: seconds since the engine started.
         block_size: tokens per block; num_gpu_blocks, num_cpu_blocks: the pools' sizes.
         gpu_ref_count: each device block's ref_count (0: free), for the first
-            min(num_gpu_blocks, engine/dashboard.MAX_BLOCKS) blocks, as are the other
+            min(num_gpu_blocks, dashboard/sampler.MAX_BLOCKS) blocks, as are the other
             per-block lists.
         gpu_cached: [same length] the block is in the prefix cache.
         gpu_owners: [same length] the ids of the requests holding the block, each once
@@ -118,7 +118,7 @@ class DashboardSnapshot:
             first MAX_BLOCKS (a swap pool is mostly free; JSON makes the keys strings).
         requests: every unfinished request; running, waiting, swapped: their ids by queue.
         steps: the decisions of the steps since the last snapshot, oldest first, the
-            last engine/dashboard.MAX_STEPS of them (the step numbers show a gap).
+            last dashboard/sampler.MAX_STEPS of them (the step numbers show a gap).
         stats: "tokens_per_s" (generated, over the last second), "kv_usage" (fraction of
             device blocks in use), "prefix_cache_hit_rate", "num_preemptions",
             "num_copy_on_write", "num_generated_tokens".

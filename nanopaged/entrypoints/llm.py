@@ -86,7 +86,7 @@ class LLM:
 
     def beam_search(self, prompts: str | list[str] | list[int] | list[list[int]],
                     params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """Beam search over each prompt (vLLM's `LLM.beam_search`; see beam_search.py).
+        """Beam search over each prompt (vLLM's `LLM.beam_search`; see beam_search/scheduler.py).
 
         Returns one BeamSearchOutput per prompt, in order; its `.sequences` are the best
         hypotheses, best first, each with `.tokens` (prompt + generated), `.text` and

@@ -4,7 +4,7 @@ Each step a sequence may verify the drafts the scheduler sent
 (so.scheduled_spec_decode_tokens): its input is its last token and the drafts, and it
 samples k + 1 rows (`_token_ids`, `_sampled_rows`). The rejection sampler keeps the
 drafts the target agrees with (`_verify`), then the proposer drafts the next ones
-(`_propose`, after sampling). The scheduler's side is in core/.
+(`_propose`, after sampling). The scheduler's side is spec_decode/scheduler.py.
 vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_calc_spec_decode_metadata`, `propose_draft_token_ids`).
 """
 from __future__ import annotations

@@ -45,18 +45,24 @@ def test_each_feature_is_a_subclass_built_in_front_of_the_base():
 
 
 def test_a_composed_class_is_named_for_what_it_holds_and_the_log_says_it():
-    config = EngineConfig(async_scheduling=True, speculative_config={"method": "ngram"}, enforce_eager=True)
+    config = EngineConfig(async_scheduling=True, enforce_eager=True)
     composition = features.Composition.of(config)
-    assert composition.features == ("async scheduling", "speculative decoding", "beam search", "structured outputs")
+    assert composition.features == ("async scheduling", "beam search", "structured outputs")
     cls = composition.build(Scheduler, "scheduler")
-    assert cls.__name__ == "AsyncSpecDecodeBeamSearchStructuredOutputScheduler"
+    assert cls.__name__ == "AsyncBeamSearchStructuredOutputScheduler" and cls.__module__ == "nanopaged.features"
+    assert cls.__doc__.startswith("Built by features.py for this config: Scheduler <- StructuredOutputScheduler")
     lines = composition.describe({"scheduler": Scheduler, "engine_core": EngineCore})
-    assert lines == ["scheduler: Scheduler <- StructuredOutputScheduler <- BeamSearchScheduler <- "
-                     "SpecDecodeScheduler <- AsyncScheduler",
-                     "engine_core: EngineCore <- StructuredOutputEngineCore <- SpecDecodeEngineCore <- "
+    assert lines == ["scheduler: AsyncBeamSearchStructuredOutputScheduler = Scheduler <- StructuredOutputScheduler "
+                     "<- BeamSearchScheduler <- AsyncScheduler",
+                     "engine_core: AsyncStructuredOutputEngineCore = EngineCore <- StructuredOutputEngineCore <- "
                      "AsyncEngineCore"]
     assert features.Composition.of(EngineConfig(enforce_eager=True)).build(EngineCore, "engine_core").__name__ \
         == "StructuredOutputEngineCore"
+    # pipeline parallelism's classes subclass async scheduling's: the chain says so
+    pp = features.Composition.of(EngineConfig(pipeline_parallel_size=2))
+    assert pp.describe({"scheduler": Scheduler}) == [
+        "scheduler: PipelineBeamSearchStructuredOutputScheduler = Scheduler <- StructuredOutputScheduler <- "
+        "BeamSearchScheduler <- AsyncScheduler <- PipelineScheduler"]
 
 
 def _hooks(base: type) -> list[str]:

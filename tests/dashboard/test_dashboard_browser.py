@@ -414,7 +414,7 @@ def test_the_pipeline_figure_shows_the_batches_in_flight_in_chromium(browser, tm
     panel is shown with its 2 stages, after step 1 B's batch is in flight, and the step
     log names the batches in flight during each step, A's taken in first. The figures
     of a single-stage engine keep the panel hidden, and the tracer's have no stage rows;
-    a server's snapshot (hand-made here, as engine/dashboard.stage_rows makes them) gets
+    a server's snapshot (hand-made here, as dashboard/sampler.stage_rows makes them) gets
     a row per stage with its state, its batch's number and requests."""
     from selenium.webdriver.common.by import By
     from nanopaged.dashboard.messages import DashboardSnapshot, DashboardStage

@@ -40,7 +40,7 @@
   var LOG_LINES = 200;         // step-log entries kept
   var LARGE_UP_TO = 128;      // a pool this small (the tracer's) gets big cells
   var DENSE_AT = 2048;         // past this many blocks, cells get small and lose their labels
-  var MAX_BLOCKS = 16384;      // engine/dashboard.MAX_BLOCKS: a snapshot describes this many per pool
+  var MAX_BLOCKS = 16384;      // dashboard/sampler.MAX_BLOCKS: a snapshot describes this many per pool
   var MAX_CELLS = 32768;       // cells drawn per pool; the rest are counted in a note
 
   var $ = function (id) { return document.getElementById(id); };
@@ -75,7 +75,7 @@
   $("cpu-pool").querySelector("summary").addEventListener("click", function () { cpuFoldedByHand = true; });
 
   // size: the pool's blocks; sent: how many of them the snapshot describes (the server
-  // sends at most engine/dashboard.MAX_BLOCKS per pool)
+  // sends at most dashboard/sampler.MAX_BLOCKS per pool)
   function build(grid, size, sent, prefix) {
     if (grid.size === size && grid.sent === sent) return;
     grid.size = size;

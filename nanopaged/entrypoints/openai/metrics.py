@@ -69,7 +69,7 @@ class _EngineCollector:
 
 
 class _DashboardCollector:
-    """The live dashboard's viewers and the snapshots they skipped (serving_dashboard.py)."""
+    """The live dashboard's viewers and the snapshots they skipped (dashboard/serving.py)."""
 
     def __init__(self, hub, model_name: str) -> None:
         self.hub, self.model_name = hub, model_name

@@ -113,7 +113,7 @@ async def dashboard_static(name: str):
 
 @dashboard_router.get("/dashboard/events")
 async def dashboard_events(request: Request):
-    """The dashboard's server-sent events (serving_dashboard.DashboardHub)."""
+    """The dashboard's server-sent events (dashboard/serving.py, DashboardHub)."""
     if request.app.state.engine.errored:
         raise OpenAIError(500, "the engine core has died")
     events = request.app.state.dashboard_hub.events()
