@@ -33,10 +33,10 @@ from typing import Callable
 
 from .config import EngineConfig
 
-PARTS = ("processor", "engine_core", "scheduler", "executor", "worker", "model_runner", "model")
+PARTS = ("processor", "output_processor", "engine_core", "scheduler", "executor", "worker", "model_runner", "model")
 # a built class's name: the features' class names less this suffix, then the base's name
-_SUFFIX = {"processor": "Processor", "engine_core": "EngineCore", "scheduler": "Scheduler",
-           "executor": "Executor", "worker": "Worker", "model_runner": "ModelRunner", "model": "Model"}
+_SUFFIX = {"processor": "Processor", "output_processor": "OutputProcessor", "engine_core": "EngineCore",
+           "scheduler": "Scheduler", "executor": "Executor", "worker": "Worker", "model_runner": "ModelRunner", "model": "Model"}
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,9 @@ FEATURES: list[Feature] = [
              "worker": "worker:SpecDecodeWorker", "model_runner": "model_runner:SpecDecodeModelRunner"},
             resolve_config="config:resolve_draft"),
     Feature("beam search", "beam_search", lambda c: True,
-            {"processor": "processor:BeamSearchProcessor", "scheduler": "scheduler:BeamSearchScheduler"},
+            {"processor": "processor:BeamSearchProcessor",
+             "output_processor": "output_processor:BeamSearchOutputProcessor",
+             "scheduler": "scheduler:BeamSearchScheduler"},
             optional=True),
     Feature("structured outputs", "structured_output", lambda c: True,
             {"processor": "processor:StructuredOutputProcessor",

@@ -2,12 +2,11 @@
 
 vLLM v1 splits the engine into layers that talk only through plain data, so that any
 layer can live in another process (the EngineCore behind AsyncLLM, a worker per
-tensor-parallel rank). This file holds every such message, in the order a request meets
-them:
+tensor-parallel rank). This file holds the base engine's messages, in the order a
+request meets them:
 
     Processor            --EngineCoreRequest-->   EngineCore          (tokens in)
     Scheduler.schedule   --SchedulerOutput-->     ModelRunner         (what to compute)
-    StructuredOutputManager --GrammarOutput-->  ModelRunner.sample_tokens (token masks)
     ModelRunner          --ModelRunnerOutput-->   Scheduler.update_from_output
     EngineCore           --EngineCoreOutputs-->   OutputProcessor     (tokens out)
     OutputProcessor      --RequestOutput-->       the user            (outputs.py)
@@ -15,9 +14,16 @@ them:
 plus PreemptionCosts, which the runner measures once at start and the scheduler reads,
 and WeightsInfo, what each worker's weights hold (for the tracer and the dashboard).
 
+They carry the base engine's fields only. A later feature that must say more defines
+its own message in its package (features.py lists them), registered with utils/codec.py
+there when it crosses hosts: a subclass of one of these with its fields added (the
+scheduler's `scheduler_output_cls` and the runner's `runner_output_cls` name the
+classes they make), or a message of its own (e.g. the argument of a step's deferred
+sampling call, EngineCore._deferred_sampling).
+
 Nothing here holds a live object of another layer (no Sequence, no block manager, no
 tokenizer): ids, token ids, numbers and SamplingParams only. A *sequence* (one of a
-request's n completions, or one beam) is what vLLM v1 calls a request inside the core
+request's n completions) is what vLLM v1 calls a request inside the core
 and the worker; it is named by its engine-wide `seq_id`.
 vLLM: `vllm/v1/engine/__init__.py`, `vllm/v1/core/sched/output.py`, `vllm/v1/outputs.py`.
 """
@@ -26,16 +32,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
-from .sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 from .utils import codec
 
 
 class FinishReason(enum.Enum):
     """Why a sequence ended (vLLM v1's FinishReason); str() gives the OpenAI word."""
 
-    STOP = "stop"        # an eos id, a stop token id, a stop string, or a finished beam
+    STOP = "stop"        # an eos id, a stop token id, a stop string (or a feature's own end)
     LENGTH = "length"    # max_tokens, max_model_len, or more KV blocks than the pool has
     ABORT = "abort"      # abort_request()
 
@@ -56,7 +60,6 @@ class EngineCoreRequest:
         eos_token_ids: the ids that end a sequence unless ignore_eos (the tokenizer's
             eos and every id generation_config.json lists), a frozenset.
         arrival_time: time.monotonic() when the Processor made it, seconds (FCFS order).
-        beam_search: a BeamSearchParams for beam-search requests, else None.
     """
 
     request_id: str
@@ -64,7 +67,6 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     arrival_time: float
-    beam_search: BeamSearchParams | None = None
 
 
 # -- Scheduler -> ModelRunner ------------------------------------------------------------
@@ -135,19 +137,11 @@ class SchedulerOutput:
         blocks_to_swap_out / blocks_to_swap_in: (device, cpu) / (cpu, device) block pairs,
             copied before the forward (swap preemption).
         finished_seq_ids: sequences that left since the last step; the runner forgets them.
-        structured_output_seq_ids: the sequences with structured outputs that sample
-            this step (forks included), in the order of the GrammarOutput's rows. When
-            it is not empty, the runner's execute_model stops after the forward and
-            sample_tokens(GrammarOutput) samples (vLLM v1's split of the step).
-        scheduled_spec_decode_tokens: seq_id -> the draft tokens it verifies this step
-            (speculative decoding; vLLM v1's name). Its num_scheduled_tokens counts them:
-            1 + len(drafts), its last token and then the drafts, and the step samples
-            one row per position (k + 1 rows). Structured-output sequences have k + 1
-            rows in the GrammarOutput too, one per position, in order.
         num_blocks_taken_back: seq_id -> how many trailing block ids the runner drops
             from its record of that sequence before appending this step's new block
-            ids (speculative decoding's rollback of rejected drafts and lookahead);
-            only for cached deltas that append (block_ids_replaced False), absent when 0.
+            ids (a scheduler that gave a sequence slots past what a step computed took
+            the blocks holding only those slots back); only for cached deltas that
+            append (block_ids_replaced False), absent when 0.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -159,8 +153,6 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     finished_seq_ids: set[int] = field(default_factory=set)
-    structured_output_seq_ids: list[int] = field(default_factory=list)
-    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
     num_blocks_taken_back: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -174,22 +166,6 @@ class SchedulerOutput:
         starts = dict(zip(c.seq_ids, c.num_computed_tokens))
         starts.update((r.seq_id, r.num_computed_tokens) for r in self.scheduled_new_reqs)
         return starts
-
-
-@dataclass
-class GrammarOutput:
-    """The token masks of one step's constrained rows (vLLM v1's GrammarOutput), made
-    by the core after the step's schedule (StructuredOutputManager.grammar_bitmask)
-    and handed to the runner's sample_tokens.
-
-    Attributes:
-        structured_output_seq_ids: the sequence of each row.
-        grammar_bitmask: [len(seq_ids), ceil(vocab_size / 32)] int32 on the CPU; bit j
-            of word w is token 32 * w + j, 1 = allowed.
-    """
-
-    structured_output_seq_ids: list[int]
-    grammar_bitmask: torch.Tensor
 
 
 # -- ModelRunner -> Scheduler ------------------------------------------------------------
@@ -223,14 +199,7 @@ class ModelRunnerOutput:
 
     Attributes:
         sampled_token_ids: seq_id -> the token sampled for it (only sequences whose
-            prompt is fully computed after this step sample). For a sequence that
-            verified drafts, the token after the accepted ones (the target's own token
-            where it rejected one, or the bonus token when it accepted all).
-        num_accepted_tokens: seq_id -> how many of its drafts (scheduled_spec_decode_tokens,
-            in order) it accepted, for sequences that verified drafts this step. Its new
-            tokens are drafts[:num_accepted] + [sampled_token_ids[seq_id]].
-        draft_token_ids: seq_id -> the tokens proposed for its next step (speculative
-            decoding; may be empty). They follow the tokens this step gave it.
+            prompt is fully computed after this step sample).
         logprobs: seq_id -> Logprobs of its new tokens (one row each, in order), for
             sequences whose SamplingParams.logprobs is set.
         prompt_logprobs: seq_id -> Logprobs of the prompt tokens at positions
@@ -239,8 +208,6 @@ class ModelRunnerOutput:
     """
 
     sampled_token_ids: dict[int, int] = field(default_factory=dict)
-    num_accepted_tokens: dict[int, int] = field(default_factory=dict)
-    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[int, Logprobs] = field(default_factory=dict)
 
@@ -312,17 +279,14 @@ class EngineCoreOutput:
 
     Attributes:
         request_id: its request.
-        index: which of the request's completions (0..n-1; for a finished beam search,
-            the hypothesis' rank, best first).
-        new_token_ids: tokens appended this step (a finished beam: all of its tokens).
+        index: which of the request's completions (0..n-1).
+        new_token_ids: tokens appended this step.
         new_logprobs: Logprobs of those tokens (one row each), if asked for.
         new_prompt_logprobs: Logprobs of prompt tokens computed this step, if asked for.
         finish_reason: a FinishReason once the sequence ended, else None.
         stop_reason: the stop_token_ids id that ended it; None for an eos (stop
             strings are the OutputProcessor's, which fills in the string).
         num_cached_tokens: prompt tokens found in the prefix cache (first output only).
-        cumulative_logprob, score: a finished beam's sum of logprobs and its
-            length-penalised score.
     """
 
     request_id: str
@@ -333,8 +297,6 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    cumulative_logprob: float | None = None
-    score: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -388,4 +350,4 @@ class EngineCoreDead:
 # The messages that cross hosts in a multi-node engine (utils/codec.py: data only, no
 # pickle), with the request settings they carry.
 codec.register(StructuredOutputsParams, SamplingParams, NewRequestData, CachedRequestData, SchedulerOutput,
-               GrammarOutput, Logprobs, ModelRunnerOutput, PreemptionCosts, WeightsInfo)
+               Logprobs, ModelRunnerOutput, PreemptionCosts, WeightsInfo)

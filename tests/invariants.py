@@ -97,8 +97,8 @@ def check_runner_state(engine) -> None:
             tokens = state.prompt_token_ids + state.output_token_ids
             # ... and the drafts a verify step accepted reach it then too (as the sampled token)
             lag = spec.num_speculative_tokens if spec is not None else 0
-            assert seq.num_computed_tokens - lag <= len(tokens) <= seq.num_tokens + seq.num_output_placeholders, \
-                (seq, len(tokens))
+            in_flight = sched._num_pending_tokens(seq)          # async scheduling's placeholders
+            assert seq.num_computed_tokens - lag <= len(tokens) <= seq.num_tokens + in_flight, (seq, len(tokens))
             assert tokens[:seq.num_tokens] == seq.token_ids[:len(tokens)], seq
     live = {s.seq_id for g in sched.requests.values() for s in g.seqs if not s.status.is_finished}
     assert set(runner.input_batch.seqs) - live <= sched.runner_view.finished_seq_ids, "runner keeps a finished sequence"

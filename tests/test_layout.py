@@ -270,7 +270,6 @@ def test_the_base_scheduler_and_runner_name_no_later_feature(path):
     assert named == [], f"{path} names a later feature:\n" + "\n".join(named)
 
 
-@pytest.mark.xfail(strict=True, reason="feature state still on Sequence/messages: moving to the features' packages")
 @pytest.mark.parametrize("path", BASE_RECORDS)
 def test_the_base_records_name_no_later_feature(path):
     """A request's record (Sequence) and the messages between the engine's parts carry

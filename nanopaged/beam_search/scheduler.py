@@ -7,7 +7,7 @@ its most likely next tokens with their log-probabilities (the generic logprobs o
 messages.Logprobs), and the scheduler calls `beam_search_step` to decide the next
 generation:
 
-1. candidates = (beam, token) pairs scored by beam.cumulative_logprob + logprob; keep
+1. candidates = (beam, token) pairs scored by the beam's cumulative logprob + logprob; keep
    the best `num_candidates(beam_width, eos ids)` of them, best first: 2 * beam_width,
    or (1 + number of eos ids) * beam_width when there are several eos ids, so that
    enough candidates survive to fill beam_width live beams even when many of the top
@@ -24,7 +24,11 @@ append their next tokens the shared, partly filled last block is copied (copy-on
 A beam that is not chosen frees its blocks. This is the paper's §4.4 use case, and
 where sharing saves the most memory (its Fig. 15).
 
-BeamSearchScheduler joins the scheduler at its hooks (features.py). The rules follow
+BeamSearchScheduler joins the scheduler at its hooks (features.py) and keeps each
+request's BeamState in its table (`beam_states`, by request_id, with each beam's
+cumulative logprob by seq_id) from the request's arrival until it leaves. The request
+comes as a BeamSearchRequest and the answer goes out as BeamSearchHypothesis outputs
+(messages.py here). The rules follow
 transformers' `generate(num_beams=k, early_stopping=True)`
 (`GenerationMixin._beam_search`), so the two agree token for token: the search ends when
 beam_width hypotheses have finished, when no candidate can continue, or at max_tokens.
@@ -34,21 +38,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..messages import EngineCoreOutput, EngineCoreOutputs, FinishReason, Logprobs, ModelRunnerOutput, SchedulerOutput
+from ..messages import EngineCoreOutputs, EngineCoreRequest, FinishReason, Logprobs, ModelRunnerOutput, SchedulerOutput
 from ..outputs import BeamSearchSequence
 from ..sampling_params import BeamSearchParams
 from ..core.scheduler import Scheduler
 from ..core.scheduler_output import ScheduledSequence
 from ..core.sequence import Sequence, SequenceGroup, SequenceStatus
+from .messages import BeamSearchHypothesis, BeamSearchRequest
 
 
 @dataclass
 class BeamState:
-    """Per-request beam-search bookkeeping kept on the SequenceGroup."""
+    """One beam-search request's bookkeeping (BeamSearchScheduler.beam_states).
+
+    Attributes:
+        params: its BeamSearchParams.
+        finished: the hypotheses kept so far, best first.
+        done: the search is over.
+        cumulative_logprob: seq_id -> the sum of the logprobs of that beam's output
+            tokens (0.0 for each beam at first).
+    """
 
     params: BeamSearchParams
     finished: list[BeamSearchSequence] = field(default_factory=list)
     done: bool = False
+    cumulative_logprob: dict[int, float] = field(default_factory=dict)
 
 
 def num_candidates(beam_width: int, eos_token_ids: frozenset[int]) -> int:
@@ -56,13 +70,14 @@ def num_candidates(beam_width: int, eos_token_ids: frozenset[int]) -> int:
     return max(2, 1 + len(eos_token_ids)) * beam_width
 
 
-def top_candidates(beams: list[Sequence], candidates: dict[int, Logprobs],
+def top_candidates(beams: list[Sequence], cumulative_logprob: dict[int, float], candidates: dict[int, Logprobs],
                    keep: int) -> list[tuple[float, Sequence, int]]:
-    """Rule 1: score every (beam, token) candidate by beam.cumulative_logprob + the
+    """Rule 1: score every (beam, token) candidate by the beam's cumulative logprob + the
     token's logprob, and keep the best `keep` of them, best first.
 
     Args:
         beams: the beams to extend (on the first step only the first: all are the prompt).
+        cumulative_logprob: seq_id -> that beam's cumulative logprob (BeamState's).
         candidates: seq_id -> that beam's Logprobs row from the runner. Its token_ids[0]
             and logprobs[0] list the greedy (sampled) token first, then the top tokens
             with their logprobs: the candidates are the entries after the first.
@@ -72,7 +87,7 @@ def top_candidates(beams: list[Sequence], candidates: dict[int, Logprobs],
         (score, beam, token) triples, best score first; a tie goes to the earlier beam
         of `beams`, then to the token listed earlier in its row.
     """
-    scored = sorted(((b.cumulative_logprob + lp, -bi, ti, b, tok)
+    scored = sorted(((cumulative_logprob[b.seq_id] + lp, -bi, ti, b, tok)
                      for bi, b in enumerate(beams)
                      for ti, (lp, tok) in enumerate(zip(candidates[b.seq_id].logprobs[0][1:],
                                                         candidates[b.seq_id].token_ids[0][1:]))),
@@ -121,7 +136,7 @@ def split_candidates(state: BeamState, ranked: list[tuple[float, Sequence, int]]
     return next_beams
 
 
-def beam_search_step(group: SequenceGroup, candidates: dict[int, Logprobs],
+def beam_search_step(group: SequenceGroup, state: BeamState, candidates: dict[int, Logprobs],
                      eos_token_ids: frozenset[int], max_model_len: int, fork) -> list[int]:
     """Advance one beam-search request by one token (see the module docstring): rank
     the candidates (top_candidates), split them into finished hypotheses and next
@@ -129,7 +144,8 @@ def beam_search_step(group: SequenceGroup, candidates: dict[int, Logprobs],
     has several children.
 
     Args:
-        group: the request; group.beam_state holds its BeamState.
+        group: the request.
+        state: its BeamState (updated: hypotheses, done, the beams' cumulative logprobs).
         candidates: seq_id -> that beam's Logprobs row from the runner: the greedy
             token first, then its top num_candidates tokens (only those are used).
         eos_token_ids: tokens that end a hypothesis (unless ignore_eos).
@@ -139,12 +155,11 @@ def beam_search_step(group: SequenceGroup, candidates: dict[int, Logprobs],
     Returns:
         seq_ids of the beams whose tokens and blocks were replaced by a fork.
     """
-    state: BeamState = group.beam_state
     p = state.params
     beams = group.get_seqs(SequenceStatus.RUNNING)
     if all(not b.output_token_ids for b in beams):
         beams = beams[:1]            # the first step: all beams are the prompt; expand one
-    ranked = top_candidates(beams, candidates, num_candidates(p.beam_width, eos_token_ids))
+    ranked = top_candidates(beams, state.cumulative_logprob, candidates, num_candidates(p.beam_width, eos_token_ids))
     gen_len = len(beams[0].output_token_ids) + 1          # generated length after this step
     ends_by_length = gen_len >= p.max_tokens or len(beams[0].prompt_token_ids) + gen_len >= max_model_len
     next_beams = split_candidates(state, ranked, eos_token_ids, gen_len, ends_by_length)
@@ -165,49 +180,73 @@ def beam_search_step(group: SequenceGroup, candidates: dict[int, Logprobs],
             child = spare.pop()
             fork(parent, child)                          # shares blocks (ref_count + 1)
             child.output_token_ids = list(parent.output_token_ids)
-            child.cumulative_logprob = score
+            state.cumulative_logprob[child.seq_id] = score
             child.output_token_ids.append(tok)
             forked.append(child.seq_id)
     for parent in all_beams:
         kids = children_of.get(parent.seq_id)
         if kids:
             score, tok = kids[0]
-            parent.cumulative_logprob = score
+            state.cumulative_logprob[parent.seq_id] = score
             parent.output_token_ids.append(tok)
     return forked
 
 
-def finished_outputs(group: SequenceGroup) -> list[EngineCoreOutput]:
-    """A finished search's answer: an EngineCoreOutput per kept hypothesis (its index
-    in group.beam_state.finished, best first) with its generated tokens, finish
-    reason, cumulative logprob and length-penalized score."""
+def finished_outputs(group: SequenceGroup, state: BeamState) -> list[BeamSearchHypothesis]:
+    """A finished search's answer: a BeamSearchHypothesis per kept hypothesis (its index
+    in state.finished, best first) with its generated tokens, finish reason, cumulative
+    logprob and length-penalized score."""
     n = len(group.prompt_token_ids)
-    return [EngineCoreOutput(group.request_id, i, h.tokens[n:], finish_reason=FinishReason(h.finish_reason),
-                             cumulative_logprob=h.cum_logprob, score=h.score)
-            for i, h in enumerate(group.beam_state.finished)]
+    return [BeamSearchHypothesis(group.request_id, i, h.tokens[n:], finish_reason=FinishReason(h.finish_reason),
+                                 cumulative_logprob=h.cum_logprob, score=h.score)
+            for i, h in enumerate(state.finished)]
 
 
 class BeamSearchScheduler(Scheduler):
     """The scheduler for beam-search requests: their beams advance together, after the
-    step's tokens are in (_beam_step); other requests are the base's."""
+    step's tokens are in (_beam_step); other requests are the base's.
+
+    Attributes:
+        beam_states: request_id -> its BeamState, for each beam-search request from its
+            arrival until it leaves (kept across preemption).
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.beam_states: dict[str, BeamState] = {}
         self._beam_groups: dict[str, SequenceGroup] = {}      # sampled this step
 
-    def _make_group(self, request) -> SequenceGroup:
+    def _make_group(self, request: EngineCoreRequest) -> SequenceGroup:
+        """A BeamSearchRequest's sequences are its beams, with a BeamState.
+
+        Raises:
+            ValueError: a beam search with speculative decoding (beams advance one token
+                a step together) or with structured outputs.
+        """
+        if not isinstance(request, BeamSearchRequest):
+            return super()._make_group(request)
+        sc = self.config.speculative_config
+        if sc is not None:
+            raise ValueError(f"beam search does not work with speculative_config (method {sc.method!r}): "
+                             "use one or the other")
+        if request.sampling_params.structured_outputs is not None:
+            raise ValueError("structured_outputs work with sampling only, not with beam search")
         group = super()._make_group(request)
-        if request.beam_search is not None:
-            group.beam_state = BeamState(request.beam_search)
+        self.beam_states[group.request_id] = BeamState(request.beam_search,
+                                                       cumulative_logprob={s.seq_id: 0.0 for s in group.seqs})
         return group
+
+    def _request_removed(self, group: SequenceGroup) -> None:
+        super()._request_removed(group)
+        self.beam_states.pop(group.request_id, None)
 
     def _needs_output_first(self, s: ScheduledSequence) -> bool:
         # which tokens the beams keep, and which blocks they share, is decided on the output
-        return s.seq_group.beam_state is not None or super()._needs_output_first(s)
+        return s.seq_group.request_id in self.beam_states or super()._needs_output_first(s)
 
     def _append_tokens(self, seq: Sequence, group: SequenceGroup, tokens: list[int], scheduler_output: SchedulerOutput,
                        runner_output: ModelRunnerOutput, result: EngineCoreOutputs) -> None:
-        if group.beam_state is None or seq.status.is_finished:
+        if group.request_id not in self.beam_states or seq.status.is_finished:
             super()._append_tokens(seq, group, tokens, scheduler_output, runner_output, result)
         else:
             self._beam_groups[group.request_id] = group     # beams advance together, below
@@ -226,14 +265,16 @@ class BeamSearchScheduler(Scheduler):
         if not all(b.seq_id in runner_output.logprobs for b in beams):
             return                       # not sampled this step (e.g. mid-recompute)
         candidates = {b.seq_id: runner_output.logprobs[b.seq_id] for b in beams}
-        forked = beam_search_step(group, candidates, group.request.eos_token_ids, self.max_model_len, self._fork)
+        state = self.beam_states[group.request_id]
+        forked = beam_search_step(group, state, candidates, group.request.eos_token_ids, self.max_model_len,
+                                  self._fork)
         for seq_id in forked:
             self.runner_view.forget(seq_id)
         if self.runner_view.runner_appends_samples:     # it appended the token it sampled,
             for seq in beams:                          # which a beam may not have kept
                 self.runner_view.forget(seq.seq_id)
         self.num_generated_tokens += len(beams)
-        if group.beam_state.done:
+        if state.done:
             for seq in beams:
                 self.queues.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
-            result.outputs += finished_outputs(group)
+            result.outputs += finished_outputs(group, state)

@@ -287,15 +287,3 @@ class BlockManager:
             ref_count = pool.free_block(block_id)
             if self.observers and pool is self.block_pool:     # events follow the device pool
                 self.observers.publish(BlockFreed(seq.seq_id, block_id, ref_count))
-
-    def free_slots_past_computed(self, seq: Sequence) -> None:
-        """Speculative decoding's rollback: free the blocks at the end of seq's table that
-        hold only rejected draft slots, down to ceil(num_computed_tokens / block_size).
-        They were never named, so they go to the *front* of the free queue."""
-        table = seq.block_table
-        keep = table.num_blocks_for(seq.num_computed_tokens)
-        for block_id in reversed(table.block_ids[keep:]):
-            ref_count = self.block_pool.free_block(block_id, front=True)
-            if self.observers:
-                self.observers.publish(BlockFreed(seq.seq_id, block_id, ref_count))
-        del table.block_ids[keep:]

@@ -31,16 +31,22 @@ logger = logging.getLogger(__name__)
 class RequestQueues:
     """The requests and their queues.
 
+    Args:
+        on_remove: called with each request that leaves the books (the Scheduler's
+            _request_removed), after it left.
+
     Attributes:
         requests: request_id -> SequenceGroup, for every request not yet removed.
         seqs: seq_id -> (Sequence, SequenceGroup), for the same requests.
         waiting, running, swapped: the three queues.
     """
 
-    def __init__(self, block_manager: BlockManager, runner_view: RunnerView, observers: Observers) -> None:
+    def __init__(self, block_manager: BlockManager, runner_view: RunnerView, observers: Observers,
+                 on_remove: Callable[[SequenceGroup], None] | None = None) -> None:
         self.block_manager = block_manager
         self.runner_view = runner_view
         self.observers = observers
+        self.on_remove = on_remove
         self.requests: dict[str, SequenceGroup] = {}
         self.seqs: dict[int, tuple[Sequence, SequenceGroup]] = {}
         self.waiting: deque[SequenceGroup] = deque()
@@ -121,6 +127,8 @@ class RequestQueues:
         del self.requests[group.request_id]
         for seq in group.seqs:
             del self.seqs[seq.seq_id]
+        if self.on_remove is not None:
+            self.on_remove(group)
         if self.observers:
             self.observers.publish(RequestFinished(group.request_id,
                                                    tuple(s.status.finish_reason for s in group.seqs)))

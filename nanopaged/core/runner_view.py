@@ -45,12 +45,14 @@ class RunnerView:
         """Tokens the runner knows of seq after this step's message (sample: the step samples for seq)."""
         return seq.num_tokens
 
-    def message(self, step: ScheduledStep, samples: list[bool]) -> SchedulerOutput:
-        """The step's SchedulerOutput; the view becomes what the runner knows after it.
+    def message(self, step: ScheduledStep, samples: list[bool],
+                message_cls: type[SchedulerOutput] = SchedulerOutput) -> SchedulerOutput:
+        """The step's SchedulerOutput (a message_cls, the scheduler's subclass of it when
+        a feature adds fields); the view becomes what the runner knows after it.
         samples[i]: step.scheduled[i] samples (asked before the step's tokens count).
         Reads sequences, writes none."""
-        out = SchedulerOutput(blocks_to_copy=step.blocks_to_copy, blocks_to_swap_out=step.blocks_to_swap_out,
-                              blocks_to_swap_in=step.blocks_to_swap_in, finished_seq_ids=self.finished_seq_ids)
+        out = message_cls(blocks_to_copy=step.blocks_to_copy, blocks_to_swap_out=step.blocks_to_swap_out,
+                          blocks_to_swap_in=step.blocks_to_swap_in, finished_seq_ids=self.finished_seq_ids)
         self.finished_seq_ids = set()
         cached = out.scheduled_cached_reqs
         for s, sample in zip(step.scheduled, samples):

@@ -29,6 +29,7 @@ class Scheduler:
     preemption_mode); costs: PreemptionCosts, for "auto". Queues: self.queues (RequestQueues)."""
 
     runner_view_cls = RunnerView
+    scheduler_output_cls = SchedulerOutput    # a feature that adds fields to the step's message subclasses it
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, *, costs: PreemptionCosts | None = None):
         self.config = config
@@ -37,7 +38,7 @@ class Scheduler:
         self.observers = block_manager.observers         # one event stream (events.py)
         self.costs = costs
         self.runner_view = self.runner_view_cls()
-        self.queues = RequestQueues(block_manager, self.runner_view, self.observers)
+        self.queues = RequestQueues(block_manager, self.runner_view, self.observers, self._request_removed)
         self._seq_ids = itertools.count()
         self.num_preemptions = self.num_preemptions_swap = self.num_preemptions_recompute = 0
         self.num_generated_tokens = self.num_prompt_tokens_computed = 0   # (prompt: cache hits excluded)
@@ -55,6 +56,10 @@ class Scheduler:
         """Hook: the request's SequenceGroup of n fresh sequences. Raises ValueError."""
         bs, n, prompt = self.block_manager.block_size, request.sampling_params.n, request.prompt_token_ids
         return SequenceGroup(request, [Sequence(next(self._seq_ids), i, prompt, bs) for i in range(n)])
+
+    def _request_removed(self, group: SequenceGroup) -> None:
+        """Hook: group left the books (all its sequences finished, or it was aborted):
+        what a feature keeps for it goes too."""
 
     def has_unfinished_requests(self) -> bool:
         return self.queues.has_unfinished()
@@ -75,8 +80,8 @@ class Scheduler:
         self._schedule_waiting(step)
         if self.observers:
             self.observers.publish(*(s.event() for s in step.scheduled))
-        samples = [s.samples() for s in step.scheduled]       # before anything counts
-        out = self.runner_view.message(step, samples)
+        samples = [s.samples(self._num_pending_tokens(s.seq)) for s in step.scheduled]   # before anything counts
+        out = self.runner_view.message(step, samples, self.scheduler_output_cls)
         self._after_schedule(step, samples, out)
         return out
 
@@ -91,8 +96,8 @@ class Scheduler:
                 continue
             seqs = [s for s in group.seqs_to_compute(SequenceStatus.RUNNING) if s in running]
             forks = [s for s in running if s not in seqs]
-            work = [ScheduledSequence(s, group, self._chunk(s.num_uncomputed_tokens, step.budget), forks)
-                    for s in seqs]
+            work = [ScheduledSequence(s, group, self._chunk(s.num_uncomputed_tokens + self._num_pending_tokens(s),
+                                                            step.budget), forks) for s in seqs]
             total = sum(w.num_new_tokens for w in work)
             # out of budget: it waits (n sequences alone over the budget run in a step of their own)
             if any(w.num_new_tokens == 0 for w in work) or (total > step.budget and step.scheduled):
@@ -123,6 +128,18 @@ class Scheduler:
     def _schedulable(self, seq: Sequence, group: SequenceGroup) -> bool:
         """Hook: may running seq be scheduled this step?"""
         return True
+
+    def _num_pending_tokens(self, seq: Sequence) -> int:
+        """Hook: tokens that steps already scheduled will sample for seq and that are not
+        appended yet (0 here: each step's output is taken in before the next schedule)."""
+        return 0
+
+    def _num_tokens_allowed(self, seq: Sequence, token_ids: list[int]) -> int:
+        """Hook: how many of token_ids, from the first, may follow seq's tokens (all of
+        them here; a feature that constrains the output may allow fewer). The base never
+        asks: it is where a feature that guesses a sequence's next tokens meets one that
+        constrains them."""
+        return len(token_ids)
 
     def _append_slots(self, work: list[ScheduledSequence], ends: list[int], step: ScheduledStep) -> list | None:
         """Hook: slots up to ends[i] for work[i] (copy-on-write pairs, or None when short)."""

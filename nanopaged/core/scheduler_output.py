@@ -40,12 +40,13 @@ class ScheduledSequence:
     table_replaced: bool = False
     spec_token_ids: list[int] = field(default_factory=list)
 
-    def samples(self) -> bool:
+    def samples(self, num_pending: int = 0) -> bool:
         """Whether the step samples a token for seq: it computes seq's last position (a
-        prompt's last chunk, or a decode), counting the tokens steps in flight will
-        sample. Asked before the step's tokens are counted as computed."""
+        prompt's last chunk, or a decode), counting the num_pending tokens that steps
+        scheduled before will sample (Scheduler._num_pending_tokens). Asked before the
+        step's tokens are counted as computed."""
         seq = self.seq
-        return seq.num_computed_tokens + self.num_new_tokens >= seq.num_tokens + seq.num_output_placeholders
+        return seq.num_computed_tokens + self.num_new_tokens >= seq.num_tokens + num_pending
 
     def event(self) -> SequenceScheduled:
         """This record as the tracer's SequenceScheduled event (taken before the step

@@ -1,11 +1,15 @@
 """Sequence and SequenceGroup: the engine's record of a request while it is served.
 
 A *request* (one prompt plus its SamplingParams) is a SequenceGroup; each completion it
-asks for is a Sequence (`n` of them, sharing prompt blocks, with parallel sampling and
-beam search). These are the scheduler's own records, and only the scheduler changes
-them: it moves groups between its queues, has the block manager give each Sequence a
-BlockTable, and appends the sampled tokens (`Scheduler.update_from_output`). Nothing
-outside the EngineCore sees them; other layers get messages (messages.py).
+asks for is a Sequence (`n` of them, sharing prompt blocks). These are the scheduler's
+own records, and only the scheduler changes them: it moves groups between its queues,
+has the block manager give each Sequence a BlockTable, and appends the sampled tokens
+(`Scheduler.update_from_output`). Nothing outside the EngineCore sees them; other layers
+get messages (messages.py).
+
+They hold the base engine's state only. A later feature keeps its own state of a
+request beside them, in a table of its own keyed by seq_id (or request_id) that it
+fills when the request is added and empties when it leaves (Scheduler._request_removed).
 
 The one number that drives scheduling is `num_computed_tokens`: how many of the
 sequence's tokens already have their K/V in the cache. A fresh request has 0, so its
@@ -65,14 +69,7 @@ class Sequence:
         block_hashes: prefix-cache hashes of its full blocks (kept across preemption).
         status: a SequenceStatus.
         stop_reason: the stop_token_ids id that finished it, if one did (None for an eos).
-        cumulative_logprob: sum of the logprobs of its output tokens (beam search).
-        num_output_placeholders: with async scheduling, tokens that steps in flight will
-            sample for it (0, 1 or 2); num_computed_tokens then already counts the
-            positions those steps compute (chapters/16-async-scheduling.md).
-        grammar: its structured-output matcher (structured_output.Grammar), which has
-            read every token of output_token_ids; None for an unconstrained request.
-        spec_token_ids: speculative decoding: the draft tokens proposed to follow its
-            tokens (vLLM v1's Request.spec_token_ids), verified by its next decode step.
+        num_prompt_logprobs: prompt positions whose logprobs were reported.
     No text and no random generator: strings live in the OutputProcessor, generators
     in the model runner (messages.py says why).
     """
@@ -87,13 +84,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | None = None
-        self.cumulative_logprob = 0.0
-        self.num_prompt_logprobs = 0      # prompt positions whose logprobs were reported
-        # async scheduling: tokens sampled by steps in flight, not yet appended (vLLM v1's
-        # Request.num_output_placeholders); 0 when the engine runs synchronously
-        self.num_output_placeholders = 0
-        self.grammar = None
-        self.spec_token_ids: list[int] = []
+        self.num_prompt_logprobs = 0
 
     def __repr__(self) -> str:
         return (f"Sequence(seq_id={self.seq_id}, num_tokens={self.num_tokens}, "
@@ -119,8 +110,9 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens the next forward pass must compute: the whole prompt on prefill, 1 on
-        decode (with async scheduling, the token a step in flight is sampling counts)."""
-        return self.num_tokens + self.num_output_placeholders - self.num_computed_tokens
+        decode. (A scheduler whose steps run ahead of their outputs adds the tokens those
+        steps will sample: Scheduler._num_pending_tokens.)"""
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_swapped(self) -> bool:
@@ -145,15 +137,13 @@ class SequenceGroup:
 
     Attributes:
         request: the EngineCoreRequest it came from (ids, params, eos ids, arrival time).
-        seqs: the group's sequences (len == sampling_params.n, or the beam width).
-        beam_state: a beam_search.BeamState for beam-search requests, else None.
+        seqs: the group's sequences (len == sampling_params.n).
         num_cached_tokens: prompt tokens its first prefill found in the prefix cache.
     """
 
     def __init__(self, request: EngineCoreRequest, seqs: list[Sequence]) -> None:
         self.request = request
         self.seqs = seqs
-        self.beam_state = None
         self.num_cached_tokens = 0
 
     @property

@@ -80,9 +80,11 @@ class AsyncLLM:
         self.composition = Composition.of(self.config)     # the core process decides the same
         self.processor = self.composition.build(Processor, "processor").from_config(
             self.config, self.model_path, model_config)
-        logger.info("%s", *self.composition.describe({"processor": Processor}))   # the core logs its parts
+        front_end = {"processor": Processor, "output_processor": OutputProcessor}
+        for line in self.composition.describe(front_end):       # the core logs its own parts
+            logger.info("%s", line)
         self.tokenizer = self.processor.tokenizer
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = self.composition.build(OutputProcessor, "output_processor")(self.tokenizer)
         self.engine_core = AsyncMPClient(self.config, self.model_path)
         self._stats: dict[str, int] = dict(self.engine_core.initial_stats)
         self._queues: dict[str, asyncio.Queue] = {}          # internal request id -> queue

@@ -78,7 +78,8 @@ class EngineCore:
 
     def part_bases(self, model_config: ModelConfig) -> dict[str, type]:
         """Each part's base class (the model's: its family's), for describe(). (The
-        processor is the front end's: LLMEngine.describe adds its line.)"""
+        processor and the output processor are the front end's: LLMEngine.describe adds
+        their lines.)"""
         return {"engine_core": EngineCore, "scheduler": Scheduler,
                 "executor": Executor.base_class(self.config), "worker": Worker, "model_runner": ModelRunner,
                 "model": get_model_class(model_config.architecture)}

@@ -36,6 +36,9 @@ from .processor import Processor
 
 logger = logging.getLogger(__name__)
 
+# the front end's parts (the core's are EngineCore.part_bases)
+FRONT_END = {"processor": Processor, "output_processor": OutputProcessor}
+
 
 class LLMEngine:
     """The engine: add requests, call step() until none are left.
@@ -55,19 +58,20 @@ class LLMEngine:
         self.composition = Composition.of(self.config)     # which classes serve each part: decided once
         self.processor = self.composition.build(Processor, "processor").from_config(
             self.config, self.model_path, self.model_config)
-        logger.info("%s", *self.composition.describe({"processor": Processor}))
+        for line in self.composition.describe(FRONT_END):
+            logger.info("%s", line)
         self.tokenizer, self.eos_token_ids = self.processor.tokenizer, self.processor.eos_token_ids
         self.observers = Observers()
         core_cls = self.composition.build(EngineCore, "engine_core")
         self.engine_core = core_cls(self.config, self.model_path, self.model_config, self.observers,
                                     self.composition)
         self.core_client = InprocClient(self.engine_core)     # AsyncLLM's runs it in a process
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = self.composition.build(OutputProcessor, "output_processor")(self.tokenizer)
 
     def describe(self) -> list[str]:
         """Which classes serve each part, one line each, the base first (what the start
         log says): e.g. "scheduler: Scheduler <- StructuredOutputScheduler <- BeamSearchScheduler"."""
-        return self.composition.describe({"processor": Processor}) + self.engine_core.describe()
+        return self.composition.describe(FRONT_END) + self.engine_core.describe()
 
     # the core's parts, for tests, the tracer and the bench
     scheduler = property(lambda self: self.engine_core.scheduler)

@@ -27,6 +27,10 @@ Three things need care:
   step; DELTA shows only what is new since that completion's last output; FINAL_ONLY
   shows one output when the request is done.
 
+A feature whose requests come out in another shape (beam search: whole hypotheses at
+the end) subclasses it at its hooks (`_request_state`, `_take_output`; features.py
+composes the class).
+
 vLLM: `vllm/v1/engine/output_processor.py`, `vllm/v1/engine/detokenizer.py`,
 `vllm/v1/engine/logprobs.py`.
 """
@@ -55,7 +59,7 @@ class OutputProcessorOutput:
     seqs_to_stop: list[tuple[str, int]] = field(default_factory=list)
 
 
-class _CompletionState:
+class CompletionState:
     """One sequence: what it has produced, and how much of it has been shown (DELTA)."""
 
     def __init__(self, index: int, detokenizer: IncrementalDetokenizer | None,
@@ -77,8 +81,9 @@ class _CompletionState:
         return self.finish_reason is not None
 
 
-class _RequestState:
-    """One request: its completions, its prompt logprobs, and how to show them."""
+class RequestState:
+    """One request: its completions (n of them, each with its detokenizer), its prompt
+    logprobs, and how to show them."""
 
     def __init__(self, request: EngineCoreRequest, prompt: str | None, n: int, tokenizer) -> None:
         params: SamplingParams = request.sampling_params
@@ -86,30 +91,24 @@ class _RequestState:
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
         self.params = params
-        self.is_beam = request.beam_search is not None
         # the ids check_stop ends a sequence on: its stop_token_ids, and the eos unless ignore_eos
         self.stop_token_ids = params.stop_ids | (frozenset() if params.ignore_eos else request.eos_token_ids)
-        # A beam search's hypotheses arrive all at once, decoded whole; they get their
-        # states then (there may be fewer than beam_width of them).
-        self.completions: dict[int, _CompletionState] = {} if self.is_beam else {
-            i: _CompletionState(i, IncrementalDetokenizer(
+        self.completions: dict[int, CompletionState] = {
+            i: CompletionState(i, IncrementalDetokenizer(
                 tokenizer, request.prompt_token_ids, params.skip_special_tokens,
                 params.spaces_between_special_tokens), params.logprobs is not None)
             for i in range(n)}
-        self.output_kind = RequestOutputKind.FINAL_ONLY if self.is_beam else params.output_kind
+        self.output_kind = params.output_kind
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-            [None] if params.prompt_logprobs is not None and not self.is_beam else None)
+            [None] if params.prompt_logprobs is not None else None)
         self.num_shown_prompt_logprobs = 0
         self.num_cached_tokens = 0
-        self.beam_done = False
         stop = params.stop or []
         self.stop_buffer_length = (max(len(s) for s in stop) - 1
                                    if stop and not params.include_stop_str_in_output else 0)
 
     @property
     def finished(self) -> bool:
-        if self.is_beam:
-            return self.beam_done
         return all(c.finished for c in self.completions.values())
 
 
@@ -122,7 +121,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.request_states: dict[str, _RequestState] = {}
+        self.request_states: dict[str, RequestState] = {}
 
     def add_request(self, request: EngineCoreRequest, prompt: str | None, n: int) -> None:
         """Start following a request the core has been given.
@@ -137,7 +136,11 @@ class OutputProcessor:
         """
         if request.request_id in self.request_states:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.request_states[request.request_id] = _RequestState(request, prompt, n, self.tokenizer)
+        self.request_states[request.request_id] = self._request_state(request, prompt, n)
+
+    def _request_state(self, request: EngineCoreRequest, prompt: str | None, n: int) -> RequestState:
+        """Hook: the state that follows a new request (add_request's arguments)."""
+        return RequestState(request, prompt, n, self.tokenizer)
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         """Forget requests (the core frees their blocks). Unknown ids are ignored."""
@@ -167,16 +170,7 @@ class OutputProcessor:
                 continue
             changed = touched.setdefault(out.request_id, set())
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-            if state.is_beam:
-                self._add_hypothesis(state, out)
-                changed.add(out.index)
-                continue
-            comp = state.completions[out.index]
-            if comp.finished:
-                continue                      # stopped here already; the core had not heard
-            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
-                state.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
-            if self._update_completion(state, comp, out, result.seqs_to_stop):
+            if self._take_output(state, out, result.seqs_to_stop):
                 changed.add(out.index)
 
         for rid, changed in touched.items():
@@ -188,7 +182,17 @@ class OutputProcessor:
                 del self.request_states[rid]
         return result
 
-    def _update_completion(self, state: _RequestState, comp: _CompletionState,
+    def _take_output(self, state: RequestState, out: EngineCoreOutput, seqs_to_stop: list[tuple[str, int]]) -> bool:
+        """Hook: fold one output into its request's state; True when its completion
+        changed (new tokens, or it finished)."""
+        comp = state.completions[out.index]
+        if comp.finished:
+            return False                      # stopped here already; the core had not heard
+        if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+            state.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
+        return self._update_completion(state, comp, out, seqs_to_stop)
+
+    def _update_completion(self, state: RequestState, comp: CompletionState,
                            out: EngineCoreOutput, seqs_to_stop: list[tuple[str, int]]) -> bool:
         """Append a step's tokens, text and logprobs; check stop strings. Returns True
         when the completion changed (new tokens, or it finished)."""
@@ -228,17 +232,6 @@ class OutputProcessor:
             comp.finish_reason, comp.stop_reason = str(finish_reason), stop_reason
         return bool(ids) or comp.finished
 
-    def _add_hypothesis(self, state: _RequestState, out: EngineCoreOutput) -> None:
-        """A finished beam search sends all its hypotheses in one step, whole."""
-        comp = _CompletionState(out.index, None, want_logprobs=False)
-        comp.token_ids = list(out.new_token_ids)
-        comp.text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
-        comp.cumulative_logprob, comp.score = out.cumulative_logprob, out.score
-        comp.finish_reason = str(out.finish_reason or FinishReason.STOP)
-        comp.stop_reason = out.stop_reason
-        state.completions[out.index] = comp
-        state.beam_done = True
-
     def _logprob_dicts(self, logprobs: Logprobs) -> list[dict[int, Logprob]]:
         """One dict per row: the row's first token (sampled, or the prompt token) with its
         own rank, then the top-k with ranks 1..k. Each token is decoded on its own, as
@@ -256,7 +249,7 @@ class OutputProcessor:
 
     # -- building outputs --------------------------------------------------------------------
 
-    def _make_request_output(self, state: _RequestState, changed: set[int]) -> RequestOutput | None:
+    def _make_request_output(self, state: RequestState, changed: set[int]) -> RequestOutput | None:
         """The RequestOutput this step shows for a request, or None if it shows nothing."""
         finished = state.finished
         kind = state.output_kind
@@ -280,7 +273,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens)
 
 
-def _completion_output(comp: _CompletionState, stop_buffer_length: int,
+def _completion_output(comp: CompletionState, stop_buffer_length: int,
                        delta: bool) -> CompletionOutput:
     """A completion as shown now: all of it, or (delta) what is new since it was last
     shown. A running completion holds back its last stop_buffer_length characters."""

@@ -87,11 +87,9 @@ class Processor:
         text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
         params = SamplingParams() if params is None else params
-        beam = None
         if isinstance(params, BeamSearchParams):
-            beam = params
-            self._check_num_seqs("BeamSearchParams.beam_width", beam.beam_width)
-            params = self._beam_sampling_params(beam)
+            self._check_num_seqs("BeamSearchParams.beam_width", params.beam_width)
+            params = self._beam_sampling_params(params)
         elif not isinstance(params, SamplingParams):
             raise TypeError("sampling_params must be a SamplingParams or BeamSearchParams, "
                             f"got {type(params).__name__}")
@@ -101,7 +99,7 @@ class Processor:
         if params.max_tokens is None:                  # None: up to max_model_len
             params.max_tokens = self.max_model_len - len(prompt_ids)
         self._check_length(len(prompt_ids), params.max_tokens)
-        return EngineCoreRequest(request_id, prompt_ids, params, self.eos_token_ids, time.monotonic(), beam), text
+        return EngineCoreRequest(request_id, prompt_ids, params, self.eos_token_ids, time.monotonic()), text
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -164,9 +162,10 @@ class Processor:
 
     def _beam_sampling_params(self, beam: BeamSearchParams) -> SamplingParams:
         """Hook: the SamplingParams a beam search's rows run with. The base engine has no beam
-        search: raises ValueError (beam_search/processor.py gives the rows)."""
-        raise ValueError(f"BeamSearchParams needs the beam search feature, which is not available "
-                         f"in this installation (nanopaged/beam_search cannot be imported)")
+        search: raises ValueError (beam_search/processor.py gives the rows, and sends the
+        request as its BeamSearchRequest)."""
+        raise ValueError("BeamSearchParams needs the beam search feature, which is not available "
+                         "in this installation (nanopaged/beam_search cannot be imported)")
 
     def _check_structured_outputs(self, spec) -> None:
         """Hook: raises ValueError when `spec` (SamplingParams.structured_outputs) cannot be

@@ -78,11 +78,11 @@ def check_first_match_wins():
 
 def check_hold_back_and_deltas():
     """a running completion holds back its last len(longest stop) - 1 characters; in DELTA mode the pieces add up to the whole text"""
-    from nanopaged.engine.output_processor import _completion_output, _CompletionState
+    from nanopaged.engine.output_processor import CompletionState, _completion_output
 
     steps = [("Hel", [1], None), ("Hello wo", [2, 3], None), ("Hello world", [4], None),
              ("Hello world!", [5], "stop")]
-    comp, cumulative = _CompletionState(0, None, want_logprobs=False), _CompletionState(0, None, False)
+    comp, cumulative = CompletionState(0, None, want_logprobs=False), CompletionState(0, None, False)
     shown_delta, shown_cumulative = [], []
     for text, ids, finish in steps:
         for c in (comp, cumulative):
@@ -95,7 +95,7 @@ def check_hold_back_and_deltas():
                                       f"{shown_cumulative}, want {want} (all of it once finished)")
     want = [("H", [1], None), ("ello ", [2, 3], None), ("wor", [4], None), ("ld!", [5], "stop")]
     assert shown_delta == want, f"the same in DELTA mode: shown (text, token_ids, finish_reason) {shown_delta}, want {want}"
-    short = _CompletionState(0, None, False)
+    short = CompletionState(0, None, False)
     short.text, short.token_ids = "ab", [9]
     got = _completion_output(short, 5, delta=True).text
     assert got == "", f"a running text of 2 characters, holding back 5: shown {got!r}, want ''"

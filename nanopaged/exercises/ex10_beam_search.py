@@ -10,15 +10,16 @@ TASK = """
 Write the rules of a beam-search step, the ones transformers' generate(num_beams=k,
 early_stopping=True) follows, so that nanopaged agrees with it token for token.
 top_candidates scores every (beam, token) candidate of the runner's logprobs rows by
-the beam's cumulative logprob plus the token's, and keeps the best ones.
+the beam's cumulative logprob (the request's BeamState keeps them, by seq_id) plus the
+token's, and keeps the best ones.
 split_candidates decides which of them end (an eos token, or the length limit) and
 become finished hypotheses, which continue as the next beams, and whether the search
 is done. beam_search_step calls both after every forward pass of a beam-search request,
 then gives the next beams their Sequences (forking where a beam has two children).
 """
 HINT = """
-top_candidates: build (beam.cumulative_logprob + lp, beam index, position in row, beam,
-token) for each beam and each (lp, token) of zip(row.logprobs[0][1:], row.token_ids[0][1:])
+top_candidates: build (cumulative_logprob[beam.seq_id] + lp, beam index, position in
+row, beam, token) for each beam and each (lp, token) of zip(row.logprobs[0][1:], row.token_ids[0][1:])
 (entry 0 is the sampled token, not a candidate), sort by score, highest first (ties:
 lower beam index, then lower position), keep `keep`, return (score, beam, token).
 split_candidates: walk the ranked list with its rank. A candidate ends if ends_by_length
@@ -34,15 +35,16 @@ EOS = 0
 
 
 def _beams(*cumulative_logprobs):
+    """(beams, seq_id -> cumulative logprob): beams 10, 11, ... with two tokens each."""
     from nanopaged.core.sequence import Sequence
 
-    beams = []
+    beams, cumulative = [], {}
     for i, c in enumerate(cumulative_logprobs):
         seq = Sequence(10 + i, i, [1, 2, 3], 4)
         seq.output_token_ids = [40 + i, 50 + i]          # two tokens generated so far
-        seq.cumulative_logprob = c
+        cumulative[seq.seq_id] = c
         beams.append(seq)
-    return beams
+    return beams, cumulative
 
 
 def _row(tokens, logprobs):
@@ -65,17 +67,17 @@ def check_top_candidates():
     """candidates are scored cumulative_logprob + logprob, best first, the row's first entry (the sampled token) excluded"""
     from nanopaged.beam_search.scheduler import top_candidates
 
-    b0, b1 = _beams(-1.0, -0.5)
+    (b0, b1), cumulative = _beams(-1.0, -0.5)
     rows = {10: _row([5, 5, 6, 7], [-0.1, -0.1, -0.2, -3.0]),      # sampled token 5, then the top 3
             11: _row([8, 8, 9, 10], [-0.3, -0.3, -1.0, -2.0])}
-    got = _show(top_candidates([b0, b1], rows, 4))
+    got = _show(top_candidates([b0, b1], cumulative, rows, 4))
     want = [(-0.8, 11, 8), (-1.1, 10, 5), (-1.2, 10, 6), (-1.5, 11, 9)]
     assert got == want, (f"beams 10 (cumulative -1.0) and 11 (-0.5), rows {rows[10].token_ids[0]} / "
                          f"{rows[11].token_ids[0]}, keep 4: expected (score, beam, token) {want}, you returned {got}")
-    got = _show(top_candidates([b0, b1], rows, 6))
+    got = _show(top_candidates([b0, b1], cumulative, rows, 6))
     assert len(got) == 6 and got[-1] == (-4.0, 10, 7), f"keep 6 of the 6 candidates: you returned {got}"
     tie = {10: _row([5, 5, 6], [-0.5, -0.5, -0.5]), 11: _row([8, 8, 9], [-1.0, -1.0, -1.0])}
-    got = _show(top_candidates([b0, b1], tie, 4))
+    got = _show(top_candidates([b0, b1], cumulative, tie, 4))
     want = [(-1.5, 10, 5), (-1.5, 10, 6), (-1.5, 11, 8), (-1.5, 11, 9)]
     assert got == want, \
         f"four equal scores: ties go to the earlier beam, then the earlier token: {got}, expected {want}"
@@ -85,7 +87,7 @@ def check_finished_hypotheses():
     """an ending candidate ranked among the first beam_width becomes a hypothesis scored cum_logprob / gen_len ** length_penalty"""
     from nanopaged.beam_search.scheduler import split_candidates
 
-    b0, b1 = _beams(-1.0, -0.5)
+    (b0, b1), _ = _beams(-1.0, -0.5)
     state = _state(2, length_penalty=2.0)
     ranked = [(-1.0, b0, EOS), (-1.2, b0, 5), (-1.5, b1, EOS), (-2.0, b1, 6)]
     split_candidates(state, ranked, frozenset({EOS}), 3, False)
@@ -111,7 +113,7 @@ def check_next_beams_and_done():
     """the best beam_width candidates that go on are the next beams; the search is done once beam_width hypotheses are in, or too few go on"""
     from nanopaged.beam_search.scheduler import BeamSearchSequence, split_candidates
 
-    b0, b1 = _beams(-1.0, -0.5)
+    (b0, b1), _ = _beams(-1.0, -0.5)
     state = _state(2)
     ranked = [(-1.0, b0, EOS), (-1.2, b0, 5), (-1.5, b1, 6), (-2.0, b1, 7)]
     nxt = split_candidates(state, ranked, frozenset({EOS}), 3, False)

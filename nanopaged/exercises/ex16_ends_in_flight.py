@@ -9,8 +9,8 @@ TITLE = "AsyncScheduler._ends_in_flight: no step for a sequence that is surely d
 TARGETS = ["nanopaged.async_sched.scheduler:AsyncScheduler._ends_in_flight"]
 TASK = """
 With async scheduling the scheduler plans step t+1 while step t runs, counting the
-token t is sampling for each sequence as a placeholder (seq.num_output_placeholders)
-before it exists. Sometimes that token is surely the sequence's last: it reaches
+token t is sampling for each sequence as a placeholder (its table
+self.num_output_placeholders: seq_id -> tokens in flight) before it exists. Sometimes that token is surely the sequence's last: it reaches
 max_tokens, or the sequence reaches max_model_len. Then the sequence must not get a
 step t+1: that step would compute the token's K/V and sample a next token, only to
 throw it away. Write `_ends_in_flight`, which says so; the scheduler skips a running
@@ -18,7 +18,8 @@ sequence for which it returns True. (Stops that depend on the token's value, eos
 stop token, cannot be known in advance: those cost one wasted token.)
 """
 HINT = """
-k = seq.num_output_placeholders tokens are in flight. Nothing is in flight (k == 0):
+k = self.num_output_placeholders.get(seq.seq_id, 0) tokens are in flight (no entry: none).
+Nothing is in flight (k == 0):
 False, always (that is every sequence of the synchronous engine). Otherwise the
 sequence will have len(seq.output_token_ids) + k output tokens and seq.num_tokens + k
 tokens in all once they land; it is done if the first reaches
@@ -29,8 +30,9 @@ _BLOCK = 4
 
 
 def _sequence(num_prompt, num_output, placeholders, max_tokens):
-    """(seq, group): a running sequence with `num_output` tokens appended and
-    `placeholders` in flight."""
+    """(seq, group): a running sequence with `num_output` tokens appended, its
+    num_computed_tokens counting `placeholders` in flight (_ask gives the scheduler
+    those)."""
     from nanopaged import SamplingParams
     from nanopaged.core.sequence import Sequence, SequenceGroup, SequenceStatus
     from nanopaged.messages import EngineCoreRequest
@@ -38,7 +40,6 @@ def _sequence(num_prompt, num_output, placeholders, max_tokens):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     seq = Sequence(0, 0, list(range(1, num_prompt + 1)), _BLOCK)
     seq.output_token_ids = list(range(100, 100 + num_output))
-    seq.num_output_placeholders = placeholders
     seq.num_computed_tokens = seq.num_tokens + placeholders
     seq.status = SequenceStatus.RUNNING
     return seq, SequenceGroup(EngineCoreRequest("r", seq.prompt_token_ids, params, frozenset({0}), 0.0), [seq])
@@ -56,6 +57,9 @@ def _scheduler(max_model_len=256):
 
 def _ask(scheduler, num_prompt, num_output, placeholders, max_tokens):
     seq, group = _sequence(num_prompt, num_output, placeholders, max_tokens)
+    scheduler.num_output_placeholders.clear()
+    if placeholders:
+        scheduler.num_output_placeholders[seq.seq_id] = placeholders
     return scheduler._ends_in_flight(seq, group)
 
 

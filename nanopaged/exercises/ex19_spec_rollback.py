@@ -5,16 +5,17 @@ from contextlib import contextmanager
 
 NUMBER = 19
 CHAPTER = "19-speculative-decoding.md"
-TITLE = "BlockManager.free_slots_past_computed: take back the rejected drafts' blocks"
-TARGETS = ["nanopaged.core.block_manager:BlockManager.free_slots_past_computed"]
+TITLE = "free_slots_past_computed: take back the rejected drafts' blocks"
+TARGETS = ["nanopaged.spec_decode.scheduler:free_slots_past_computed"]
 TASK = """
 A verify step reserves slots for a sequence's k drafts before the forward (the
 scheduler's append_slots), so its block table may grow by a block or two. After the
 forward, the rejection sampler keeps some drafts and rejects the rest; the scheduler
 rolls num_computed_tokens back to the accepted tokens and calls
-free_slots_past_computed(seq). Write it: every block at the end of the table that holds
-no computed token (only slots of rejected drafts) is given back, so that the table
-again holds ceil(num_computed_tokens / block_size) blocks. Such a block was fresh this
+free_slots_past_computed(block_manager, seq) (spec_decode/scheduler.py: the rollback is
+speculative decoding's, run from the scheduler's side). Write it: every block at the
+end of the table that holds no computed token (only slots of rejected drafts) is given
+back, so that the table again holds ceil(num_computed_tokens / block_size) blocks. Such a block was fresh this
 step and never named in the prefix cache, so it goes to the FRONT of the free queue:
 the next allocation reuses it before any block whose cached contents still have value.
 Publish a BlockFreed for each block, as BlockManager.free does. A block another table
@@ -22,10 +23,10 @@ also holds (ref_count > 1) only loses this sequence's hold: it is not free yet.
 """
 HINT = """
 With table = seq.block_table, keep = table.num_blocks_for(seq.num_computed_tokens) blocks stay. For each block id of
-table.block_ids[keep:], last first (reversed): self.block_pool.free_block(b, front=True)
-lowers its ref_count, puts it at the FRONT of the free queue when that reaches 0, and
-returns the new ref_count. If self.observers, publish BlockFreed(seq.seq_id, b, that
-ref_count). Then cut the table:
+table.block_ids[keep:], last first (reversed): block_manager.block_pool.free_block(b,
+front=True) lowers its ref_count, puts it at the FRONT of the free queue when that
+reaches 0, and returns the new ref_count. If block_manager.observers, publish
+BlockFreed(seq.seq_id, b, that ref_count) there. Then cut the table:
 del table.block_ids[keep:]. A block somebody else still holds (ref_count > 1 before)
 only loses this sequence's hold. Never touch num_computed_tokens: the scheduler set it.
 """
@@ -37,6 +38,12 @@ def _pool(num_blocks=8):
     from nanopaged.core.block_manager import BlockManager
 
     return BlockManager(num_gpu_blocks=num_blocks, block_size=_BLOCK, enable_prefix_caching=False)
+
+
+def _rollback(bm, seq):
+    from nanopaged.spec_decode.scheduler import free_slots_past_computed
+
+    free_slots_past_computed(bm, seq)
 
 
 def _holding(bm, seq_id, num_computed, block_ids):
@@ -51,7 +58,7 @@ def check_takes_back_the_blocks_past_the_accepted_tokens():
     """9 positions computed, a table of 4 blocks: the last one is free again, at the front of the free queue, and the table keeps 3"""
     bm = _pool()
     seq = _holding(bm, 0, 9, [5, 2, 7, 4])       # positions 0-8 in blocks 5, 2, 7 (one slot); 4 only drafts
-    bm.free_slots_past_computed(seq)
+    _rollback(bm, seq)
     assert seq.block_table.block_ids == [5, 2, 7], (
         f"9 computed positions need 3 blocks of 4: the table is {seq.block_table.block_ids}, it should be [5, 2, 7] "
         "(block 7 holds position 8: it stays, though its other slots were drafts')")
@@ -66,14 +73,14 @@ def check_two_blocks_and_none():
     """4 positions computed, 3 blocks: two go back, the last one first; at a block boundary with no extra block, nothing changes"""
     bm = _pool()
     seq = _holding(bm, 0, 4, [1, 6, 3])
-    bm.free_slots_past_computed(seq)
+    _rollback(bm, seq)
     assert seq.block_table.block_ids == [1], f"4 computed positions need 1 block: the table is {seq.block_table.block_ids}"
     front = list(bm.free_block_ids)[:2]
     assert front == [6, 3], (f"the free queue starts {front}: it should start [6, 3] (blocks 3 then 6 given back, "
                              "last block first, each to the front)")
     before = list(bm.free_block_ids)
     seq = _holding(bm, 1, 8, [0, 2])
-    bm.free_slots_past_computed(seq)
+    _rollback(bm, seq)
     assert seq.block_table.block_ids == [0, 2] and bm.ref_count[0] == bm.ref_count[2] == 1, (
         f"8 computed positions fill exactly 2 blocks: nothing to take back, but the table is "
         f"{seq.block_table.block_ids} and the ref_counts {bm.ref_count[0]}, {bm.ref_count[2]}")
@@ -85,7 +92,7 @@ def check_a_shared_block_loses_one_hold():
     bm = _pool()
     other = _holding(bm, 0, 8, [3, 5])
     seq = _holding(bm, 1, 4, [3, 5])              # shares block 5, which holds none of its computed positions
-    bm.free_slots_past_computed(seq)
+    _rollback(bm, seq)
     assert seq.block_table.block_ids == [3], f"the table is {seq.block_table.block_ids}, it should be [3]"
     assert bm.ref_count[5] == 1 and 5 not in bm.free_block_ids, (
         f"block 5 is still held by seq 0: its ref_count should be 1, it is {bm.ref_count[5]}"
@@ -102,7 +109,7 @@ def check_events():
     bm.observers.append(seen.append)
     _holding(bm, 0, 8, [6])
     seq = _holding(bm, 1, 1, [0, 6, 2])
-    bm.free_slots_past_computed(seq)
+    _rollback(bm, seq)
     want = [BlockFreed(1, 2, 0), BlockFreed(1, 6, 1)]
     assert seen == want, f"the events were {[str(e) for e in seen]}, they should be {[str(e) for e in want]}"
 

@@ -157,8 +157,8 @@ class MultiprocExecutor(Executor):
         non_blocking: sent now, a StepFuture of it returned at once."""
         return self._step("execute_model", (scheduler_output,), non_blocking)
 
-    def sample_tokens(self, grammar_output, non_blocking: bool = False):
-        return self._step("sample_tokens", (grammar_output,), non_blocking)
+    def sample_tokens(self, sampling_input, non_blocking: bool = False):
+        return self._step("sample_tokens", (sampling_input,), non_blocking)
 
     def _step(self, method: str, args: tuple, non_blocking: bool):
         if not non_blocking:

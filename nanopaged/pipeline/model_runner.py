@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.attention import AttentionMetadata
-from ..messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from ..messages import ModelRunnerOutput, SchedulerOutput
 from ..worker.model_input import ModelInput
 from ..worker.model_runner import ModelRunner
 from ..multiproc.stage_progress import COMPUTING, RECEIVING, SENDING, StageReporter
@@ -66,13 +66,13 @@ class PipelineModelRunner(ModelRunner):
         return super()._after_forward(so, inp, hidden)
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
+    def sample_tokens(self, sampling_input) -> ModelRunnerOutput:
         """The last stage samples the waiting step (structured outputs); the others,
         which sampled nothing, answer an empty output."""
         if not self.model.pp.is_last_rank:
             return ModelRunnerOutput()
         self.stage_progress.set(COMPUTING)         # the step's batch, still (its execute_model's)
-        return super().sample_tokens(grammar_output)
+        return super().sample_tokens(sampling_input)
 
     def _profile_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """This stage's layers alone, zeros for the previous stage's output: no

@@ -1,23 +1,26 @@
 """SpecDecodeModelRunner: the runner's side of speculative decoding (chapter 19).
 
 Each step a sequence may verify the drafts the scheduler sent
-(so.scheduled_spec_decode_tokens): its input is its last token and the drafts, and it
-samples k + 1 rows (`_token_ids`, `_sampled_rows`). The rejection sampler keeps the
-drafts the target agrees with (`_verify`), then the proposer drafts the next ones
-(`_propose`, after sampling). The scheduler's side is spec_decode/scheduler.py.
+(so.scheduled_spec_decode_tokens, a SpecDecodeSchedulerOutput: messages.py here): its
+input is its last token and the drafts, and it samples k + 1 rows (`_token_ids`,
+`_sampled_rows`). The rejection sampler keeps the drafts the target agrees with
+(`_verify`), then the proposer drafts the next ones (`_propose`, after sampling); both
+go back in a SpecDecodeModelRunnerOutput (`runner_output_cls`). The scheduler's side
+is spec_decode/scheduler.py.
 vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_calc_spec_decode_metadata`, `propose_draft_token_ids`).
 """
 from __future__ import annotations
 
 import torch
 
-from ..messages import ModelRunnerOutput, SchedulerOutput
+from ..messages import SchedulerOutput
 from ..worker.input_batch import SeqState
 from ..worker.logits_chunks import row_chunks
 from ..worker.model_input import ModelInput
 from ..worker.model_runner import ModelRunner
 from ..worker.sampler import compute_logprobs
 from .draft_model import DraftModelProposer
+from .messages import SpecDecodeModelRunnerOutput, SpecDecodeSchedulerOutput
 from .ngram_proposer import NgramProposer
 from .proposer import Proposer
 from .rejection_sampler import RejectionSampler
@@ -34,6 +37,8 @@ class SpecDecodeModelRunner(ModelRunner):
         ValueError: method "draft_model" without a draft_model, or n-gram lookup with a
             vocabulary over 0x110000 ids (token ids become characters: ngram_proposer.py).
     """
+
+    runner_output_cls = SpecDecodeModelRunnerOutput
 
     def __init__(self, config, model, *, num_gpu_blocks: int, num_cpu_blocks: int = 0, ops=None,
                  draft_model=None) -> None:
@@ -64,11 +69,11 @@ class SpecDecodeModelRunner(ModelRunner):
 
     # -- the input: the drafts after the last token -------------------------------------------
 
-    def _token_ids(self, so: SchedulerOutput, state: SeqState, start: int, end: int) -> list[int]:
+    def _token_ids(self, so: SpecDecodeSchedulerOutput, state: SeqState, start: int, end: int) -> list[int]:
         drafts = so.scheduled_spec_decode_tokens.get(state.seq_id, [])
         return state.token_ids(start, end - len(drafts)) + drafts
 
-    def _sampled_rows(self, so: SchedulerOutput, state: SeqState, end: int, next_row: int,
+    def _sampled_rows(self, so: SpecDecodeSchedulerOutput, state: SeqState, end: int, next_row: int,
                       forks: list[int]) -> list[tuple[int, int]]:
         drafts = so.scheduled_spec_decode_tokens.get(state.seq_id)
         if not drafts:
@@ -76,7 +81,7 @@ class SpecDecodeModelRunner(ModelRunner):
         # verify: a row for its last token and one per draft
         return [(state.seq_id, row) for row in range(next_row - 1 - len(drafts), next_row)]
 
-    def prepare_inputs(self, so: SchedulerOutput) -> ModelInput:
+    def prepare_inputs(self, so: SpecDecodeSchedulerOutput) -> ModelInput:
         """ModelRunner.prepare_inputs, plus each sequence's drafts (spec_token_ids) and
         the sequences that computed all their tokens (proposal_seq_ids: not the forks)."""
         inp = super().prepare_inputs(so)
@@ -90,18 +95,18 @@ class SpecDecodeModelRunner(ModelRunner):
 
     # -- verify, then propose -----------------------------------------------------------------
 
-    def _sample(self, inp: ModelInput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _sample(self, inp: ModelInput, hidden: torch.Tensor, out: SpecDecodeModelRunnerOutput) -> None:
         """Sample the rows without drafts, then verify the others (_verify)."""
         spec = inp.spec_token_ids
         self._sample_rows(inp, hidden, out, [i for i, seq_id in enumerate(inp.sampled_seq_ids) if seq_id not in spec])
         if spec:
             self._verify(inp, hidden, out)
 
-    def _after_sample(self, inp: ModelInput, out: ModelRunnerOutput) -> None:
+    def _after_sample(self, inp: ModelInput, out: SpecDecodeModelRunnerOutput) -> None:
         out.draft_token_ids = self._propose(inp, out)
         super()._after_sample(inp, out)
 
-    def _verify(self, inp: ModelInput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _verify(self, inp: ModelInput, hidden: torch.Tensor, out: SpecDecodeModelRunnerOutput) -> None:
         """Check each verifying sequence's drafts against its k + 1 rows of logits
         (rejection_sampler.py), whole sequences per chunk of rows. Row j is processed as
         if drafts[:j] were already output (penalties, min_tokens, bad words), so greedy
@@ -129,7 +134,7 @@ class SpecDecodeModelRunner(ModelRunner):
                     out.logprobs[seq_id] = compute_logprobs(raw[first:first + len(new)], targets, k)
                 first += len(d) + 1
 
-    def _propose(self, inp: ModelInput, out: ModelRunnerOutput) -> dict[int, list[int]]:
+    def _propose(self, inp: ModelInput, out: SpecDecodeModelRunnerOutput) -> dict[int, list[int]]:
         """The drafts of each sequence that computed tokens and sampled this step, to
         follow the tokens it got (forks that only sample wait a step: no blocks yet).
         None in a step of more sequences than speculative_config.disable_by_batch_size."""

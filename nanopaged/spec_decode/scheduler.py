@@ -1,49 +1,74 @@
 """Speculative decoding, the scheduler's side: SpecDecodeScheduler and its helpers.
 
-The runner proposes drafts after each step (spec_decode/); they wait on the
-sequence (Sequence.spec_token_ids). The next schedule() gives a decoding sequence 1 + k
-positions: its last token and the k drafts (`take_drafts`), with slots for them and for
-the draft model's lookahead, or fewer when the pool is short (`slot_plans`: drafts are
-never worth a preemption). After the forward, update_from_output rolls
-num_computed_tokens back past the rejected drafts and takes back the blocks that held
-only their slots (`_verified`); the next message tells the runner how many
-(SchedulerOutput.num_blocks_taken_back).
+The runner proposes drafts after each step (spec_decode/); they wait in the scheduler's
+table (SpecDecodeScheduler.spec_token_ids, by seq_id). The next schedule() gives a
+decoding sequence 1 + k positions: its last token and the k drafts (`take_drafts`), with
+slots for them and for the draft model's lookahead, or fewer when the pool is short
+(`slot_plans`: drafts are never worth a preemption); the message is a
+SpecDecodeSchedulerOutput (messages.py here). After the forward, update_from_output
+rolls num_computed_tokens back past the rejected drafts and takes back the blocks that
+held only their slots (`_verified`, `free_slots_past_computed`); the next message tells
+the runner how many (SchedulerOutput.num_blocks_taken_back).
+
+Structured outputs meet speculative decoding in one place, the scheduler hook
+`_num_tokens_allowed` (core/scheduler.py): `take_drafts` asks it how many of a
+sequence's proposals its grammar allows and cuts them there;
+StructuredOutputScheduler answers it (structured_output/scheduler.py), and gives the
+drafts a step verifies (ScheduledSequence.spec_token_ids) a mask row each.
 vLLM v1: the spec-token half of `vllm/v1/core/sched/scheduler.py` and
 `vllm/v1/spec_decode/metrics.py`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import EngineConfig
-from ..events import DraftsVerified
-from ..messages import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from ..events import BlockFreed, DraftsVerified
+from ..messages import EngineCoreOutputs
 from ..core.block_manager import BlockManager, ComputedBlocks
 from ..core.scheduler import Scheduler
 from ..core.scheduler_output import ScheduledSequence, ScheduledStep
 from ..core.sequence import Sequence, SequenceGroup, SequenceStatus
+from .messages import SpecDecodeModelRunnerOutput, SpecDecodeSchedulerOutput
 
 
-def take_drafts(group: SequenceGroup, work: list[tuple[Sequence, int]], budget: int,
-                max_model_len: int) -> list[list[int]]:
+def take_drafts(group: SequenceGroup, work: list[tuple[Sequence, int]], proposals: dict[int, list[int]],
+                budget: int, max_model_len: int,
+                num_allowed: Callable[[Sequence, list[int]], int]) -> list[list[int]]:
     """The drafts each sequence of `group` verifies this step, from its proposals
-    (seq.spec_token_ids, used up here). work: (sequence, tokens it computes this step
+    (proposals[seq_id], used up here). work: (sequence, tokens it computes this step
     without drafts). Only a decode (1 token) verifies drafts, and they are cut so that
     the step stays within `budget` (the tokens left of the token budget), the sequence
     within max_tokens and max_model_len (a verify step gives it up to k + 1 tokens),
-    and, with structured outputs, before the first draft its grammar forbids (a
-    proposal the grammar forbids is rejected at its position: vLLM v1 does the same)."""
+    and before the first one num_allowed(seq, drafts) does not allow (the scheduler's
+    _num_tokens_allowed: with structured outputs, a proposal the grammar forbids is
+    rejected at its position; vLLM v1 does the same)."""
     drafts = []
     for seq, n in work:
-        proposed, seq.spec_token_ids = seq.spec_token_ids, []
+        proposed = proposals.pop(seq.seq_id, [])
         room = min(budget, group.sampling_params.max_tokens - len(seq.output_token_ids) - 1,
                    max_model_len - seq.num_tokens - 1)
         d = proposed[:max(room, 0)] if n == 1 and seq.num_uncomputed_tokens == 1 else []
-        if d and seq.grammar is not None:
-            d = d[:seq.grammar.validate_tokens(d)]
+        if d:
+            d = d[:num_allowed(seq, d)]
         budget -= len(d)
         drafts.append(d)
     return drafts
+
+
+def free_slots_past_computed(block_manager: BlockManager, seq: Sequence) -> None:
+    """The rollback: free the blocks at the end of seq's table that hold only rejected
+    draft (or lookahead) slots, down to ceil(num_computed_tokens / block_size). They were
+    never named, so they go to the *front* of the free queue. Called from the scheduler
+    side (SpecDecodeScheduler._verified): only the scheduler changes blocks."""
+    table = seq.block_table
+    keep = table.num_blocks_for(seq.num_computed_tokens)
+    for block_id in reversed(table.block_ids[keep:]):
+        ref_count = block_manager.block_pool.free_block(block_id, front=True)
+        if block_manager.observers:
+            block_manager.observers.publish(BlockFreed(seq.seq_id, block_id, ref_count))
+    del table.block_ids[keep:]
 
 
 def slot_plans(work: list[tuple[Sequence, int]], drafts: list[list[int]],
@@ -96,28 +121,35 @@ class SpecDecodeScheduler(Scheduler):
     """The scheduler with speculative decoding's draft slots and rollback (see the module doc).
 
     Attributes:
+        spec_token_ids: seq_id -> the drafts proposed to follow its tokens (vLLM v1's
+            Request.spec_token_ids), verified by its next decode step; no entry: none.
+            Set from each step's output, used up by take_drafts, dropped when it is
+            preempted (they were proposed for a state it loses) and when it leaves.
         spec_decoding_stats: SpecDecodingStats of every verify step so far.
     """
+
+    scheduler_output_cls = SpecDecodeSchedulerOutput
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, **kwargs) -> None:
         super().__init__(config, block_manager, **kwargs)
         self.speculative_config = config.speculative_config
         self.num_lookahead_tokens = config.speculative_config.num_lookahead_tokens
         self.spec_decoding_stats = SpecDecodingStats()
+        self.spec_token_ids: dict[int, list[int]] = {}
         self._taken_back: dict[int, int] = {}     # seq_id -> blocks rolled back since its last message
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Also a ValueError for beam search (beams advance one token a step together)."""
-        if request.beam_search is not None:
-            raise ValueError("beam search does not work with speculative_config "
-                             f"(method {self.speculative_config.method!r}): use one or the other")
-        super().add_request(request)
+    def _request_removed(self, group: SequenceGroup) -> None:
+        super()._request_removed(group)
+        for seq in group.seqs:
+            self.spec_token_ids.pop(seq.seq_id, None)
+            self._taken_back.pop(seq.seq_id, None)
 
     def _append_slots(self, work: list[ScheduledSequence], ends: list[int], step: ScheduledStep) -> list | None:
         """A decode also verifies its drafts (take_drafts), with slots for them and the
         lookahead if they fit (slot_plans); else the base's plan, without them."""
         plain = [(w.seq, w.num_new_tokens) for w in work]
-        drafts = take_drafts(work[0].seq_group, plain, step.budget - sum(n for _, n in plain), self.max_model_len)
+        drafts = take_drafts(work[0].seq_group, plain, self.spec_token_ids, step.budget - sum(n for _, n in plain),
+                             self.max_model_len, self._num_tokens_allowed)
         for drafts, extra in slot_plans(plain, drafts, self.num_lookahead_tokens):
             copies = self.block_manager.append_slots([w.seq for w in work], [e + x for e, x in zip(ends, extra)])
             if copies is not None:
@@ -136,10 +168,10 @@ class SpecDecodeScheduler(Scheduler):
 
     def _preempt(self, group: SequenceGroup, step: ScheduledStep) -> None:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
-            seq.spec_token_ids = []                  # proposed for a state it loses
+            self.spec_token_ids.pop(seq.seq_id, None)       # proposed for a state it loses
         super()._preempt(group, step)
 
-    def _after_schedule(self, step: ScheduledStep, samples: list[bool], out: SchedulerOutput) -> None:
+    def _after_schedule(self, step: ScheduledStep, samples: list[bool], out: SpecDecodeSchedulerOutput) -> None:
         """The drafts each sequence verifies, and the blocks rolled back since a sequence's
         last message (num_blocks_taken_back: for cached deltas that append)."""
         super()._after_schedule(step, samples, out)
@@ -151,23 +183,23 @@ class SpecDecodeScheduler(Scheduler):
             n = self._taken_back.pop(s.seq.seq_id, 0)
             if n and s.seq.seq_id in appended:
                 out.num_blocks_taken_back[s.seq.seq_id] = n
-        for seq_id in [i for i in self._taken_back if i not in self.queues.seqs]:
-            del self._taken_back[seq_id]            # left before it was sent again
 
-    def _computed(self, seq: Sequence, group: SequenceGroup, start: int, n: int, scheduler_output: SchedulerOutput,
-                  runner_output: ModelRunnerOutput, result: EngineCoreOutputs) -> None:
+    def _computed(self, seq: Sequence, group: SequenceGroup, start: int, n: int,
+                  scheduler_output: SpecDecodeSchedulerOutput, runner_output: SpecDecodeModelRunnerOutput,
+                  result: EngineCoreOutputs) -> None:
         # the positions of rejected drafts are not computed: rolled back here
         rejected = (len(scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, ()))
                     - runner_output.num_accepted_tokens.get(seq.seq_id, 0))
         super()._computed(seq, group, start, n - rejected, scheduler_output, runner_output, result)
 
-    def _append_tokens(self, seq: Sequence, group: SequenceGroup, tokens: list[int], scheduler_output: SchedulerOutput,
-                       runner_output: ModelRunnerOutput, result: EngineCoreOutputs) -> None:
+    def _append_tokens(self, seq: Sequence, group: SequenceGroup, tokens: list[int],
+                       scheduler_output: SpecDecodeSchedulerOutput, runner_output: SpecDecodeModelRunnerOutput,
+                       result: EngineCoreOutputs) -> None:
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(seq.seq_id, [])
         accepted = drafts[:runner_output.num_accepted_tokens.get(seq.seq_id, 0)]
         super()._append_tokens(seq, group, accepted + tokens, scheduler_output, runner_output, result)
 
-    def _after_update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+    def _after_update(self, scheduler_output: SpecDecodeSchedulerOutput, runner_output: SpecDecodeModelRunnerOutput,
                       starts: dict[int, int], result: EngineCoreOutputs) -> None:
         """Verify: count drafts, name the accepted tokens' blocks, roll back; keep the new proposals."""
         super()._after_update(scheduler_output, runner_output, starts, result)
@@ -177,13 +209,13 @@ class SpecDecodeScheduler(Scheduler):
                 self._verified(*seqs[seq_id], starts[seq_id], spec.get(seq_id, []), runner_output)
         for seq_id, drafts in runner_output.draft_token_ids.items():
             if seq_id in seqs and seqs[seq_id][0].status == SequenceStatus.RUNNING:
-                seqs[seq_id][0].spec_token_ids = list(drafts)     # for its next step
+                self.spec_token_ids[seq_id] = list(drafts)     # for its next step
 
     def _verified(self, seq: Sequence, group: SequenceGroup, start: int, drafts: list[int],
-                  runner_output: ModelRunnerOutput) -> None:
+                  runner_output: SpecDecodeModelRunnerOutput) -> None:
         """After seq's tokens are appended: count its drafts, name the blocks its accepted
         tokens filled (only now are they known), and take back the blocks that hold only
-        rejected slots or lookahead (BlockManager.free_slots_past_computed)."""
+        rejected slots or lookahead (free_slots_past_computed)."""
         if drafts:
             accepted = runner_output.num_accepted_tokens.get(seq.seq_id, 0)
             self.spec_decoding_stats.observe(len(drafts), accepted)
@@ -194,6 +226,6 @@ class SpecDecodeScheduler(Scheduler):
             return                                # finished: its blocks are freed already
         self.block_manager.cache_full_blocks(seq, start, seq.num_computed_tokens)
         held = len(seq.block_table.block_ids)
-        self.block_manager.free_slots_past_computed(seq)
+        free_slots_past_computed(self.block_manager, seq)
         if held > len(seq.block_table.block_ids):
             self._taken_back[seq.seq_id] = self._taken_back.get(seq.seq_id, 0) + held - len(seq.block_table.block_ids)

@@ -29,7 +29,7 @@ class StructuredOutputEngineCore(EngineCore):
         self.scheduler.structured_output_manager = self.structured_output_manager
 
     def _deferred_sampling(self, scheduler_output: SchedulerOutput) -> Callable[[], ModelRunnerOutput] | None:
-        if not scheduler_output.structured_output_seq_ids:
-            return super()._deferred_sampling(scheduler_output)
         grammar = self.scheduler.get_grammar_bitmask(scheduler_output)     # the masks as they are now
+        if grammar is None:                                                # no constrained row samples
+            return super()._deferred_sampling(scheduler_output)
         return functools.partial(self.executor.sample_tokens, grammar)

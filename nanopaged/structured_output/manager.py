@@ -15,13 +15,15 @@ Who does what (vLLM v1's split, `vllm/v1/structured_output/`):
   `validate`): a bad schema or regex is a ValueError before any work is done;
 - the scheduler gives each constrained sequence its own matcher when the request is
   added (`StructuredOutputManager.grammar_for`: compiled once per distinct spec, then
-  copied), feeds it every token it appends (`Grammar.accept_token`) and finishes the
-  sequence when the matcher says the language allows nothing more;
+  copied) and keeps it in its table by seq_id (StructuredOutputScheduler.grammars),
+  feeds it every token it appends (`Grammar.accept_token`) and finishes the sequence
+  when the matcher says the language allows nothing more;
 - after each schedule(), `StructuredOutputManager.grammar_bitmask` fills the mask of
-  every constrained row that samples in that step: a `GrammarOutput` message to the
-  runner, which applies it to the logits (sampler.apply_grammar_bitmask).
+  every constrained row that samples in that step: a `GrammarOutput` message
+  (messages.py here) to the runner, which applies it to the logits
+  (sampler.apply_grammar_bitmask).
 
-The matcher state lives only here, in the core, next to the tokens it has read: a
+The matcher state lives only here, in the core, beside the tokens it has read: a
 preempted sequence (swap or recompute) keeps its tokens and so its matcher; the runner
 never sees one. Why llguidance and not xgrammar, and how the mask meets async
 scheduling: chapters/18-structured-outputs.md.
@@ -34,10 +36,10 @@ import time
 
 import torch
 
-from ..messages import GrammarOutput, SchedulerOutput
 from ..sampling_params import StructuredOutputsParams
 from ..utils.checks import check_json_nesting
 from ..utils.math_utils import cdiv
+from .messages import GrammarOutput
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +136,8 @@ class Grammar:
     def validate_tokens(self, token_ids: list[int]) -> int:
         """How many of token_ids, from the first, the matcher would accept in a row (its
         state unchanged): speculative decoding cuts a sequence's drafts there, so a
-        proposal the grammar forbids is rejected at its position (vLLM v1 does the same)."""
+        proposal the grammar forbids is rejected at its position (vLLM v1 does the same;
+        StructuredOutputScheduler._num_tokens_allowed)."""
         return 0 if self.terminated else self.matcher.validate_tokens(token_ids)
 
     def allowed_token_ids(self) -> list[int]:
@@ -210,23 +213,20 @@ class StructuredOutputManager:
             self.num_compiled += 1
         return Grammar(template.deep_copy())
 
-    def grammar_bitmask(self, scheduler_output: SchedulerOutput, grammars: dict[int, Grammar | None]
-                        ) -> GrammarOutput:
-        """The bitmask of every constrained row that samples in `scheduler_output`
-        (its structured_output_seq_ids, in that order). `grammars` maps those seq ids
-        to their current Grammar, or None for a sequence that finished since it was
-        scheduled (async scheduling): its row allows every token, and the token drawn
-        there is discarded anyway.
+    def grammar_bitmask(self, seq_ids: list[int], drafts: dict[int, list[int]],
+                        grammars: dict[int, Grammar | None]) -> GrammarOutput:
+        """The bitmask of a step's constrained rows, one per seq id of `seq_ids`, in that
+        order. `grammars` maps those seq ids to their current Grammar, or None for a
+        sequence that finished since it was scheduled (async scheduling): its row allows
+        every token, and the token drawn there is discarded anyway.
 
         Bit j of word w of a row is token 32 * w + j: 1 = allowed.
 
-        A sequence verifying drafts d (scheduled_spec_decode_tokens) has k + 1 rows in
-        a row: row j is the mask after d[:j], so the matcher reads each draft before the
-        next row and is rolled back to where it was at the end.
+        A sequence verifying drafts d (drafts[seq_id], speculative decoding) has k + 1
+        rows in a row: row j is the mask after d[:j], so the matcher reads each draft
+        before the next row and is rolled back to where it was at the end.
         """
         start = time.perf_counter()
-        seq_ids = scheduler_output.structured_output_seq_ids
-        drafts = scheduler_output.scheduled_spec_decode_tokens
         bitmask = torch.full((len(seq_ids), self.mask_words), -1, dtype=torch.int32)
         num_read: dict[int, int] = {}           # seq_id -> drafts its matcher has read here
         for row, seq_id in enumerate(seq_ids):

@@ -1,18 +1,21 @@
 """StructuredOutputModelRunner: the runner's side of structured outputs (chapter 18).
 
-A step with constrained rows (so.structured_output_seq_ids) is split in two calls, as in
-vLLM v1: execute_model runs the forward and returns None; the core makes the rows'
-token masks meanwhile and calls sample_tokens(GrammarOutput), which samples with them
+A step with constrained rows (a row it samples is of a sequence whose SamplingParams have
+structured_outputs: the runner's record says so, the message need not) is split in two
+calls, as in vLLM v1: execute_model runs the forward and returns None; the core makes
+the rows' token masks meanwhile (it noted the same rows when it scheduled the step:
+scheduler.py here) and calls sample_tokens(GrammarOutput), which samples with them
 (sampler.apply_grammar_bitmask). vLLM: `GPUModelRunner.sample_tokens`.
 """
 from __future__ import annotations
 
 import torch
 
-from ..messages import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from ..messages import ModelRunnerOutput, SchedulerOutput
 from ..worker.logits_chunks import compute_logits_rows
 from ..worker.model_input import ModelInput
 from ..worker.model_runner import ModelRunner
+from .messages import GrammarOutput
 
 
 class StructuredOutputModelRunner(ModelRunner):
@@ -29,7 +32,8 @@ class StructuredOutputModelRunner(ModelRunner):
 
     def _sample_step(self, so: SchedulerOutput, inp: ModelInput, hidden: torch.Tensor,
                      out: ModelRunnerOutput) -> ModelRunnerOutput | None:
-        if not so.structured_output_seq_ids:
+        seqs = self.input_batch.seqs
+        if all(seqs[seq_id].sampling_params.structured_outputs is None for seq_id in inp.sampled_seq_ids):
             return super()._sample_step(so, inp, hidden, out)
         self._pending = (so, inp, hidden, out)
         return None

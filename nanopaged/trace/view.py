@@ -222,7 +222,7 @@ class TraceView:
         """One line per block event, a run of one kind for one sequence merged into one."""
         runs: list[list] = []
         # speculative decoding: the blocks past a sequence's accepted tokens, given back
-        # after its drafts were verified (BlockManager.free_slots_past_computed)
+        # after its drafts were verified (spec_decode.scheduler.free_slots_past_computed)
         back = {id(events[i]) for i in taken_back(events)}
         for e in events:
             last = runs[-1][0] if runs else None

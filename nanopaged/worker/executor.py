@@ -25,7 +25,7 @@ from concurrent.futures import Future
 import torch
 
 from ..layers.backends import TorchOps
-from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput
+from ..messages import ModelRunnerOutput, PreemptionCosts, SchedulerOutput
 from ..features import Composition
 from .worker import Worker, init_process_group
 
@@ -69,10 +69,12 @@ class Executor:
         of it (here the step has run already; MultiprocExecutor returns at once)."""
         return self._maybe_future(self.collective_rpc, "execute_model", (scheduler_output,), non_blocking)
 
-    def sample_tokens(self, grammar_output: GrammarOutput, non_blocking: bool = False) -> ModelRunnerOutput | Future:
-        """Sample the step execute_model left waiting, with its rows' token masks, on
-        every rank; rank 0's ModelRunnerOutput (non_blocking: a Future of it)."""
-        return self._maybe_future(self.collective_rpc, "sample_tokens", (grammar_output,), non_blocking)
+    def sample_tokens(self, sampling_input, non_blocking: bool = False) -> ModelRunnerOutput | Future:
+        """Sample the step execute_model left waiting, with what its rows waited for
+        (sampling_input: a feature's message, e.g. structured outputs' GrammarOutput with
+        the rows' token masks), on every rank; rank 0's ModelRunnerOutput (non_blocking:
+        a Future of it)."""
+        return self._maybe_future(self.collective_rpc, "sample_tokens", (sampling_input,), non_blocking)
 
     @staticmethod
     def _maybe_future(rpc, method: str, args: tuple, non_blocking: bool):

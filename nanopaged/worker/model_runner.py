@@ -60,6 +60,8 @@ class ModelRunner:
         ops: the kernels (layers/backends.py); None = the PyTorch reference.
     """
 
+    runner_output_cls = ModelRunnerOutput    # a feature that adds fields to the step's output subclasses it
+
     def __init__(self, config, model: LlamaForCausalLM, *, num_gpu_blocks: int, num_cpu_blocks: int = 0,
                  ops: TorchOps | None = None) -> None:
         c = model.config
@@ -184,7 +186,7 @@ class ModelRunner:
         self._update_states(so)
         self._move_blocks(so)
         if so.is_empty:
-            return ModelRunnerOutput()
+            return self.runner_output_cls()
         inp = self.prepare_inputs(so)
         return self._after_forward(so, inp, self._forward(inp))
 
@@ -194,7 +196,7 @@ class ModelRunner:
 
     def _after_forward(self, so: SchedulerOutput, inp: ModelInput, hidden: torch.Tensor) -> ModelRunnerOutput | None:
         """Prompt logprobs, then sample (`_sample_step`): the step's output."""
-        out = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, inp))
+        out = self.runner_output_cls(prompt_logprobs=self._prompt_logprobs(hidden, inp))
         if not inp.sampled_seq_ids:
             return out
         return self._sample_step(so, inp, hidden, out)

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 
 from ..features import Composition
-from ..messages import GrammarOutput, ModelRunnerOutput, PreemptionCosts, SchedulerOutput, WeightsInfo
+from ..messages import ModelRunnerOutput, PreemptionCosts, SchedulerOutput, WeightsInfo
 from ..model.config import ModelConfig
 from ..model.model_loader import load_model, weights_source
 from ..layers.backends import TorchOps
@@ -143,9 +143,10 @@ class Worker:
         structured-output rows wait for sample_tokens."""
         return self.model_runner.execute_model(scheduler_output)
 
-    def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
-        """Sample the step execute_model left waiting for its structured-output masks."""
-        return self.model_runner.sample_tokens(grammar_output)
+    def sample_tokens(self, sampling_input) -> ModelRunnerOutput:
+        """Sample the step execute_model left waiting, with what its rows waited for
+        (sampling_input: a feature's message, e.g. structured outputs' GrammarOutput)."""
+        return self.model_runner.sample_tokens(sampling_input)
 
     def measure_preemption_costs(self) -> PreemptionCosts:
         """ModelRunner.measure_preemption_costs on this rank (every rank must run it:

@@ -91,12 +91,13 @@ def test_every_hook_has_a_feature_that_overrides_it_with_a_real_body():
     """A hook exists only where some feature needs it: for each base part, every hook is
     overridden by a class of the feature table, and is no no-op in every class that
     defines it (a `pass` that switches the base's body off is a real override)."""
+    from nanopaged.engine.output_processor import OutputProcessor
     from nanopaged.engine.processor import Processor
     from nanopaged.worker.model_runner import ModelRunner
     from nanopaged.worker.worker import Worker
     classes = [features.resolve(features.qualname(f, part)) for f in features.FEATURES for part in f.parts]
     missing = []
-    for base in (Scheduler, EngineCore, ModelRunner, Processor, Worker):
+    for base in (Scheduler, EngineCore, ModelRunner, Processor, OutputProcessor, Worker):
         hooks = _hooks(base)
         assert hooks, f"{base.__name__} names no hook"
         for hook in hooks:

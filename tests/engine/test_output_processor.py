@@ -7,6 +7,8 @@ import tempfile
 
 import pytest
 
+from nanopaged.beam_search.messages import BeamSearchHypothesis, BeamSearchRequest
+from nanopaged.beam_search.output_processor import BeamSearchOutputProcessor
 from nanopaged.beam_search.scheduler import BeamSearchParams
 from nanopaged.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from nanopaged.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
@@ -34,8 +36,9 @@ def ids(tok):
 
 
 def add(op, rid="r", n=1, prompt_ids=PROMPT, beam_search=None, **params):
-    op.add_request(EngineCoreRequest(rid, prompt_ids, SamplingParams(n=n, **params), frozenset({EOS}),
-                                     0.0, beam_search), None, n)
+    args = (rid, prompt_ids, SamplingParams(n=n, **params), frozenset({EOS}), 0.0)
+    op.add_request(EngineCoreRequest(*args) if beam_search is None else BeamSearchRequest(*args, beam_search),
+                   None, n)
 
 
 def step(op, *outs):
@@ -277,17 +280,20 @@ def test_num_cached_tokens_is_reported(tok, ids):
 # -- beam search ----------------------------------------------------------------------------
 
 def test_beam_hypotheses_are_reported_once_in_rank_order(tok, ids):
-    op = OutputProcessor(tok)
+    op = BeamSearchOutputProcessor(tok)       # beam search's (beam_search/output_processor.py)
     add(op, n=2, beam_search=BeamSearchParams(beam_width=2), temperature=0)
-    r = step(op, out(ids[:3] + [EOS], index=1, finish_reason=FinishReason.STOP, stop_reason=EOS,
-                     cumulative_logprob=-3.0, score=-0.75),
-             out(ids[:2], index=0, finish_reason=FinishReason.LENGTH, cumulative_logprob=-1.0, score=-0.5))
+    add(op, rid="plain")                       # a sampled request alongside: the base's way
+    assert step(op, out(ids[:1], rid="plain")).request_outputs
+    r = step(op, BeamSearchHypothesis("r", 1, ids[:3] + [EOS], finish_reason=FinishReason.STOP, stop_reason=EOS,
+                                      cumulative_logprob=-3.0, score=-0.75),
+             BeamSearchHypothesis("r", 0, ids[:2], finish_reason=FinishReason.LENGTH, cumulative_logprob=-1.0,
+                                  score=-0.5))
     final = only(r)
     assert final.finished and [c.index for c in final.outputs] == [0, 1]
     assert [c.text for c in final.outputs] == ["Hello,", "Hello, my"]
     assert [(c.cumulative_logprob, c.score) for c in final.outputs] == [(-1.0, -0.5), (-3.0, -0.75)]
     assert [c.finish_reason for c in final.outputs] == ["length", "stop"]
-    assert not op.has_unfinished_requests()
+    assert list(op.request_states) == ["plain"]
 
 
 # -- the detokenizer ------------------------------------------------------------------------

@@ -8,8 +8,9 @@ import pytest
 
 from nanopaged.config import EngineConfig
 from nanopaged.core.block_manager import BlockManager
+from nanopaged.spec_decode.messages import SpecDecodeModelRunnerOutput
 from nanopaged.spec_decode.scheduler import SpecDecodeScheduler
-from nanopaged.messages import EngineCoreRequest, ModelRunnerOutput
+from nanopaged.messages import EngineCoreRequest
 from nanopaged.sampling_params import SamplingParams
 from nanopaged.utils.math_utils import cdiv
 
@@ -60,7 +61,7 @@ def test_num_blocks_taken_back_is_what_the_runner_derived(method, seed):
                     if n and seqs[i].num_computed_tokens + n >= seqs[i].num_tokens]
         sampling += [f for f, parent in so.sample_from.items() if parent in sampling]
         drafts = so.scheduled_spec_decode_tokens
-        sched.update_from_output(so, ModelRunnerOutput(
+        sched.update_from_output(so, SpecDecodeModelRunnerOutput(
             sampled_token_ids={i: rng.randrange(1, 50) for i in sampling},
             num_accepted_tokens={i: rng.randrange(len(d) + 1) for i, d in drafts.items()},
             draft_token_ids={i: [rng.randrange(1, 50) for _ in range(rng.randrange(5))] for i in sampling}))

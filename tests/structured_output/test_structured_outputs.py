@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from nanopaged import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
-from nanopaged.messages import EngineCoreRequest
 from nanopaged.worker.sampler import apply_grammar_bitmask
 
 from invariants import run_checked
@@ -88,9 +87,10 @@ def test_a_bad_spec_fails_at_add_time_and_the_engine_keeps_serving(tiny_model_di
 
 def test_beam_search_with_structured_outputs_is_refused(tiny_model_dir):
     eng = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_gpu_blocks=64, block_size=4))
+    from nanopaged.beam_search.messages import BeamSearchRequest
     from nanopaged.beam_search.scheduler import BeamSearchParams
     params = SamplingParams(max_tokens=4, structured_outputs=so(regex=DATE))
-    request = EngineCoreRequest("b", [1, 2, 3], params, frozenset({0}), 0.0, BeamSearchParams(beam_width=2))
+    request = BeamSearchRequest("b", [1, 2, 3], params, frozenset({0}), 0.0, BeamSearchParams(beam_width=2))
     with pytest.raises(ValueError, match="not with beam search"):
         eng.engine_core.add_request(request)
 
@@ -155,7 +155,8 @@ def test_a_spec_is_compiled_once_and_each_sequence_gets_its_own_matcher(tiny_mod
         eng.add_request(rid, [1, 2, 3], params)
     manager = eng.engine_core.structured_output_manager
     assert manager.num_compiled == 1
-    grammars = [s.grammar for g in eng.engine_core.scheduler.requests.values() for s in g.seqs]
+    scheduler = eng.engine_core.scheduler
+    grammars = [scheduler.grammars[s.seq_id] for g in scheduler.requests.values() for s in g.seqs]
     assert len({id(g) for g in grammars}) == 9
     outs = run_checked(eng)
     assert all(re.fullmatch(DATE, c.text) for o in outs.values() for c in o.outputs)

@@ -25,13 +25,15 @@ import torch
 import zmq
 
 from nanopaged.config import EngineConfig
-from nanopaged.messages import (CachedRequestData, GrammarOutput, Logprobs, ModelRunnerOutput, NewRequestData,
-                                PreemptionCosts, SchedulerOutput, WeightsInfo)
+from nanopaged.messages import (CachedRequestData, Logprobs, ModelRunnerOutput, NewRequestData, PreemptionCosts,
+                                SchedulerOutput, WeightsInfo)
 from nanopaged.model.config import ModelConfig
 from nanopaged.sampling_params import SamplingParams, StructuredOutputsParams
 from nanopaged.utils import codec
 from nanopaged.multiproc.cluster_auth import ClusterAuth
 from nanopaged.multiproc.multinode import Join, NodePlan, Ping, Report
+from nanopaged.spec_decode.messages import SpecDecodeModelRunnerOutput, SpecDecodeSchedulerOutput
+from nanopaged.structured_output.messages import GrammarOutput
 
 MARKER = b"STRANGER-BYTES-7f3a"
 
@@ -56,16 +58,21 @@ def _messages() -> list:
         scheduled_new_reqs=[NewRequestData(3, 0, list(range(50)), [9], sp, [1, 2], 4)],
         scheduled_cached_reqs=CachedRequestData([1], [[2]], [[3]], [True], [4]),
         num_scheduled_tokens={3: 46, 1: 1}, total_num_scheduled_tokens=47, sample_from={5: 3},
-        blocks_to_copy=[(1, 2)], blocks_to_swap_in=[(0, 4)], finished_seq_ids={8, 9},
-        structured_output_seq_ids=[3], scheduled_spec_decode_tokens={1: [4, 5]}, num_blocks_taken_back={1: 1})
-    out = ModelRunnerOutput({3: 5, 1: 6}, {1: 2}, {1: [7, 8]}, {3: Logprobs([[5, 1]], [[-0.25, -1.5]], [1])})
+        blocks_to_copy=[(1, 2)], blocks_to_swap_in=[(0, 4)], finished_seq_ids={8, 9}, num_blocks_taken_back={1: 1})
+    out = ModelRunnerOutput({3: 5, 1: 6}, {3: Logprobs([[5, 1]], [[-0.25, -1.5]], [1])})
+    # a feature's messages: the base's with its fields added (spec_decode/messages.py)
+    spec_so = SpecDecodeSchedulerOutput(scheduled_cached_reqs=CachedRequestData([1], [[2]], [[3]], [False], [4]),
+                                        num_scheduled_tokens={1: 3}, total_num_scheduled_tokens=3,
+                                        num_blocks_taken_back={1: 1}, scheduled_spec_decode_tokens={1: [4, 5]})
+    spec_out = SpecDecodeModelRunnerOutput({1: 6}, num_accepted_tokens={1: 2}, draft_token_ids={1: [7, 8]})
     model = ModelConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=4, rms_norm_eps=1e-5,
                         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
                         tie_word_embeddings=True, eos_token_id=[2])
     config = EngineConfig(nnodes=2, tensor_parallel_size=2, master_port=29500, dtype=torch.float32,
                           speculative_config={"method": "ngram"})
-    return [so, out, GrammarOutput([3], torch.tensor([[-1, 5]], dtype=torch.int32)), PreemptionCosts(1e-4, 2e-3),
+    return [so, out, spec_so, spec_out, GrammarOutput([3], torch.tensor([[-1, 5]], dtype=torch.int32)),
+            PreemptionCosts(1e-4, 2e-3),
             WeightsInfo({"Q4_1": 10, "float32": 3}), Join(1, "b pid 7", {"nnodes": 2}, model, "/m"),
             NodePlan({"nnodes": 2}, 2, dict(config=config, ops="torch"), [None, "tcp://127.0.0.1:5"],
                      ("127.0.0.1", 5, "pg/ab/")),
@@ -82,7 +89,7 @@ def test_every_message_comes_back_equal(message):
         assert torch.equal(back.grammar_bitmask, message.grammar_bitmask)
     else:
         assert back == message
-    if isinstance(message, SchedulerOutput):      # fields that do not take part in ==
+    if isinstance(message, SchedulerOutput) and message.scheduled_new_reqs:   # fields that do not take part in ==
         p, q = message.scheduled_new_reqs[0].sampling_params, back.scheduled_new_reqs[0].sampling_params
         assert (q._all_stop_token_ids, q._bad_words_token_ids, q._stop_ids) == (
             p._all_stop_token_ids, p._bad_words_token_ids, p._stop_ids)
