@@ -132,7 +132,7 @@ def run_pp(model: str, pp: int, prompts: list[list[int]], **node_args) -> dict:
         outputs = [o.outputs[0].token_ids for o in outs]
         return dict(wall=wall, tokens=sum(map(len, outputs)), outputs=outputs, ranks=ranks, batch1=batch1,
                     blocks=llm.engine.engine_core.block_manager.num_gpu_blocks,
-                    block_size=llm.engine.engine_core.config.block_size)
+                    block_size=llm.engine.engine_core.config.cache_config.block_size)
     finally:
         llm.shutdown()
 

@@ -188,7 +188,7 @@ def run_engine(model: str | None, quantization: str | None, batch1_prompt, promp
     llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False,
               activation_quantization=activation_quantization)
     resolved = llm.engine.config
-    config = f"{resolved.quantization or 'folder'}, {resolved.dtype}"
+    config = f"{resolved.quant_config.quantization or 'folder'}, {resolved.dtype}"
     try:
         def one(n):
             params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

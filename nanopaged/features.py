@@ -65,11 +65,11 @@ class Feature:
 # In method order: the first is outermost. Pipeline parallelism is built on async
 # scheduling (its classes subclass those), so with pp > 1 the plain async row is off.
 FEATURES: list[Feature] = [
-    Feature("pipeline parallelism", "pipeline", lambda c: c.pipeline_parallel_size > 1,
+    Feature("pipeline parallelism", "pipeline", lambda c: c.parallel_config.pipeline_parallel_size > 1,
             {"scheduler": "scheduler:PipelineScheduler", "engine_core": "engine_core:PipelineEngineCore",
              "model_runner": "model_runner:PipelineModelRunner", "model": "stage_model:PipelineStageModel"}),
     Feature("async scheduling", "async_sched",
-            lambda c: c.async_scheduling and c.pipeline_parallel_size == 1,
+            lambda c: c.scheduler_config.async_scheduling and c.parallel_config.pipeline_parallel_size == 1,
             {"scheduler": "scheduler:AsyncScheduler", "engine_core": "engine_core:AsyncEngineCore",
              "model_runner": "model_runner:AsyncModelRunner"}),
     Feature("speculative decoding", "spec_decode", lambda c: c.speculative_config is not None,
@@ -87,17 +87,17 @@ FEATURES: list[Feature] = [
              "engine_core": "engine_core:StructuredOutputEngineCore",
              "model_runner": "model_runner:StructuredOutputModelRunner"}, optional=True),
     # int8 activations run on GGUF's packed weights: its class goes in front of GGUF's
-    Feature("int8 activations", "quantization", lambda c: c.activation_quantization == "int8",
+    Feature("int8 activations", "quantization", lambda c: c.quant_config.activation_quantization == "int8",
             {"model": "gguf_a8:Int8ActivationsModel"}),
-    Feature("GGUF weights", "quantization", lambda c: c.quantization == "gguf",
+    Feature("GGUF weights", "quantization", lambda c: c.quant_config.quantization == "gguf",
             {"model": "gguf_loader:GGUFQuantizedModel"}, model_folder="gguf_loader:resolve_gguf_model"),
-    Feature("int8 weights", "quantization", lambda c: c.quantization == "int8",
+    Feature("int8 weights", "quantization", lambda c: c.quant_config.quantization == "int8",
             {"model": "int8:Int8QuantizedModel"}),
     # decode steps replayed without the Python: last, nearest the base's forward
     Feature("CPU graphs", "cpu_graph",
-            lambda c: not c.enforce_eager and c.world_size == 1 and c.attention_backend != "torch",
+            lambda c: not c.enforce_eager and c.parallel_config.world_size == 1 and c.attention_backend != "torch",
             {"model_runner": "model_runner:CPUGraphModelRunner"}, optional=True),
-    Feature("worker processes", "multiproc", lambda c: c.executor_backend == "mp",
+    Feature("worker processes", "multiproc", lambda c: c.parallel_config.executor_backend == "mp",
             {"executor": "executor:MultiprocExecutor"}),
 ]
 

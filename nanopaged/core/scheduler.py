@@ -74,7 +74,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Build this step's batch; mutates queues and block tables."""
-        step = ScheduledStep(budget=self.config.max_num_batched_tokens)
+        step = ScheduledStep(budget=self.config.scheduler_config.max_num_batched_tokens)
         self._schedule_running(step)
         self._schedule_swapped(step)
         self._schedule_waiting(step)
@@ -151,7 +151,7 @@ class Scheduler:
 
     def _schedule_swapped(self, step: ScheduledStep) -> None:
         """Swapped-out requests come back, oldest first, when they fit with a block to spare per sequence."""
-        while (self.swapped and not step.preempted and len(self.running) < self.config.max_num_seqs
+        while (self.swapped and not step.preempted and len(self.running) < self.config.scheduler_config.max_num_seqs
                and self.block_manager.can_swap_in(self.swapped[0],
                                                   headroom=len(self.swapped[0].seqs) if self.running else 0)):
             group = self.swapped.popleft()
@@ -164,7 +164,7 @@ class Scheduler:
     def _schedule_waiting(self, step: ScheduledStep) -> None:
         """Waiting requests join in order (FCFS) while there is room; none when memory is tight."""
         while (self.waiting and not step.preempted and not self.swapped
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.config.scheduler_config.max_num_seqs):
             group = self.waiting[0]
             computed = self.block_manager.get_computed_blocks(group)   # cache hits: not computed
             if computed.never_fits:
@@ -214,7 +214,7 @@ class Scheduler:
 
     def _chunk(self, num_tokens: int, budget: int) -> int:
         """Tokens of a prefill computed this step: all, or (chunked prefill) what the budget has left."""
-        return min(num_tokens, max(budget, 0)) if self.config.enable_chunked_prefill else num_tokens
+        return min(num_tokens, max(budget, 0)) if self.config.scheduler_config.enable_chunked_prefill else num_tokens
 
     def _preempt(self, group: SequenceGroup, step: ScheduledStep) -> None:
         """Free a running request's device blocks by swap or recompute; it heads its queue."""
@@ -238,7 +238,7 @@ class Scheduler:
 
     def _should_swap(self, group: SequenceGroup) -> bool:
         """Swap (True) or recompute? "auto" asks costs.prefer_swap(device blocks, computed tokens)."""
-        mode = self.config.preemption_mode
+        mode = self.config.scheduler_config.preemption_mode
         if mode == "recompute" or not self.block_manager.can_swap_out(group):
             return False
         if mode == "swap":

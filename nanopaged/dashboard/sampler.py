@@ -94,7 +94,7 @@ def pipeline_stages(engine_core, seq_request: dict[int, str]) -> list[DashboardS
     if progress is None:
         return []
     reports, in_flight = progress
-    return stage_rows(reports, in_flight, engine_core.config.tensor_parallel_size, seq_request)
+    return stage_rows(reports, in_flight, engine_core.config.parallel_config.tensor_parallel_size, seq_request)
 
 
 def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: float,
@@ -157,7 +157,7 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
         gpu_owners=owners, cpu_owners=cpu_owners, requests=requests,
         running=[g.request_id for g in s.running], waiting=[g.request_id for g in s.waiting],
         swapped=[g.request_id for g in s.swapped], steps=list(steps), stats=stats,
-        pipeline_parallel_size=getattr(engine_core.config, "pipeline_parallel_size", 1),
+        pipeline_parallel_size=engine_core.config.parallel_config.pipeline_parallel_size,
         in_flight=_batches(in_flight_batches(engine_core) or [], named), stages=pipeline_stages(engine_core, named),
         weight_bytes=dict(engine_core.weights.bytes_by_format))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -36,16 +36,16 @@ def create_engine_config(config: EngineConfig) -> tuple[EngineConfig, Path, Mode
             split over tensor_parallel_size) and check_pipeline_parallel; node_rank > 0
             (that node runs headless).
     """
-    if config.node_rank > 0:
-        raise ValueError(f"node_rank={config.node_rank}: the engine runs on node 0; start node {config.node_rank} "
+    if config.parallel_config.node_rank > 0:
+        raise ValueError(f"node_rank={config.parallel_config.node_rank}: the engine runs on node 0; start node {config.parallel_config.node_rank} "
                          "with `python -m nanopaged.serve --headless` and the same --nnodes, --master-addr, "
                          "--master-port")
     config = default_model_weights(config)
     model_path = find_model(config.model, config)
     model_config = ModelConfig.from_pretrained(model_path)
     resolved = config.resolve(max_model_len_limit(config, model_config), model_config.vocab_size)
-    check_tensor_parallel(model_config, resolved.tensor_parallel_size)
-    check_pipeline_parallel(model_config, resolved.pipeline_parallel_size)
+    check_tensor_parallel(model_config, resolved.parallel_config.tensor_parallel_size)
+    check_pipeline_parallel(model_config, resolved.parallel_config.pipeline_parallel_size)
     resolved = resolve_features(resolved, model_path, model_config)     # e.g. a draft model's folder
     return resolved, model_path, model_config
 
@@ -97,10 +97,10 @@ def default_model_weights(config: EngineConfig) -> EngineConfig:
             (not a .gguf file or quantization="gguf", and not the default model in float32
             on the CPU).
     """
-    if config.quantization is None and is_gguf_file(config.model):
+    if config.quant_config.quantization is None and is_gguf_file(config.model):
         logger.info("%s is a .gguf file: it runs as GGUF (quantization='gguf')", config.model)
         config = replace(config, quantization="gguf")
-    if config.model in (None, DEFAULT_MODEL) and config.quantization is None and config.torch_device.type == "cpu":
+    if config.model in (None, DEFAULT_MODEL) and config.quant_config.quantization is None and config.torch_device.type == "cpu":
         asked = config.dtype
         if asked == "auto":
             auto_cpu_dtype()                   # a bad NANOPAGED_AUTO_DTYPE is refused here too
@@ -120,10 +120,10 @@ def default_model_weights(config: EngineConfig) -> EngineConfig:
                    "dtype='bfloat16' runs its bf16 folder" if asked == "auto" else "dtype float32 asked")
             logger.info("default model: %s, in float32 (%s); CPU class %s: %s (benchmarks/RESULTS.md)",
                         what, why, cls, evidence)
-    if config.activation_quantization is not None and config.quantization != "gguf":
-        raise ValueError(f"activation_quantization={config.activation_quantization!r} multiplies GGUF blocks: "
+    if config.quant_config.activation_quantization is not None and config.quant_config.quantization != "gguf":
+        raise ValueError(f"activation_quantization={config.quant_config.activation_quantization!r} multiplies GGUF blocks: "
                          "give quantization='gguf' with a .gguf model, or run the default model in float32 on "
-                         f"the CPU (its Q4_1 file); here quantization={config.quantization!r}, model="
+                         f"the CPU (its Q4_1 file); here quantization={config.quant_config.quantization!r}, model="
                          f"{config.model!r}, dtype {str(config.torch_dtype).removeprefix('torch.')}, device "
                          f"{config.torch_device.type}")
     return config
@@ -243,7 +243,7 @@ def add_cli_args(parser: argparse.ArgumentParser, description: str | None = None
     namespace (--model: None), so EngineConfig's default, or the door's, holds. A bool
     field takes --flag, --flag true|false or --no-flag. Values are checked by EngineConfig."""
     group = parser.add_argument_group("engine", description or "EngineConfig's fields (nanopaged/config.py)")
-    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    defaults = {f.name: f.default for f in EngineConfig.flat_fields()}
     for name, (kind, metavar, text) in ENGINE_FLAGS.items():
         flag = "--" + name.replace("_", "-")
         text = (text + ("" if defaults[name] is None else f" (default {defaults[name]})")).replace("%", "%%")

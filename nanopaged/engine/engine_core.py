@@ -69,9 +69,9 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.observers = Observers() if observers is None else observers
-        self.block_manager = BlockManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
+        self.block_manager = BlockManager(num_gpu_blocks, config.cache_config.block_size, config.cache_config.enable_prefix_caching,
                                           num_cpu_blocks, self.observers)
-        costs = self.executor.measure_preemption_costs() if config.preemption_mode == "auto" else None
+        costs = self.executor.measure_preemption_costs() if config.scheduler_config.preemption_mode == "auto" else None
         self.scheduler = self.composition.build(Scheduler, "scheduler")(config, self.block_manager, costs=costs)
         self.num_steps = 0
         self.start_time = time.monotonic()        # when the core started: an observer's time origin
@@ -95,7 +95,7 @@ class EngineCore:
         worker = getattr(self.executor, "driver_worker", None)
         if worker is None:
             raise AttributeError("the model runners live in the worker processes "
-                                 f"(tensor_parallel_size={self.config.tensor_parallel_size}, 'mp')")
+                                 f"(tensor_parallel_size={self.config.parallel_config.tensor_parallel_size}, 'mp')")
         return worker.model_runner
 
     def shutdown(self) -> None:
@@ -106,15 +106,15 @@ class EngineCore:
         """Size the KV pools and have every worker allocate them; returns
         (num_gpu_blocks, num_cpu_blocks) per rank (vLLM v1's
         EngineCore._initialize_kv_caches). The workers have their weights loaded by now,
-        so the memory they report is what is really left: config.num_gpu_blocks when
+        so the memory they report is what is really left: config.cache_config.num_gpu_blocks when
         set, else the smallest number of blocks any rank's memory holds (a rank's block
         holds its own KV heads only: Worker.kv_cache_bytes_per_block). The swap pool:
-        config.num_cpu_blocks, else swap_space GiB of blocks.
+        config.cache_config.num_cpu_blocks, else swap_space GiB of blocks.
 
         Raises:
             ValueError: a rank's memory holds not even one block.
         """
-        c = self.config
+        c = self.config.cache_config
         per_block = self.executor.collective_rpc("kv_cache_bytes_per_block")     # per rank
         num_gpu_blocks = c.num_gpu_blocks
         if num_gpu_blocks is None:
@@ -131,7 +131,7 @@ class EngineCore:
         unit = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if size >= s or u == "KiB")
         logger.info("KV cache: %d blocks of %d tokens (%.1f %s%s), swap pool %d blocks; dtype %s, attention: %s",
                     num_gpu_blocks, c.block_size, size / unit[1], unit[0], " per rank" if len(per_block) > 1 else "",
-                    num_cpu_blocks, c.dtype, kernel.get(self.attn_backend.name, self.attn_backend.name))
+                    num_cpu_blocks, self.config.dtype, kernel.get(self.attn_backend.name, self.attn_backend.name))
         return num_gpu_blocks, num_cpu_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:

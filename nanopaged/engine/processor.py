@@ -55,8 +55,8 @@ class Processor:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         return cls(tokenizer, model_config.vocab_size, config.max_model_len,
-                   eos_token_ids_of(model_path, model_config, tokenizer), config.max_num_seqs,
-                   config.max_logprobs, config.max_logits_bytes)
+                   eos_token_ids_of(model_path, model_config, tokenizer), config.scheduler_config.max_num_seqs,
+                   config.max_logprobs, config.scheduler_config.max_logits_bytes)
 
     def process_inputs(self, request_id: str, prompt, params) -> tuple[EngineCoreRequest, str | None]:
         """Build the EngineCoreRequest of one request; also returns the prompt text (None

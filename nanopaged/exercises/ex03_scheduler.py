@@ -21,7 +21,7 @@ and never below 0 (step.budget can go negative: a request alone in a step may ex
 _schedule_waiting, in a loop over self.waiting[0] (look at the head, pop it only once it
 is admitted; `break` at the first one that does not fit: FCFS never skips the head):
 - stop when the queue is empty, when step.preempted, when self.swapped is not empty, or
-  when len(self.running) reaches self.config.max_num_seqs;
+  when len(self.running) reaches self.config.scheduler_config.max_num_seqs;
 - ask the block manager once what it already has: computed =
   self.block_manager.get_computed_blocks(group); if computed.never_fits (the whole pool
   could not hold it), pop it and self.queues.finish_too_long(group);

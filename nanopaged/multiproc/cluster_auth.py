@@ -36,7 +36,7 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
 # -- the cluster secret and what it keys -------------------------------------------------------
 
 def cluster_secret(config, announce=print) -> bytes:
-    """The secret every node of this cluster holds: config.cluster_secret_file's
+    """The secret every node of this cluster holds: config.parallel_config.cluster_secret_file's
     content, else $NANOPAGED_CLUSTER_SECRET; node 0 without either writes a new one
     (secrets.token_hex) to a 0600 file and announces that file's path, never the secret.
 
@@ -44,11 +44,11 @@ def cluster_secret(config, announce=print) -> bytes:
         ValueError: a file that cannot be read, that others may read (chmod 600), or a
             secret under MIN_SECRET_BYTES; a node other than 0 with no secret.
     """
-    path = config.cluster_secret_file
+    path = config.parallel_config.cluster_secret_file
     if path is None and os.environ.get(SECRET_ENV):
         return _checked(os.environ[SECRET_ENV].strip().encode(), SECRET_ENV)
-    if path is None and config.node_rank != 0:
-        raise ValueError(f"node {config.node_rank} needs node 0's cluster secret: give --cluster-secret-file FILE "
+    if path is None and config.parallel_config.node_rank != 0:
+        raise ValueError(f"node {config.parallel_config.node_rank} needs node 0's cluster secret: give --cluster-secret-file FILE "
                          f"(node 0 prints where it wrote one) or set {SECRET_ENV}")
     if path is None:
         folder = os.path.join(os.path.expanduser("~"), ".cache", "nanopaged")

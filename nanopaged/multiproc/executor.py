@@ -65,20 +65,20 @@ class MultiprocExecutor(Executor):
     """
 
     def __init__(self, config, model_path, model_config, ops: TorchOps) -> None:
-        self.world_size = n = config.world_size
-        self.tensor_parallel_size = config.tensor_parallel_size
-        self.pipeline_parallel_size = config.pipeline_parallel_size
+        self.world_size = n = config.parallel_config.world_size
+        self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
+        self.pipeline_parallel_size = config.parallel_config.pipeline_parallel_size
         self.output_rank = output_rank(config)         # answers each step
         self.dead_reason: str | None = None
         # ranks [0, local) are this host's; the rest are other nodes' (multinode.py)
-        secret = cluster_secret(config, announce=logger.warning) if config.nnodes > 1 else None
+        secret = cluster_secret(config, announce=logger.warning) if config.parallel_config.nnodes > 1 else None
         self.nodes = RemoteNodes(config, n, secret, model_config) if secret else None
-        self.num_local_ranks = local = n // config.nnodes
-        self._dumps, self._loads = wire(config.nnodes > 1)
+        self.num_local_ranks = local = n // config.parallel_config.nnodes
+        self._dumps, self._loads = wire(config.parallel_config.nnodes > 1)
         self._dir = tempfile.mkdtemp(prefix="nanopaged-tp-")      # mode 0700: the ipc sockets' folder
         # one word per stage, written by the stage's first rank (pipeline parallelism only)
-        self.stage_board = (StageBoard(os.path.join(self._dir, "stages"), config.pipeline_parallel_size, create=True)
-                            if config.pipeline_parallel_size > 1 else None)
+        self.stage_board = (StageBoard(os.path.join(self._dir, "stages"), config.parallel_config.pipeline_parallel_size, create=True)
+                            if config.parallel_config.pipeline_parallel_size > 1 else None)
         self.ctx = zmq.Context()
         self.auth = ClusterAuth(self.ctx, secret) if secret else None
         self.inputs, addresses = [], []
@@ -116,7 +116,7 @@ class MultiprocExecutor(Executor):
                                             [None] * local + addresses[local:], self.nodes.store_address))
                 settings.update(store=self.nodes.store_address, node_ip=self.nodes.ip, cluster_secret=secret)
                 logger.info("waiting up to %.0f s for %d more node(s) to join at %s:%s (NANOPAGED_JOIN_TIMEOUT_S)",
-                            join_timeout_s(), config.nnodes - 1, config.master_addr, config.master_port)
+                            join_timeout_s(), config.parallel_config.nnodes - 1, config.parallel_config.master_addr, config.parallel_config.master_port)
                 self.nodes.wait("joined", join_timeout_s())
             for rank in range(local):
                 board = self.stage_board is not None and rank % self.tensor_parallel_size == 0

@@ -28,7 +28,7 @@ _STARTUP_TIMEOUT_S = 600.0      # loading a shard, at most (as multiproc_executo
 
 
 def run_headless(config, model_path, model_config) -> int:
-    """Serve node config.node_rank: read node 0's plan, start this node's ranks with
+    """Serve node config.parallel_config.node_rank: read node 0's plan, start this node's ranks with
     node 0's settings (and this node's model folder), then watch them and node 0.
 
     Returns the exit status: 0 when node 0 shut the engine down, or on SIGTERM / SIGINT
@@ -42,7 +42,7 @@ def run_headless(config, model_path, model_config) -> int:
         RuntimeError: node 0 not found within NANOPAGED_JOIN_TIMEOUT_S, or a rank failed
             to start (node 0 is told).
     """
-    if config.node_rank == 0:
+    if config.parallel_config.node_rank == 0:
         raise ValueError("--headless runs a node other than node 0 (node 0 runs the engine): "
                          "give --node-rank between 1 and --nnodes - 1")
     stop_signal: list[str] = []
@@ -76,15 +76,15 @@ class _HeadlessNode:
     """A headless node's life: its control connection to node 0, its ranks, its loop."""
 
     def __init__(self, config, model_path, secret: bytes, stop_signal: list[str]) -> None:
-        self.config, self.r, self.stop_signal = config, config.node_rank, stop_signal
+        self.config, self.r, self.stop_signal = config, config.parallel_config.node_rank, stop_signal
         self.host = f"{socket.gethostname()} pid {os.getpid()}"
         self.secret, self.model_path = secret, model_path
-        self.node_0 = f"{config.master_addr}:{config.master_port}"
+        self.node_0 = f"{config.parallel_config.master_addr}:{config.parallel_config.master_port}"
         self.ctx = zmq.Context()
         self.control = self.ctx.socket(zmq.DEALER)
         ClusterAuth(self.ctx, secret).connect_to(self.control)
         self.monitor = self.control.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
-        self.control.connect(f"tcp://{socket.gethostbyname(config.master_addr)}:{config.master_port}")
+        self.control.connect(f"tcp://{socket.gethostbyname(config.parallel_config.master_addr)}:{config.parallel_config.master_port}")
         self.last_ping = time.monotonic()
         self.ready = False
         self.procs = []
@@ -128,7 +128,7 @@ class _HeadlessNode:
                 if isinstance(answer, Refused):
                     raise ValueError(answer.reason)
                 if isinstance(answer, NodePlan):
-                    self.ranks = local_ranks(answer.world_size, self.config.nnodes, self.r)
+                    self.ranks = local_ranks(answer.world_size, self.config.parallel_config.nnodes, self.r)
                     self.me = node_name(self.r, self.ranks, self.host)
                     return answer
 
@@ -159,7 +159,7 @@ class _HeadlessNode:
             raise _NodeZeroLost(f"node 0 said nothing for {silent:.0f} s (NANOPAGED_NODE_TIMEOUT_S)")
 
     def start_ranks(self, plan: NodePlan) -> None:
-        node_ip = self.config.node_ip or own_address(self.config.master_addr, self.config.master_port)
+        node_ip = self.config.parallel_config.node_ip or own_address(self.config.parallel_config.master_addr, self.config.parallel_config.master_port)
         interface_of(node_ip)               # a ValueError now rather than in each rank
         threads = None if "OMP_NUM_THREADS" in os.environ else max(1, len(os.sched_getaffinity(0)) // len(self.ranks))
         ready = {}

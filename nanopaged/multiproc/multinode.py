@@ -46,7 +46,7 @@ from datetime import timedelta
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ..config import EngineConfig, SpeculativeConfig
+from ..config import CacheConfig, EngineConfig, ParallelConfig, QuantizationConfig, SchedulerConfig, SpeculativeConfig
 from ..model.config import ModelConfig
 from ..utils import codec
 from .cluster_auth import HANDSHAKE_FAILED, ClusterAuth, interface_of
@@ -68,8 +68,9 @@ def node_timeout_s() -> float:
 
 def grid(config) -> dict[str, int]:
     """The settings every node must share: nnodes and every *_parallel_size."""
-    sizes = {f.name: getattr(config, f.name) for f in fields(config) if f.name.endswith("_parallel_size")}
-    return {"nnodes": config.nnodes, **sizes}
+    parallel = config.parallel_config
+    sizes = {f.name: getattr(parallel, f.name) for f in fields(parallel) if f.name.endswith("_parallel_size")}
+    return {"nnodes": config.parallel_config.nnodes, **sizes}
 
 
 def local_ranks(world_size: int, nnodes: int, node_rank: int) -> range:
@@ -170,7 +171,8 @@ class Ping:
     reason: str | None = None
 
 
-codec.register(ModelConfig, SpeculativeConfig, EngineConfig, Join, Refused, NodePlan, Report, Ping)
+codec.register(ModelConfig, SpeculativeConfig, CacheConfig, SchedulerConfig, ParallelConfig, QuantizationConfig,
+               EngineConfig, Join, Refused, NodePlan, Report, Ping)
 
 
 class RemoteNodes:
@@ -182,20 +184,20 @@ class RemoteNodes:
     """
 
     def __init__(self, config, world_size: int, secret: bytes, model_config: ModelConfig) -> None:
-        self.config, self.world_size, self.nnodes = config, world_size, config.nnodes
+        self.config, self.world_size, self.nnodes = config, world_size, config.parallel_config.nnodes
         self.model_config = model_config
-        self.ip = socket.gethostbyname(config.master_addr)
+        self.ip = socket.gethostbyname(config.parallel_config.master_addr)
         self.ctx = zmq.Context()
         self.auth = ClusterAuth(self.ctx, secret)
         self.control = self.ctx.socket(zmq.ROUTER)
         self.auth.serve(self.control, "the control port")
-        self.control_address = f"tcp://{self.ip}:{config.master_port}"
+        self.control_address = f"tcp://{self.ip}:{config.parallel_config.master_port}"
         try:
             self.control.bind(self.control_address)
         except zmq.ZMQError as e:
             self._close()
-            raise RuntimeError(f"cannot serve the control port master_port={config.master_port} on "
-                               f"{config.master_addr}: {e}") from None
+            raise RuntimeError(f"cannot serve the control port master_port={config.parallel_config.master_port} on "
+                               f"{config.parallel_config.master_addr}: {e}") from None
         self.monitor = self.control.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.store, store_port = serve_store(self.ip, join_timeout_s())
         self.store_address = (self.ip, store_port, f"pg/{secrets.token_hex(16)}/")
@@ -246,7 +248,7 @@ class RemoteNodes:
                     f"{1 + len(done)} of {self.nnodes} nodes ({k * (1 + len(done))} of {self.world_size} ranks) "
                     f"joined within {timeout_s:.0f} s (NANOPAGED_JOIN_TIMEOUT_S); missing {missing}: start it "
                     f"with python -m nanopaged.serve --headless --nnodes {self.nnodes} --node-rank R "
-                    f"--master-addr {c.master_addr} --master-port {c.master_port} --cluster-secret-file FILE "
+                    f"--master-addr {c.parallel_config.master_addr} --master-port {c.parallel_config.master_port} --cluster-secret-file FILE "
                     f"and this node's --model and sizes")
             time.sleep(0.05)
 

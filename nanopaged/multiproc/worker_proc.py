@@ -44,7 +44,7 @@ def wire(across_hosts: bool):
 
 def output_rank(config) -> int:
     """The global rank that answers each step: the last stage's first tensor-parallel rank."""
-    return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+    return (config.parallel_config.pipeline_parallel_size - 1) * config.parallel_config.tensor_parallel_size
 
 
 class WorkerProc:
@@ -128,7 +128,7 @@ class WorkerProc:
             worker = Composition.of(config).build(Worker, "worker")(config, s["model_path"], ModelConfig.from_pretrained(s["model_path"]), ops=ops,
                             rank=s["rank"], world_size=s["world_size"], process_group=group)
             board = s.get("stage_board")          # (path, stages): a stage's first rank on node 0
-            progress = board and StageReporter(StageBoard(*board), s["rank"] // config.tensor_parallel_size)
+            progress = board and StageReporter(StageBoard(*board), s["rank"] // config.parallel_config.tensor_parallel_size)
             return WorkerProc(worker, s["rank"], s["input_address"], s["output_address"], parent_pid,
                               output_rank(config), progress or None, s.get("cluster_secret")), None
 

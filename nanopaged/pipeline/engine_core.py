@@ -49,13 +49,13 @@ class PipelineEngineCore(AsyncEngineCore):
     """EngineCore with a queue of up to max_concurrent_batches batches in flight (module doc).
 
     Attributes:
-        max_concurrent_batches: config.pipeline_parallel_size.
+        max_concurrent_batches: config.parallel_config.pipeline_parallel_size.
         batch_queue: the batches sent and not yet taken in, oldest first.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.max_concurrent_batches = self.config.pipeline_parallel_size
+        self.max_concurrent_batches = self.config.parallel_config.pipeline_parallel_size
         self.batch_queue: deque[_Batch] = deque()
         self.max_batches_in_flight = 0          # the most seen at once (tests, the bench)
 

@@ -65,9 +65,9 @@ class PipelineScheduler(AsyncScheduler):
         """The most sequences one step schedules: ceil(demand / pp), at least 1 (module doc)."""
         running = sum(not self._ends_in_flight(s, g) for g in self.running for s in g.get_seqs(SequenceStatus.RUNNING))
         swapped = sum(len(g.get_seqs(SequenceStatus.SWAPPED)) for g in self.swapped)
-        room = max(0, self.config.max_num_seqs - len(self.running) - len(self.swapped))
+        room = max(0, self.config.scheduler_config.max_num_seqs - len(self.running) - len(self.swapped))
         waiting = sum(len(g.get_seqs(SequenceStatus.WAITING)) for g in itertools.islice(self.waiting, room))
-        return max(1, -(-(running + swapped + waiting) // self.config.pipeline_parallel_size))
+        return max(1, -(-(running + swapped + waiting) // self.config.parallel_config.pipeline_parallel_size))
 
     def _schedule_running(self, step: ScheduledStep) -> None:
         self._step, self._cap, self._counted = step, self.batch_cap(), (0, 0)

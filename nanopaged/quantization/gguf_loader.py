@@ -10,7 +10,7 @@ Two steps:
   the GGUF. `resolve_gguf_model` turns a `--model` value into that folder (as
   model_loader.resolve_model does for a Hugging Face folder).
 - `GGUFQuantizedModel` is the class the engine puts in front of the model's family
-  class when config.quantization is "gguf" (features.py). Its `load_weights` reads
+  class when config.quant_config.quantization is "gguf" (features.py). Its `load_weights` reads
   the file: the attention and MLP projections keep their blocks (Q8_0, Q4_0/1, Q5_0/1,
   Q4_K, Q5_K, Q6_K) in a GGUFLinearMethod (quantization/gguf.py), which `_linear`
   runs, and so do the embedding and LM head when the file has them in blocks (a

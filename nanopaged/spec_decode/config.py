@@ -26,7 +26,7 @@ def resolve_draft(config: EngineConfig, model_path: Path, model_config: ModelCon
         return config
     if sc.quantization is None and is_gguf_file(sc.model):
         sc = replace(sc, quantization="gguf")
-    draft_path = check_draft_model(sc.model, model_path, model_config, config.tensor_parallel_size, sc.quantization)
+    draft_path = check_draft_model(sc.model, model_path, model_config, config.parallel_config.tensor_parallel_size, sc.quantization)
     return replace(config, speculative_config=replace(sc, model=str(draft_path)))
 
 

@@ -98,13 +98,13 @@ class TraceView:
         body = Text.assemble((scenario.title, "bold"), "\n", scenario.watch, "\n\n",
                              f"model {e.model_path.name} · block size {bm.block_size} · {bm.num_gpu_blocks} "
                              f"device blocks · {bm.num_cpu_blocks} CPU blocks · preemption "
-                             f"{e.config.preemption_mode} · prefix caching "
+                             f"{e.config.scheduler_config.preemption_mode} · prefix caching "
                              f"{'on' if bm.enable_prefix_caching else 'off'} · weights {e.weights.describe()}")
         sc = e.config.speculative_config
         if sc is not None:
             body.append(f" · speculative decoding: {sc.method}, {sc.num_speculative_tokens} drafts a step"
                         + (f", n-grams of {sc.prompt_lookup_min}-{sc.prompt_lookup_max}" if sc.method == "ngram" else ""))
-        pp = getattr(e.config, "pipeline_parallel_size", 1)
+        pp = e.config.parallel_config.pipeline_parallel_size
         if pp > 1:
             body.append(f" · pipeline parallelism: {pp} stages (worker processes), up to {pp} batches in flight")
         for r in scenario.requests:

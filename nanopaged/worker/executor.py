@@ -35,9 +35,9 @@ class Executor:
 
     @staticmethod
     def base_class(config) -> type["Executor"]:
-        """The base engine's executor for config.executor_backend ("uni" or
+        """The base engine's executor for config.parallel_config.executor_backend ("uni" or
         "external_launcher"; "mp", one process per rank, is a feature's: multiproc/)."""
-        return ExternalLauncherExecutor if config.executor_backend == "external_launcher" else UniProcExecutor
+        return ExternalLauncherExecutor if config.parallel_config.executor_backend == "external_launcher" else UniProcExecutor
 
     @staticmethod
     def create(config, model_path, model_config, ops: TorchOps, composition) -> "Executor":
@@ -167,9 +167,9 @@ class ExternalLauncherExecutor(UniProcExecutor):
             raise ValueError("distributed_executor_backend='external_launcher' runs under torchrun "
                              "(RANK and WORLD_SIZE are not set)")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if world != config.world_size:
+        if world != config.parallel_config.world_size:
             raise ValueError(f"torchrun started WORLD_SIZE={world} processes but "
-                             f"tensor_parallel_size={config.tensor_parallel_size}")
+                             f"tensor_parallel_size={config.parallel_config.tensor_parallel_size}")
         device = config.torch_device
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))

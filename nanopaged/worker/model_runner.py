@@ -68,7 +68,7 @@ class ModelRunner:
         self.config, self.model = config, model
         self.ops = ops or TorchOps()
         model.set_ops(self.ops)
-        self.block_size = bs = config.block_size
+        self.block_size = bs = config.cache_config.block_size
         weight = next(model.parameters())          # where the weights live, in their dtype
         self.device, self.dtype = weight.device, weight.dtype
         shape = (model.num_kv_cache_layers, 2, num_gpu_blocks, bs, model.num_local_kv_heads, c.head_dim)
@@ -79,7 +79,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)   # rows without a seed
         self.input_batch = InputBatch(c.vocab_size, self.device)
-        self.max_logits_rows = max_logits_rows(config.max_logits_bytes, c.vocab_size)   # per chunk; None: all
+        self.max_logits_rows = max_logits_rows(config.scheduler_config.max_logits_bytes, c.vocab_size)   # per chunk; None: all
 
     @staticmethod
     def kv_cache_bytes_per_block(model_config, block_size: int, dtype: torch.dtype,

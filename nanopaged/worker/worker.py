@@ -79,7 +79,7 @@ class Worker:
             device = torch.device("cuda", rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
         self.device = device
-        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        tp_size, pp_size = config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size
         if world_size != tp_size * pp_size:
             raise ValueError(f"world_size={world_size} but tensor_parallel_size={tp_size} x "
                              f"pipeline_parallel_size={pp_size} = {tp_size * pp_size}")
@@ -106,7 +106,7 @@ class Worker:
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one KV block takes on this rank (its KV heads, its stage's layers), K
         and V; with extra models, their blocks of the same tokens too (they share the tables)."""
-        return sum(ModelRunner.kv_cache_bytes_per_block(m.config, self.config.block_size, self.config.torch_dtype,
+        return sum(ModelRunner.kv_cache_bytes_per_block(m.config, self.config.cache_config.block_size, self.config.torch_dtype,
                                                         m.num_local_kv_heads, m.num_kv_cache_layers)
                    for m in (self.model, *self.extra_models.values()))
 
@@ -116,8 +116,8 @@ class Worker:
         kv_cache_memory_bytes when set; else on CUDA 90% of the device's free memory
         (after torch's cache of freed blocks is emptied), on the CPU min(1 GiB, 25% of
         the host's available memory)."""
-        if self.config.kv_cache_memory_bytes is not None:
-            return self.config.kv_cache_memory_bytes
+        if self.config.cache_config.kv_cache_memory_bytes is not None:
+            return self.config.cache_config.kv_cache_memory_bytes
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -91,7 +91,7 @@ def test_a_request_whose_logits_pass_max_logits_bytes_is_refused(tiny_model_dir)
 
 def test_max_logits_bytes_defaults_to_max_num_seqs_rows_and_needs_one_row(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, max_num_seqs=6)
-    assert llm.engine.config.max_logits_bytes == 6 * ROW
+    assert llm.engine.config.scheduler_config.max_logits_bytes == 6 * ROW
     with pytest.raises(ValueError, match=fr"max_logits_bytes={ROW - 1} is less than one row of fp32 logits "
                                          fr"\(vocab_size {TINY_VOCAB} x 4 B = {ROW} B\)"):
         LLM(str(tiny_model_dir), num_gpu_blocks=64, block_size=4, max_logits_bytes=ROW - 1)

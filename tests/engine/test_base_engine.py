@@ -80,7 +80,7 @@ for mode in ("swap", "recompute"):
 # converted folder: the same bits (engine/arg_utils.py, default_model_weights)
 from nanopaged.config import EngineConfig
 from nanopaged.engine.arg_utils import default_model_weights
-stats["default_weights"] = [[c.quantization, str(c.torch_dtype)] for c in
+stats["default_weights"] = [[c.quant_config.quantization, str(c.torch_dtype)] for c in
                             (default_model_weights(EngineConfig(dtype=d, device="cpu")) for d in ("float32", "auto"))]
 
 # AsyncLLM: the core in a process of its own, the same ids

@@ -375,10 +375,10 @@ def test_the_config_is_resolved_once_into_a_frozen_copy(tiny_model_dir):
     given = EngineConfig(model=str(tiny_model_dir), block_size=4, num_gpu_blocks=16)
     eng = LLMEngine(given)
     got = eng.config
-    assert (given.dtype, given.device, given.max_model_len, given.max_num_batched_tokens) == ("auto", "auto", None, None)
+    assert (given.dtype, given.device, given.max_model_len, given.scheduler_config.max_num_batched_tokens) == ("auto", "auto", None, None)
     assert got.dtype == str(auto_cpu_dtype()).removeprefix("torch.") and got.device == "cpu"
     assert got.max_model_len == eng.model_config.max_position_embeddings
-    assert got.max_num_batched_tokens == 512 and got.distributed_executor_backend == "uni"   # the CPU's default
+    assert got.scheduler_config.max_num_batched_tokens == 512 and got.parallel_config.distributed_executor_backend == "uni"   # the CPU's default
     assert got.resolve(got.max_model_len) == got                      # resolving again changes nothing
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.max_model_len = 3

@@ -49,7 +49,7 @@ def test_pool_is_sized_from_the_memory_left_after_the_weights_load(tiny_model_di
     assert events == ["load weights", "measure memory"]
     assert eng.block_manager.num_gpu_blocks == expected
     assert eng.model_runner.kv_cache.shape[2] == expected
-    assert eng.config.num_gpu_blocks is None              # the config is not written to
+    assert eng.config.cache_config.num_gpu_blocks is None              # the config is not written to
 
 
 def test_kv_cache_memory_bytes_is_the_budget(tiny_model_dir):

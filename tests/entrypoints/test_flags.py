@@ -23,7 +23,7 @@ def _engine_flags(parser) -> set[str]:
 
 
 def test_every_engine_config_field_has_one_flag_with_its_own_help():
-    assert list(ENGINE_FLAGS) == [f.name for f in dataclasses.fields(EngineConfig)]
+    assert list(ENGINE_FLAGS) == [f.name for f in EngineConfig.flat_fields()]
     assert all(len(text) > 20 for _, _, text in ENGINE_FLAGS.values())
 
 

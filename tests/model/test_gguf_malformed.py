@@ -158,6 +158,6 @@ def test_a_file_corrupted_and_restored_in_place_with_its_mtime_loads_again(good,
             continue
         llm = LLM(str(path), **engine)
         assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == want
-        assert llm.engine.config.quantization == "gguf"
+        assert llm.engine.config.quant_config.quantization == "gguf"
         llm.shutdown()
     assert sorted(p.name for p in cache.iterdir()) == prepared

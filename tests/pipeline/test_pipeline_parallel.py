@@ -44,8 +44,8 @@ def test_pipeline_parallel_size_is_a_positive_integer_and_makes_a_grid():
         with pytest.raises(ValueError, match="pipeline_parallel_size"):
             EngineConfig(pipeline_parallel_size=bad)
     config = EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
-    assert config.world_size == 4 and config.executor_backend == "mp"
-    assert EngineConfig().world_size == 1 and EngineConfig().executor_backend == "uni"
+    assert config.parallel_config.world_size == 4 and config.parallel_config.executor_backend == "mp"
+    assert EngineConfig().parallel_config.world_size == 1 and EngineConfig().parallel_config.executor_backend == "uni"
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -87,7 +87,7 @@ def in_process(monkeypatch):
     create = executor_module.Executor.create
 
     def one_worker(config, model_path, model_config, ops, composition):
-        if config.pipeline_parallel_size == 1:
+        if config.parallel_config.pipeline_parallel_size == 1:
             return create(config, model_path, model_config, ops, composition)
         whole = replace(config, pipeline_parallel_size=1, distributed_executor_backend="uni")
         return executor_module.UniProcExecutor(whole, model_path, model_config, ops)

@@ -125,7 +125,7 @@ def test_config_names_the_field_and_the_value():
         EngineConfig(quantization="int8", activation_quantization="int8")
     with pytest.raises(ValueError, match=r"activation_quantization.*got 'fp8'"):
         EngineConfig(quantization="gguf", activation_quantization="fp8")
-    assert EngineConfig(quantization="gguf", activation_quantization="int8").activation_quantization == "int8"
+    assert EngineConfig(quantization="gguf", activation_quantization="int8").quant_config.activation_quantization == "int8"
 
 
 def test_int8_activations_alone_run_the_default_models_file():
@@ -135,7 +135,7 @@ def test_int8_activations_alone_run_the_default_models_file():
     from nanopaged.engine.arg_utils import default_model_weights
     cpu = dict(device="cpu", activation_quantization="int8")
     config = default_model_weights(EngineConfig(dtype="float32", **cpu))
-    assert (config.quantization, config.activation_quantization) == ("gguf", "int8")
+    assert (config.quant_config.quantization, config.quant_config.activation_quantization) == ("gguf", "int8")
     with pytest.raises(ValueError, match=r"activation_quantization='int8' multiplies GGUF blocks: give "
                                          r"quantization='gguf'.*here quantization=None, model='some/folder', "
                                          r"dtype float32, device cpu"):

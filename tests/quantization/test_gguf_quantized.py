@@ -278,12 +278,12 @@ def test_a_gguf_file_runs_as_gguf_without_quantization_given(tmp_path):
     ids = []
     for kw in ({}, {"quantization": "gguf"}):
         llm = LLM(str(path), **engine, **kw)
-        assert (llm.engine.config.quantization, llm.engine.config.torch_dtype) == ("gguf", torch.float32)
+        assert (llm.engine.config.quant_config.quantization, llm.engine.config.torch_dtype) == ("gguf", torch.float32)
         ids.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
         llm.shutdown()
     assert ids[0] == ids[1]
     assert is_gguf_file(path) and not is_gguf_file(tmp_path / "hf") and not is_gguf_file(tmp_path / "x.gguf")
-    assert default_model_weights(EngineConfig(model=str(tmp_path / "hf"), device="cpu")).quantization is None
+    assert default_model_weights(EngineConfig(model=str(tmp_path / "hf"), device="cpu")).quant_config.quantization is None
     (tmp_path / "zip.gguf").write_bytes(b"PK\x03\x04 a zip file, not GGUF")
     with pytest.raises(ValueError, match=r"zip\.gguf: not a readable GGUF file: it starts with b'PK"):
         LLM(str(tmp_path / "zip.gguf"), **engine)
@@ -306,7 +306,7 @@ def test_default_model_runs_from_its_q4_1_file_as_shipped(default_model_dir):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     kw = dict(block_size=16, num_gpu_blocks=64, attention_backend="cpu")
     packed = LLM(dtype="float32", **kw)
-    assert packed.engine.config.quantization == "gguf"
+    assert packed.engine.config.quant_config.quantization == "gguf"
     assert packed.engine.weights.describe() == "Q4_1 66.4 MB + Q8_0 30.1 MB + float32 0.1 MB = 96.6 MB"
     got = packed.generate(prompts, params, use_tqdm=False)
     packed.shutdown()
@@ -343,19 +343,19 @@ def test_the_default_model_runs_its_fastest_exact_path_on_every_cpu_class(cls, m
                 caplog.clear()
                 with caplog.at_level("INFO", logger="nanopaged.engine.arg_utils"):
                     got = default_model_weights(EngineConfig(model=model, dtype=dtype, **on_cpu))
-                assert (got.quantization, got.torch_dtype) == ("gguf", torch.float32)
+                assert (got.quant_config.quantization, got.torch_dtype) == ("gguf", torch.float32)
                 line, = [r.getMessage() for r in caplog.records if r.getMessage().startswith("default model:")]
                 assert "GGUF file" in line and f"CPU class {cls}: " in line and f"dtype {dtype}" in line, line
                 assert DEFAULT_MODEL_WEIGHTS[cls][1] in line, line
             got = default_model_weights(EngineConfig(model=model, dtype="bfloat16", **on_cpu))
-            assert (got.quantization, got.torch_dtype) == (None, torch.bfloat16)
-    assert default_model_weights(EngineConfig(quantization="int8", dtype="float32", **on_cpu)).quantization == "int8"
+            assert (got.quant_config.quantization, got.torch_dtype) == (None, torch.bfloat16)
+    assert default_model_weights(EngineConfig(quantization="int8", dtype="float32", **on_cpu)).quant_config.quantization == "int8"
     other = EngineConfig(model="some/folder", dtype="float32", **on_cpu)
     assert default_model_weights(other) is other
     # a class measured to serve faster from the converted folder runs it, still in float32
     monkeypatch.setitem(DEFAULT_MODEL_WEIGHTS, cls, ("folder", "measured: the folder faster"))
     got = default_model_weights(EngineConfig(**on_cpu))
-    assert (got.quantization, got.torch_dtype) == (None, torch.float32)
+    assert (got.quant_config.quantization, got.torch_dtype) == (None, torch.float32)
     monkeypatch.setenv(AUTO_DTYPE_ENV, "fp8")            # refused, as for any other model
     with pytest.raises(ValueError, match="NANOPAGED_AUTO_DTYPE='fp8'"):
         default_model_weights(EngineConfig(**on_cpu))

@@ -139,7 +139,7 @@ def test_a_gguf_draft_runs_as_gguf_without_quantization_given(pair):
     if quantization != "gguf":
         pytest.skip("a .gguf file only")
     llm = LLM(model, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 2}, **KW)
-    assert (llm.engine.config.quantization, llm.engine.config.speculative_config.quantization) == ("gguf", "gguf")
+    assert (llm.engine.config.quant_config.quantization, llm.engine.config.speculative_config.quantization) == ("gguf", "gguf")
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     stats = llm.engine.get_stats()
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0

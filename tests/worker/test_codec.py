@@ -138,7 +138,7 @@ def test_what_is_not_a_message_is_refused_without_quoting_it(tmp_path):
     with pytest.raises(codec.CodecError, match="a list where Report was expected"):
         codec.decode(codec.encode([1]), Report)
     # a message that would build an EngineConfig runs its checks
-    fields = dict(vars(EngineConfig(nnodes=2, tensor_parallel_size=2, master_port=1)), block_size=0)
+    fields = dict(vars(EngineConfig(nnodes=2, tensor_parallel_size=2, master_port=1)), max_logprobs=-1)
     name = "nanopaged.config.EngineConfig"
     init = [codec._wrap(fields[f]) for f in codec._REGISTRY[name].init_fields]
     _refused(enc(ext(codec.OBJECT, enc([name, init]))), r"EngineConfig whose fields do not check \(ValueError\)")

@@ -116,13 +116,13 @@ def serve_headless(args: argparse.Namespace) -> int:
     from ...multiproc.headless import run_headless
 
     config = default_model_weights(EngineConfig(**engine_kwargs(args)))
-    if config.nnodes == 1:
+    if config.parallel_config.nnodes == 1:
         raise ValueError("--headless is for a node of a multi-node engine: give --nnodes > 1")
-    if config.quantization == "gguf":           # the folder made for the GGUF file
+    if config.quant_config.quantization == "gguf":           # the folder made for the GGUF file
         from ...quantization.gguf_loader import resolve_gguf_model as resolve_model
     model_path = resolve_model(config.model)
-    logger.info("node %d of %d: joining node 0 at %s:%s", config.node_rank, config.nnodes,
-                config.master_addr, config.master_port)
+    logger.info("node %d of %d: joining node 0 at %s:%s", config.parallel_config.node_rank, config.parallel_config.nnodes,
+                config.parallel_config.master_addr, config.parallel_config.master_port)
     return run_headless(config, model_path, ModelConfig.from_pretrained(model_path))
 
 
