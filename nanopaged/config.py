@@ -194,7 +194,7 @@ class SchedulerConfig:
             each fork of n > 1, each draft to verify, each prompt-logprob position) in
             chunks of at most this many bytes, and the Processor refuses a request
             whose own rows per step (n, or beam_width) need more. None = max_num_seqs
-            rows: max_num_seqs x vocab_size x 4 bytes (issue 34).
+            rows: max_num_seqs x vocab_size x 4 bytes.
     """
 
     max_num_seqs: int = 128
@@ -439,14 +439,6 @@ class EngineConfig:
                 f = field(default=cls._MODEL_DEFAULTS.get(name))
                 f.name, f.type = name, own[name]
                 out.append(f)
-        return out
-
-    def flat(self) -> dict:
-        """This config by vLLM's flat names (what `EngineConfig(**config.flat())` rebuilds)."""
-        out = {}
-        for name in FLAT_NAMES:
-            part = _PART_OF.get(name)
-            out[name] = getattr(getattr(self, part), name) if part else getattr(self, name)
         return out
 
     def __post_init__(self) -> None:

@@ -177,9 +177,6 @@ class Composition:
                 parts[part].append(qualname(feature, part))
         return cls(tuple(names), {p: tuple(q) for p, q in parts.items()}, tuple(missing))
 
-    def has(self, name: str) -> bool:
-        return name in self.features
-
     def build(self, base: type, part: str) -> type:
         """`base` with this composition's classes for `part` in front, named for what it
         holds (e.g. BeamSearchStructuredOutputScheduler); `base` itself when no feature

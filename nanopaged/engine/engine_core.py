@@ -58,6 +58,8 @@ class EngineCore:
         self.composition = Composition.of(config) if composition is None else composition
         for line in self.composition.describe(self.part_bases(model_config)):
             logger.info("%s", line)
+        if self.composition.missing:
+            logger.info("not composed, their packages do not import: %s", ", ".join(self.composition.missing))
         self.attn_backend = get_ops(config.attention_backend, config.torch_device)
         # the workers load their weights first; only then is the KV pool sized
         self.executor = Executor.create(config, model_path, model_config, self.attn_backend, self.composition)
