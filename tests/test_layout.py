@@ -228,6 +228,19 @@ def test_the_rules_see_an_upward_import_of_each_kind(tmp_path, monkeypatch):
     assert sorted(found) == sorted(UPWARD.values())
 
 
+# `--headless` serves no API: it runs the worker processes' node in place of a server, so
+# that one function of api_server.py is the multiproc package's door
+HEADLESS_DOOR = {"nanopaged.multiproc.headless", "nanopaged.quantization.gguf_loader"}
+
+
+def test_the_server_finds_its_features_through_its_table():
+    """The HTTP server (entrypoints/openai) imports no feature package: a feature's flags,
+    routes and series come through server_features.py's table, by qualified name."""
+    found = [(m, name, line) for m in MODULES if m.startswith("nanopaged.entrypoints.openai")
+             for name, line in imports(m) if group(name) in FEATURES and name not in HEADLESS_DOOR]
+    assert not found, found
+
+
 @pytest.mark.parametrize("layer", sorted(RANKS))
 def test_each_layer_is_a_package_or_a_vocabulary_module(layer):
     assert f"nanopaged.{layer}" in MODULES, f"nanopaged/{layer} is missing"
@@ -253,7 +266,7 @@ def test_tests_mirror_the_package():
 # -- the base a student reads first names no later feature ---------------------------------
 
 BASE_PARTS = ["core/scheduler.py", "worker/model_runner.py"]
-BASE_RECORDS = ["core/sequence.py", "messages.py"]
+BASE_RECORDS = ["core/sequence.py", "core/scheduler_output.py", "messages.py", "worker/model_input.py"]
 FEATURE_WORDS = ["draft", "spec_", "speculative", "placeholder", "grammar", "structured_output", "beam",
                  "async_scheduling", "proposer"]
 
@@ -272,8 +285,9 @@ def test_the_base_scheduler_and_runner_name_no_later_feature(path):
 
 @pytest.mark.parametrize("path", BASE_RECORDS)
 def test_the_base_records_name_no_later_feature(path):
-    """A request's record (Sequence) and the messages between the engine's parts carry
-    the base's state only: a feature keeps its own beside them."""
+    """A request's record (Sequence), the scheduler's record of a step
+    (ScheduledSequence), the messages between the engine's parts and a forward's input
+    (ModelInput) carry the base's state only: a feature keeps its own beside them."""
     named = feature_words(path)
     assert named == [], f"{path} names a later feature:\n" + "\n".join(named)
 

@@ -12,7 +12,7 @@ import itertools
 from collections import deque
 
 from ..config import EngineConfig
-from ..events import Preempted
+from ..events import Preempted, SequenceScheduled
 from ..messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, ModelRunnerOutput,
                         PreemptionCosts, SchedulerOutput)
 from .block_manager import BlockManager, ComputedBlocks
@@ -79,7 +79,7 @@ class Scheduler:
         self._schedule_swapped(step)
         self._schedule_waiting(step)
         if self.observers:
-            self.observers.publish(*(s.event() for s in step.scheduled))
+            self.observers.publish(*(self._scheduled_event(s) for s in step.scheduled))
         samples = [s.samples(self._num_pending_tokens(s.seq)) for s in step.scheduled]   # before anything counts
         out = self.runner_view.message(step, samples, self.scheduler_output_cls)
         self._after_schedule(step, samples, out)
@@ -204,6 +204,11 @@ class Scheduler:
             n = (first_end if seq is first else seq.num_tokens) - seq.num_computed_tokens
             step.add(ScheduledSequence(seq, group, n, forks if seq is first else []))
         self.queues.add_running(group)
+
+    def _scheduled_event(self, s: ScheduledSequence) -> SequenceScheduled:
+        """Hook: the tracer's event for one sequence of the batch (a feature that adds
+        tokens to a sequence's step names them here)."""
+        return s.event()
 
     def _after_schedule(self, step: ScheduledStep, samples: list[bool], out: SchedulerOutput) -> None:
         """Hook: the step's message is built; samples[i]: step.scheduled[i] samples."""

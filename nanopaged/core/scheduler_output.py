@@ -28,8 +28,6 @@ class ScheduledSequence:
             samples of a fresh request); they fork seq's blocks once it is done.
         num_blocks_before: blocks it held before this step's slots were added.
         table_replaced: copy-on-write replaced its last block this step.
-        spec_token_ids: draft tokens it verifies this step (speculative decoding): the
-            last len(spec_token_ids) of its num_new_tokens.
     """
 
     seq: Sequence
@@ -38,7 +36,6 @@ class ScheduledSequence:
     forks: list[Sequence] = field(default_factory=list)
     num_blocks_before: int = 0
     table_replaced: bool = False
-    spec_token_ids: list[int] = field(default_factory=list)
 
     def samples(self, num_pending: int = 0) -> bool:
         """Whether the step samples a token for seq: it computes seq's last position (a
@@ -53,9 +50,8 @@ class ScheduledSequence:
         runs, while num_computed_tokens is still the sequence's start)."""
         seq, start = self.seq, self.seq.num_computed_tokens
         decode = self.num_new_tokens == 1 and seq.output_token_ids and start == seq.num_tokens - 1
-        kind = "verify" if self.spec_token_ids else "decode" if decode else "prefill"
-        return SequenceScheduled(self.seq_group.request_id, seq.seq_id, kind, start, self.num_new_tokens,
-                                 tuple(f.seq_id for f in self.forks), tuple(self.spec_token_ids))
+        return SequenceScheduled(self.seq_group.request_id, seq.seq_id, "decode" if decode else "prefill", start,
+                                 self.num_new_tokens, tuple(f.seq_id for f in self.forks))
 
 
 @dataclass

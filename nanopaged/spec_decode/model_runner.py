@@ -11,6 +11,8 @@ vLLM: `vllm/v1/worker/gpu_model_runner.py` (`_calc_spec_decode_metadata`, `propo
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..messages import SchedulerOutput
@@ -26,6 +28,20 @@ from .proposer import Proposer
 from .rejection_sampler import RejectionSampler
 
 
+@dataclass
+class SpecDecodeModelInput(ModelInput):
+    """ModelInput plus the drafts.
+
+    Attributes:
+        spec_token_ids: seq_id -> the drafts it verifies, in row order.
+        proposal_seq_ids: the sequences the proposer drafts for (those that computed all
+            their tokens this step; not the forks).
+    """
+
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    proposal_seq_ids: list[int] = field(default_factory=list)
+
+
 class SpecDecodeModelRunner(ModelRunner):
     """ModelRunner that verifies drafts and proposes the next ones.
 
@@ -39,6 +55,7 @@ class SpecDecodeModelRunner(ModelRunner):
     """
 
     runner_output_cls = SpecDecodeModelRunnerOutput
+    model_input_cls = SpecDecodeModelInput
 
     def __init__(self, config, model, *, num_gpu_blocks: int, num_cpu_blocks: int = 0, ops=None,
                  draft_model=None) -> None:
@@ -81,7 +98,7 @@ class SpecDecodeModelRunner(ModelRunner):
         # verify: a row for its last token and one per draft
         return [(state.seq_id, row) for row in range(next_row - 1 - len(drafts), next_row)]
 
-    def prepare_inputs(self, so: SpecDecodeSchedulerOutput) -> ModelInput:
+    def prepare_inputs(self, so: SpecDecodeSchedulerOutput) -> SpecDecodeModelInput:
         """ModelRunner.prepare_inputs, plus each sequence's drafts (spec_token_ids) and
         the sequences that computed all their tokens (proposal_seq_ids: not the forks)."""
         inp = super().prepare_inputs(so)
@@ -95,18 +112,18 @@ class SpecDecodeModelRunner(ModelRunner):
 
     # -- verify, then propose -----------------------------------------------------------------
 
-    def _sample(self, inp: ModelInput, hidden: torch.Tensor, out: SpecDecodeModelRunnerOutput) -> None:
+    def _sample(self, inp: SpecDecodeModelInput, hidden: torch.Tensor, out: SpecDecodeModelRunnerOutput) -> None:
         """Sample the rows without drafts, then verify the others (_verify)."""
         spec = inp.spec_token_ids
         self._sample_rows(inp, hidden, out, [i for i, seq_id in enumerate(inp.sampled_seq_ids) if seq_id not in spec])
         if spec:
             self._verify(inp, hidden, out)
 
-    def _after_sample(self, inp: ModelInput, out: SpecDecodeModelRunnerOutput) -> None:
+    def _after_sample(self, inp: SpecDecodeModelInput, out: SpecDecodeModelRunnerOutput) -> None:
         out.draft_token_ids = self._propose(inp, out)
         super()._after_sample(inp, out)
 
-    def _verify(self, inp: ModelInput, hidden: torch.Tensor, out: SpecDecodeModelRunnerOutput) -> None:
+    def _verify(self, inp: SpecDecodeModelInput, hidden: torch.Tensor, out: SpecDecodeModelRunnerOutput) -> None:
         """Check each verifying sequence's drafts against its k + 1 rows of logits
         (rejection_sampler.py), whole sequences per chunk of rows. Row j is processed as
         if drafts[:j] were already output (penalties, min_tokens, bad words), so greedy
@@ -134,7 +151,7 @@ class SpecDecodeModelRunner(ModelRunner):
                     out.logprobs[seq_id] = compute_logprobs(raw[first:first + len(new)], targets, k)
                 first += len(d) + 1
 
-    def _propose(self, inp: ModelInput, out: SpecDecodeModelRunnerOutput) -> dict[int, list[int]]:
+    def _propose(self, inp: SpecDecodeModelInput, out: SpecDecodeModelRunnerOutput) -> dict[int, list[int]]:
         """The drafts of each sequence that computed tokens and sampled this step, to
         follow the tokens it got (forks that only sample wait a step: no blocks yet).
         None in a step of more sequences than speculative_config.disable_by_batch_size."""

@@ -10,21 +10,24 @@ rolls num_computed_tokens back past the rejected drafts and takes back the block
 held only their slots (`_verified`, `free_slots_past_computed`); the next message tells
 the runner how many (SchedulerOutput.num_blocks_taken_back).
 
-Structured outputs meet speculative decoding in one place, the scheduler hook
-`_num_tokens_allowed` (core/scheduler.py): `take_drafts` asks it how many of a
-sequence's proposals its grammar allows and cuts them there;
-StructuredOutputScheduler answers it (structured_output/scheduler.py), and gives the
-drafts a step verifies (ScheduledSequence.spec_token_ids) a mask row each.
+Structured outputs meet speculative decoding over the drafts and nowhere else. Going in,
+`take_drafts` asks the scheduler hook `_num_tokens_allowed` (core/scheduler.py) how many
+of a sequence's proposals its grammar allows and cuts them there
+(StructuredOutputScheduler answers it: structured_output/scheduler.py). Coming out, the
+drafts a step verifies are its message's scheduled_spec_decode_tokens, set before the
+features inside this class build their part of the message, so that structured outputs
+give each a mask row (vLLM's grammar bitmask reads the same field).
 vLLM v1: the spec-token half of `vllm/v1/core/sched/scheduler.py` and
 `vllm/v1/spec_decode/metrics.py`.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..config import EngineConfig
-from ..events import BlockFreed, DraftsVerified
+from ..events import BlockFreed, DraftsVerified, SequenceScheduled
 from ..messages import EngineCoreOutputs
 from ..core.block_manager import BlockManager, ComputedBlocks
 from ..core.scheduler import Scheduler
@@ -125,6 +128,8 @@ class SpecDecodeScheduler(Scheduler):
             Request.spec_token_ids), verified by its next decode step; no entry: none.
             Set from each step's output, used up by take_drafts, dropped when it is
             preempted (they were proposed for a state it loses) and when it leaves.
+        scheduled_drafts: seq_id -> the drafts it verifies in the step being scheduled
+            (vLLM v1's scheduled_spec_decode_tokens; emptied as each schedule() starts).
         spec_decoding_stats: SpecDecodingStats of every verify step so far.
     """
 
@@ -136,7 +141,12 @@ class SpecDecodeScheduler(Scheduler):
         self.num_lookahead_tokens = config.speculative_config.num_lookahead_tokens
         self.spec_decoding_stats = SpecDecodingStats()
         self.spec_token_ids: dict[int, list[int]] = {}
+        self.scheduled_drafts: dict[int, list[int]] = {}
         self._taken_back: dict[int, int] = {}     # seq_id -> blocks rolled back since its last message
+
+    def schedule(self) -> SpecDecodeSchedulerOutput:
+        self.scheduled_drafts = {}
+        return super().schedule()
 
     def _request_removed(self, group: SequenceGroup) -> None:
         super()._request_removed(group)
@@ -154,7 +164,9 @@ class SpecDecodeScheduler(Scheduler):
             copies = self.block_manager.append_slots([w.seq for w in work], [e + x for e, x in zip(ends, extra)])
             if copies is not None:
                 for w, d in zip(work, drafts):
-                    w.spec_token_ids, w.num_new_tokens = d, w.num_new_tokens + len(d)
+                    w.num_new_tokens += len(d)
+                    if d:
+                        self.scheduled_drafts[w.seq.seq_id] = d
                 return copies
         return super()._append_slots(work, ends, step)
 
@@ -173,16 +185,20 @@ class SpecDecodeScheduler(Scheduler):
 
     def _after_schedule(self, step: ScheduledStep, samples: list[bool], out: SpecDecodeSchedulerOutput) -> None:
         """The drafts each sequence verifies, and the blocks rolled back since a sequence's
-        last message (num_blocks_taken_back: for cached deltas that append)."""
+        last message (num_blocks_taken_back: for cached deltas that append). The drafts
+        go in first: the features inside read them (structured outputs' mask rows)."""
+        out.scheduled_spec_decode_tokens = {seq_id: list(d) for seq_id, d in self.scheduled_drafts.items()}
         super()._after_schedule(step, samples, out)
-        out.scheduled_spec_decode_tokens = {s.seq.seq_id: list(s.spec_token_ids)
-                                            for s in step.scheduled if s.spec_token_ids}
         appended = {i for i, replaced in zip(out.scheduled_cached_reqs.seq_ids,
                                              out.scheduled_cached_reqs.block_ids_replaced) if not replaced}
         for s in step.scheduled:
             n = self._taken_back.pop(s.seq.seq_id, 0)
             if n and s.seq.seq_id in appended:
                 out.num_blocks_taken_back[s.seq.seq_id] = n
+
+    def _scheduled_event(self, s: ScheduledSequence) -> SequenceScheduled:
+        event, drafts = super()._scheduled_event(s), self.scheduled_drafts.get(s.seq.seq_id)
+        return dataclasses.replace(event, kind="verify", spec_token_ids=tuple(drafts)) if drafts else event
 
     def _computed(self, seq: Sequence, group: SequenceGroup, start: int, n: int,
                   scheduler_output: SpecDecodeSchedulerOutput, runner_output: SpecDecodeModelRunnerOutput,

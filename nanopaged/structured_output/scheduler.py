@@ -8,12 +8,14 @@ demand (`get_grammar_bitmask`, which the engine core calls between the forward a
 sampling). The matchers are manager.py's. The runner needs no list of the rows: each
 sequence's SamplingParams say whether it is constrained (model_runner.py here).
 
-Structured outputs meet speculative decoding in one place, the scheduler hook
-`_num_tokens_allowed` (core/scheduler.py), which this class answers with the matcher
-(Grammar.validate_tokens): spec_decode/scheduler.py's take_drafts asks it how many of a
-sequence's proposals the grammar allows, and cuts them there. The drafts a step then
-verifies (ScheduledSequence.spec_token_ids) get a mask row each, the mask after the
-drafts before it (manager.grammar_bitmask).
+Structured outputs meet speculative decoding over the drafts and nowhere else. Going in,
+spec_decode/scheduler.py's take_drafts asks the scheduler hook `_num_tokens_allowed`
+(core/scheduler.py) how many of a sequence's proposals the grammar allows, which this
+class answers with the matcher (Grammar.validate_tokens), and cuts them there. Coming
+out, the drafts a step verifies are named by its message (`scheduled_spec_decode_tokens`,
+set by speculative decoding's scheduler before this class's `_after_schedule` runs; vLLM's
+grammar bitmask reads the same field), and get a mask row each, the mask after the drafts
+before it (manager.grammar_bitmask).
 vLLM v1: the structured-output calls of `vllm/v1/core/sched/scheduler.py`.
 """
 from __future__ import annotations
@@ -110,13 +112,15 @@ class StructuredOutputScheduler(Scheduler):
     def _after_schedule(self, step: ScheduledStep, samples: list[bool], out: SchedulerOutput) -> None:
         """The constrained rows that sample: a row per position verified, then the forks'."""
         super()._after_schedule(step, samples, out)
+        verified = getattr(out, "scheduled_spec_decode_tokens", {})     # where drafts meet (module doc)
         seq_ids, drafts = [], {}
         for s, sample in zip(step.scheduled, samples):
             if sample and s.seq.seq_id in self.grammars:
-                seq_ids += [s.seq.seq_id] * (1 + len(s.spec_token_ids))
+                own = verified.get(s.seq.seq_id, [])
+                seq_ids += [s.seq.seq_id] * (1 + len(own))
                 seq_ids += [f.seq_id for f in s.forks]
-                if s.spec_token_ids:
-                    drafts[s.seq.seq_id] = list(s.spec_token_ids)
+                if own:
+                    drafts[s.seq.seq_id] = list(own)
         for key in [k for k, rows in self._rows.items() if rows.message() is None]:
             del self._rows[key]                 # a step that failed before its masks were made
         if seq_ids:

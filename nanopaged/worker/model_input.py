@@ -25,9 +25,7 @@ class ModelInput:
         prompt_logprob_rows: seq_id -> (first hidden row, number of rows, first position)
             of the sequences that want prompt logprobs of this step's tokens.
         seq_ids: the scheduled sequences, in the batch's order (decodes first).
-        spec_token_ids: seq_id -> the drafts it verifies, in row order (speculative
-            decoding: spec_decode/model_runner.py; empty otherwise).
-        proposal_seq_ids: the sequences the proposer drafts for (speculative decoding).
+    A feature that needs more subclasses it (ModelRunner.model_input_cls).
     """
 
     input_ids: torch.Tensor
@@ -37,5 +35,3 @@ class ModelInput:
     sampled_seq_ids: list[int]
     prompt_logprob_rows: dict[int, tuple[int, int, int]]
     seq_ids: list[int] = field(default_factory=list)
-    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
-    proposal_seq_ids: list[int] = field(default_factory=list)

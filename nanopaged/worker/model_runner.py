@@ -61,6 +61,7 @@ class ModelRunner:
     """
 
     runner_output_cls = ModelRunnerOutput    # a feature that adds fields to the step's output subclasses it
+    model_input_cls = ModelInput             # and to the step's input, this
 
     def __init__(self, config, model: LlamaForCausalLM, *, num_gpu_blocks: int, num_cpu_blocks: int = 0,
                  ops: TorchOps | None = None) -> None:
@@ -163,9 +164,9 @@ class ModelRunner:
             slot_mapping=slot_mapping, block_tables=tables, seq_lens=t(seq_lens),
             query_start_loc=t(query_start_loc), num_decodes=num_decodes,
             seq_lens_list=seq_lens, query_start_loc_list=query_start_loc)
-        return ModelInput(input_ids=t(input_ids), positions=pos, attn_metadata=meta,
-                          logits_indices=t(logits_indices), sampled_seq_ids=sampled_seq_ids,
-                          prompt_logprob_rows=prompt_rows, seq_ids=[s.seq_id for s, _ in scheduled])
+        return self.model_input_cls(input_ids=t(input_ids), positions=pos, attn_metadata=meta,
+                                    logits_indices=t(logits_indices), sampled_seq_ids=sampled_seq_ids,
+                                    prompt_logprob_rows=prompt_rows, seq_ids=[s.seq_id for s, _ in scheduled])
 
     def _token_ids(self, so: SchedulerOutput, state: SeqState, start: int, end: int) -> list[int]:
         """The ids of the tokens `state` computes this step, positions [start, end)."""

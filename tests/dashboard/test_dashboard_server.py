@@ -103,7 +103,7 @@ def test_no_dashboard_is_404_and_the_flags_parse():
     args = parse_args(["--no-dashboard"])
     assert args.dashboard is False and args.dashboard_show_text is False
     assert parse_args(["--dashboard-show-text"]).dashboard_show_text is True
-    client = TestClient(build_app(FakeEngine(), "m", dashboard=False))
+    client = TestClient(build_app(FakeEngine(), "m", args=args))
     for path in ("/dashboard", "/dashboard/events", "/dashboard/static/dashboard.js"):
         assert client.get(path).status_code == 404, path
     client = TestClient(build_app(FakeEngine(), "m"))
@@ -119,7 +119,7 @@ def test_the_ready_line_names_the_pages_and_each_one_answers(flags):
     import re
     from starlette.testclient import TestClient
     args = parse_args(["--port", "8123", *flags])
-    app = build_app(FakeEngine(), "m", api_key=args.api_key, dashboard=args.dashboard)
+    app = build_app(FakeEngine(), "m", api_key=args.api_key, args=args)
     line = ready_line(args, "m", app)
     assert line.startswith("ready on http://127.0.0.1:8123 (model 'm')"), line
     urls = [u.rstrip(",") for u in re.findall(r"http://\S+", line)][1:]

@@ -22,6 +22,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from nanopaged.dashboard.routes import DashboardServer
 from nanopaged.entrypoints.openai import auth
 from nanopaged.entrypoints.openai.api_server import build_app
 from nanopaged.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -125,10 +126,10 @@ def test_the_dashboard_trades_the_key_once_for_a_cookie():
     assert {"httponly", "path", "samesite"} <= attrs and "Path=/dashboard" in cookie, cookie
     assert "samesite=lax" in cookie.lower() and KEY not in cookie, cookie
     value = cookie.split(";")[0].split("=", 1)[1]
-    assert value == auth.dashboard_cookie_value(KEY)
+    assert value == auth.cookie_value(KEY, DashboardServer.cookie)
     with TestClient(app) as client:             # a fresh client each time: no cookie jar between
         get = lambda path, cookie=None, **kw: client.get(  # noqa: E731
-            path, headers={"Cookie": f"{auth.COOKIE_NAME}={cookie}"} if cookie else {}, **kw)
+            path, headers={"Cookie": f"{DashboardServer.cookie}={cookie}"} if cookie else {}, **kw)
         # (the stream never ends: that the cookie opens it is tested on a real server below)
         assert get("/dashboard", value).status_code == 200
         for path in ("/dashboard", "/dashboard/events"):
@@ -221,7 +222,7 @@ def test_the_dashboard_cookie_flow_through_a_real_server(server):
         r = browser.get("/dashboard", params={"key": KEY})
         assert r.status_code == 200 and "<html" in r.text and r.url.query == b""
         assert [h.status_code for h in r.history] == [303]
-        assert auth.COOKIE_NAME in browser.cookies and KEY not in r.history[0].headers["set-cookie"]
+        assert DashboardServer.cookie in browser.cookies and KEY not in r.history[0].headers["set-cookie"]
         with browser.stream("GET", "/dashboard/events") as events:          # the cookie opens it
             assert events.status_code == 200
             lines = events.iter_lines()

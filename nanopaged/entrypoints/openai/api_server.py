@@ -5,8 +5,8 @@ vLLM: `vllm/entrypoints/openai/api_server.py`.
         [the engine's flags: --model PATH --block-size 16 --max-model-len N ...]
 
 Endpoints (routes.py): GET /v1/models, POST /v1/completions and /v1/chat/completions
-(server-sent events with "stream": true), GET /health, GET /metrics (metrics.py), GET
-/dashboard and its stream (dashboard/serving.py; off with --no-dashboard), GET /docs.
+(server-sent events with "stream": true), GET /health, GET /metrics (metrics.py), GET /docs,
+and what the server's features add (server_features.py: the dashboard's page and stream).
 Errors are OpenAI's JSON body (exception_handlers.py); the key, the body's size and
 depth are checked first (middleware.py, auth.py). The engine core runs in its own
 process, so the event loop never waits for a forward pass. How the server stops
@@ -30,46 +30,45 @@ from .cli_args import DEFAULT_MODEL_NAME, parse_args
 from .exception_handlers import add_exception_handlers
 from .metrics import ServerMetrics
 from .middleware import DEFAULT_MAX_BODY_BYTES, RequestGuard
-from .routes import dashboard_router, router
-from ...dashboard.serving import DashboardHub
+from .routes import router
+from .server_features import build_server_features
 
 logger = logging.getLogger("nanopaged.entrypoints.openai.api_server")
 
 
 def build_app(engine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              health_timeout: float = HEALTH_TIMEOUT_S, dashboard: bool = True,
-              dashboard_show_text: bool = False) -> FastAPI:
+              health_timeout: float = HEALTH_TIMEOUT_S, args: argparse.Namespace | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an AsyncLLM) as `served_model_name`.
 
     Args:
-        api_key: if set, /v1/ and the dashboard need it (auth.py).
+        api_key: if set, /v1/ and the features' browser pages need it (auth.py).
         max_body_bytes: larger request bodies get a 413.
         health_timeout: seconds of silence from the core after which GET /health is a 503.
-        dashboard: serve GET /dashboard and its stream (False: 404s).
-        dashboard_show_text: the dashboard shows prompt and output text.
+        args: the parsed flags that turn the server's features on and set them up
+            (server_features.py; None: their defaults, e.g. the dashboard on).
     """
     app = FastAPI(title="nanopaged", docs_url="/docs", redoc_url=None)     # /docs: Swagger UI, as vLLM
     state = app.state
     state.engine, state.served_model_name = engine, served_model_name
     state.lifecycle = launcher.Lifecycle(engine, health_timeout)      # serve() drains it; /health reads it
-    state.dashboard_hub = DashboardHub(engine, dashboard_show_text) if dashboard else None
-    state.metrics = ServerMetrics(engine, served_model_name, state.dashboard_hub)
+    state.metrics = ServerMetrics(engine, served_model_name)
+    state.server_features = build_server_features(engine, args if args is not None else parse_args([]))
     add_exception_handlers(app)
     app.include_router(router)
-    if dashboard:
-        app.include_router(dashboard_router)
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
+    for feature in state.server_features:
+        feature.mount(app, served_model_name)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes,
+                       browser_pages=state.server_features)
     return app
 
 
 def ready_line(args: argparse.Namespace, name: str, app: FastAPI) -> str:
     """The line logged once the server listens: its URL, model, and the pages to open
-    (the dashboard, with ?key=<api-key> under --api-key, never the key; the API docs)."""
+    (the features', e.g. the dashboard with ?key=<api-key> under --api-key, never the
+    key; the API docs)."""
     url = f"http://{args.host}:{args.port}"
-    pages = []
-    if args.dashboard:
-        pages.append(f"the dashboard at {url}/dashboard" + ("?key=<api-key>" if args.api_key else ""))
+    pages = [page for feature in app.state.server_features for page in feature.ready_pages(url, args.api_key)]
     if app.docs_url:
         pages.append(f"the API docs at {url}{app.docs_url}")
     return f"ready on {url} (model {name!r})" + (": " + ", ".join(pages) if pages else "")
@@ -86,8 +85,7 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
         app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                        health_timeout=args.health_timeout, dashboard=args.dashboard,
-                        dashboard_show_text=args.dashboard_show_text)
+                        health_timeout=args.health_timeout, args=args)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=launcher.GRACE_AFTER_ABORT_S)
         auth.redact_access_log()            # after Config, which sets uvicorn's loggers up
@@ -99,7 +97,7 @@ async def serve(args: argparse.Namespace) -> int:
             logger.info("%s", ready_line(args, name, app))
 
         ready = asyncio.create_task(say_ready())
-        status = await launcher.serve_http(server, engine, app.state.lifecycle, app.state.dashboard_hub,
+        status = await launcher.serve_http(server, engine, app.state.lifecycle, app.state.server_features,
                                            args.shutdown_timeout)
         ready.cancel()
         return status

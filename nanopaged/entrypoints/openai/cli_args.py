@@ -1,5 +1,5 @@
-"""The server's command line: its own flags, then the engine's, which chat and trace
-share (engine/arg_utils.py). vLLM: `vllm/entrypoints/openai/cli_args.py`."""
+"""The server's command line: its own flags, its features' (server_features.py), then
+the engine's, which chat and trace share (engine/arg_utils.py). vLLM: `vllm/entrypoints/openai/cli_args.py`."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,7 @@ from ...engine.arg_utils import add_cli_args
 from ...engine.async_llm import HEALTH_TIMEOUT_S
 from .launcher import DEFAULT_SHUTDOWN_TIMEOUT_S
 from .middleware import DEFAULT_MAX_BODY_BYTES
+from .server_features import add_server_feature_args
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"   # what model=None serves
 
@@ -25,9 +26,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                                  description="An OpenAI-compatible HTTP server on FastAPI + uvicorn.")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/; open the "
-                    "dashboard as /dashboard?key=KEY, which trades the key for an HttpOnly cookie and "
-                    "redirects to /dashboard (the access log shows any key= as key=REDACTED)")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/; open a browser page "
+                    "(the dashboard) as /dashboard?key=KEY, which trades the key for an HttpOnly cookie "
+                    "and redirects to /dashboard (the access log shows any key= as key=REDACTED)")
     ap.add_argument("--served-model-name", default=None,
                     help=f"the name clients send as 'model' (default: --model, or {DEFAULT_MODEL_NAME})")
     ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -41,11 +42,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
                     help="after SIGTERM / SIGINT, seconds the running requests have to finish before "
                          "they are aborted (a stream's last event is then an error, then [DONE]) "
                          "(default %(default)g)")
-    ap.add_argument("--dashboard-show-text", action="store_true",
-                    help="the dashboard (GET /dashboard) shows prompt and output text; without it, "
-                         "request ids and token counts only")
-    ap.add_argument("--no-dashboard", dest="dashboard", action="store_false",
-                    help="turn GET /dashboard and /dashboard/events off (404)")
+    add_server_feature_args(ap)         # the dashboard's flags, when its package imports
     ap.add_argument("--headless", action="store_true",
                     help="with --nnodes > 1 on a node other than 0: serve no API, start this node's "
                          "ranks for node 0's engine and exit when it ends (give the same --model, "

@@ -2,7 +2,7 @@
 every request on purpose either way. vLLM: `vllm/entrypoints/launcher.py` (serve_http,
 its NoSignalServer, watchdog_loop and terminate_if_errored).
 
-    serve_http(server, engine, lifecycle, hub, shutdown_timeout)  ->  exit status
+    serve_http(server, engine, lifecycle, features, shutdown_timeout)  ->  exit status
 
 Three things happen while uvicorn serves:
 
@@ -18,12 +18,12 @@ Three things happen while uvicorn serves:
   stream's last error event), with no traceback: that stays in the log.
 - The signals. SIGTERM and SIGINT are handled on the event loop (uvicorn's own handlers
   are off, as vLLM's NoSignalServer), so no KeyboardInterrupt lands in whatever code
-  runs. The first one drains: new requests get a 503 and so does /health, the
-  dashboard's streams end, and the running requests have --shutdown-timeout seconds to
-  finish. Then the rest are aborted: an open stream gets a last `data: {"error": ...}`
-  event and `data: [DONE]`, a whole response a 503. Then uvicorn closes the
-  connections, the caller shuts the core down, and the status is 0. A second signal
-  cuts the wait short.
+  runs. The first one drains: new requests get a 503 and so does /health, the server's
+  features close (the dashboard's streams end), and the running requests have
+  --shutdown-timeout seconds to finish. Then the rest are aborted: an open stream gets a
+  last `data: {"error": ...}` event and `data: [DONE]`, a whole response a 503. Then
+  uvicorn closes the connections, the caller shuts the core down, and the status is 0.
+  A second signal cuts the wait short.
 """
 from __future__ import annotations
 
@@ -96,12 +96,13 @@ class Lifecycle:
         return None
 
 
-async def serve_http(server: Server, engine, lifecycle: Lifecycle, hub, shutdown_timeout: float) -> int:
+async def serve_http(server: Server, engine, lifecycle: Lifecycle, features: list, shutdown_timeout: float) -> int:
     """Serve until SIGTERM / SIGINT (returns 0 once every request has ended) or the
     engine core's death (returns 1). The caller shuts the engine down after.
 
     Args:
-        hub: the app's DashboardHub (its streams end when the server stops), or None.
+        features: the app's server features, closed when the server stops (the dashboard's
+            streams end).
         shutdown_timeout: seconds the running requests have to finish after a signal.
     """
     loop = asyncio.get_running_loop()
@@ -132,8 +133,8 @@ async def serve_http(server: Server, engine, lifecycle: Lifecycle, hub, shutdown
     async def drain():
         await stop.wait()
         lifecycle.draining = True
-        if hub is not None:
-            hub.close()
+        for feature in features:
+            feature.close()
         running = engine.running_request_ids()
         if running and not cut_short.is_set():
             logger.info("waiting up to %g s (--shutdown-timeout) for %d running request(s) to finish",

@@ -68,42 +68,17 @@ class _EngineCollector:
                     s.get("spec_decode_acceptance_rate", 0.0))
 
 
-class _DashboardCollector:
-    """The live dashboard's viewers and the snapshots they skipped (dashboard/serving.py)."""
-
-    def __init__(self, hub, model_name: str) -> None:
-        self.hub, self.model_name = hub, model_name
-
-    def collect(self):
-        viewers = GaugeMetricFamily("nanopaged:dashboard_viewers", "Dashboard streams open (GET /dashboard/events).",
-                                    labels=["model_name"])
-        viewers.add_metric([self.model_name], len(self.hub.viewers))
-        dropped = CounterMetricFamily("nanopaged:dashboard_dropped_updates",
-                                      "Dashboard snapshots a viewer skipped: it had not read the one before.",
-                                      labels=["model_name"])
-        dropped.add_metric([self.model_name], self.hub.dropped)
-        sent = CounterMetricFamily("nanopaged:dashboard_snapshots", "Dashboard snapshots received from the engine.",
-                                   labels=["model_name"])
-        sent.add_metric([self.model_name], self.hub.num_snapshots)
-        yield viewers
-        yield dropped
-        yield sent
-
-
 class ServerMetrics:
     """One app's registry: the engine collector plus the server-side measurements.
 
     Args:
         engine: an AsyncLLM (anything with get_stats()).
         model_name: the served model name, the `model_name` label of every series.
-        dashboard: the app's DashboardHub, if it serves the dashboard.
     """
 
-    def __init__(self, engine, model_name: str, dashboard=None) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()         # a server feature adds its collector (its mount)
         self.registry.register(_EngineCollector(engine, model_name))
-        if dashboard is not None:
-            self.registry.register(_DashboardCollector(dashboard, model_name))
         kw = dict(labelnames=["model_name"], registry=self.registry)
         self.prompt_tokens = Counter("nanopaged:prompt_tokens", "Prompt tokens of requests served.",
                                      **kw).labels(model_name)

@@ -27,15 +27,16 @@ class RequestGuard:
     parses it (json.loads recurses once per level: 100,000 "[" would be a 500), then
     replays it to the app."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, browser_pages=()) -> None:
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.browser_pages = browser_pages        # the server's features (auth.check_key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key is not None:
-            refused = auth.check_key(scope, headers, self.api_key)      # a 401, or the dashboard's 303
+            refused = auth.check_key(scope, headers, self.api_key, self.browser_pages)  # a 401, or a page's 303
             if refused is not None:
                 return await refused(scope, receive, send)
         declared = headers.get(b"content-length", b"0")

@@ -1,6 +1,6 @@
-"""The server's routes: the OpenAI API, /health, /metrics and the dashboard. Each reads
-what it serves from `request.app.state` (engine, served_model_name, lifecycle, metrics,
-dashboard_hub: set by api_server.build_app). vLLM: the `router` of
+"""The server's routes: the OpenAI API, /health and /metrics (a feature's own come with
+it: server_features.py). Each reads what it serves from `request.app.state` (engine,
+served_model_name, lifecycle, metrics: set by api_server.build_app). vLLM: the `router` of
 `vllm/entrypoints/openai/api_server.py`.
 """
 from __future__ import annotations
@@ -15,11 +15,9 @@ from starlette.background import BackgroundTask
 from ...utils.proc import EngineDeadError
 from . import serving
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIError, random_id
-from ...dashboard.serving import page_file
 
 logger = logging.getLogger("nanopaged.entrypoints.openai.api_server")
 router = APIRouter()
-dashboard_router = APIRouter()          # included unless --no-dashboard
 
 
 async def _run(request: Request, body, prompt, params_fn, prefix: str, respond):
@@ -96,26 +94,3 @@ async def health(request: Request):
 @router.get("/metrics")
 async def get_metrics(request: Request):
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-@dashboard_router.get("/dashboard")
-async def dashboard_page():
-    return HTMLResponse(page_file("index.html")[0])
-
-
-@dashboard_router.get("/dashboard/static/{name}")
-async def dashboard_static(name: str):
-    found = page_file(name)
-    if found is None:
-        raise OpenAIError(404, f"no dashboard file {name!r}")
-    return Response(found[0], media_type=found[1])
-
-
-@dashboard_router.get("/dashboard/events")
-async def dashboard_events(request: Request):
-    """The dashboard's server-sent events (dashboard/serving.py, DashboardHub)."""
-    if request.app.state.engine.errored:
-        raise OpenAIError(500, "the engine core has died")
-    events = request.app.state.dashboard_hub.events()
-    return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(events.aclose),
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
