@@ -1,6 +1,7 @@
 """nanopaged's benchmarks, one module per section of `python bench.py --sections ...`.
 
     driver.py       the flags, the --help text (every section described), the dispatch
+    results.py      --results-entry: the run printed as an entry of RESULTS.md
     common.py       the throughput workload, running it on nanopaged and on transformers,
                     the CPU flags, the decode-attention inputs and timer (kernels, chapter 12)
     throughput.py   nanopaged vs transformers `generate`, the matmul roofline, --profile

@@ -11,6 +11,11 @@
                     [--sections quant --llamacpp-python PATH --llama-server PATH]
                     [--sections spec --spec-requests 8 --spec-max-tokens 48 --spec-batches 1,8
                                      --spec-k 2,4 --spec-draft-layers 10 --spec-draft-k 4 --spec-rounds 2]
+                    [--results-entry [TITLE]]
+
+--results-entry: at the end, the run printed as an entry of benchmarks/RESULTS.md (the
+            date, the machine, dtype and threads, the command, the tables, the output;
+            benchmarks/results.py), for any sections.
 
 throughput: nanopaged vs HF transformers `generate` (below).
 prefix:     one 512-token system prompt shared by 32 short questions, prefix caching on
@@ -55,7 +60,7 @@ structured: structured outputs (chapters/18-structured-outputs.md): the throughp
 overlap:    async scheduling (chapters/16-async-scheduling.md): the throughput workload
             with async_scheduling off vs on (runs off, on, on, off), best of two each: time per
             engine step (ms) and tokens/s, and the ratio on / off.
-spec:       (not in the default list: 5-8 minutes) speculative decoding (issue 25) vs plain
+spec:       (not in the default list: 5-8 minutes) speculative decoding vs plain
             decoding, the same engine settings but speculative_config, greedy, eos
             honoured, max_tokens --spec-max-tokens: chat requests that copy (repeat a
             paragraph with one word changed, rename a variable in a code snippet) and plain
@@ -99,6 +104,7 @@ from .memory import bench_memory_utilization
 from .overlap import bench_overlap
 from .pp import bench_pp
 from .quant import bench_quant
+from .results import recorded_run
 from .prefix import bench_prefix_caching
 from .pressure import bench_memory_pressure
 from .sampling import bench_sampling
@@ -154,6 +160,9 @@ def main() -> None:
                     help="spec: the layer draft's depth (the target's first layers; 0: no draft engine)")
     ap.add_argument("--spec-draft-k", type=int, default=4, help="spec: the draft's num_speculative_tokens")
     ap.add_argument("--spec-rounds", type=int, default=2, help="spec: interleaved rounds, best of them")
+    ap.add_argument("--results-entry", nargs="?", const="", default=None, metavar="TITLE",
+                    help="at the end, print the run as an entry of benchmarks/RESULTS.md (date, machine, dtype, "
+                         "threads, command, the tables, the output), titled TITLE (benchmarks/results.py)")
     args = ap.parse_args()
     sections = ["kernels"] if args.kernels else args.sections.split(",")
     if args.dtype == "auto":
@@ -167,7 +176,15 @@ def main() -> None:
         from nanopaged.model.model_loader import ensure_default_model
         args.model = str(ensure_default_model(progress=False))
     print(cpu_flags(), f"| dtype {args.dtype}")
-    # In this fixed order, whatever order --sections names them in
+    if args.results_entry is None:
+        run_sections(sections, args, quant_model)
+    else:
+        with recorded_run(args.results_entry or f"the sections {', '.join(sections)}", args.dtype):
+            run_sections(sections, args, quant_model)
+
+
+def run_sections(sections: list[str], args, quant_model: str | None) -> None:
+    """The sections asked for, in this fixed order, whatever order --sections names them in."""
     if "vllm" in sections:
         bench_vllm(args.model, args)
     if "chat" in sections:

@@ -1,6 +1,5 @@
-"""llama.cpp's own server with parallel slots, for bench.py's `quant` section (issue 37: "If
-llama.cpp's own server with parallel slots can be built here, add it and report that
-ratio too").
+"""llama.cpp's own server with parallel slots, for bench.py's `quant` section: the ratio of
+our throughput to llama.cpp's own continuous batching, where its server can be built.
 
 llama-cpp-python serves one sequence at a time; llama.cpp's C++ server (`llama-server`,
 tools/server in llama.cpp) keeps N slots and puts every slot's next tokens (prompt chunks

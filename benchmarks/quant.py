@@ -1,4 +1,4 @@
-"""bench.py's `quant` section: GGUF weights run as shipped (issue 37), side by side in one
+"""bench.py's `quant` section: GGUF weights run as shipped, side by side in one
 run with llama.cpp itself on the same file with the same threads.
 
     python bench.py --sections quant [--llamacpp-python PATH] [--llama-server PATH] [--num-requests 32]
@@ -10,7 +10,7 @@ Seven engines, one after another in this run:
   units if exactness did not come first: not exact);
 - nanopaged LLM() with dtype "auto": the default's own choice on this CPU class
   (engine/arg_utils.py, DEFAULT_MODEL_WEIGHTS), printed in one table with the others
-  (print_default_choice, in benchmarks/RESULTS.md's form) and the fastest exact path;
+  (print_default_choice, a table in benchmarks/RESULTS.md's form) and the fastest exact path;
 - nanopaged on the file with activation_quantization="int8": x rounded to int8 blocks in
   the matmuls, llama.cpp's own arithmetic (not exact; its accuracy against the exact mode
   is the last line: benchmarks/quant_accuracy.py);
@@ -61,6 +61,7 @@ import torch
 from .common import cpu_flags, find_peer, run_nanopaged, workload
 from .llama_server import LLAMA_SERVER_HOWTO, find_llama_server, run_llama_server
 from .quant_accuracy import ACCURACY_PROMPTS, ACCURACY_TOKENS, accuracy_table, describe
+from .results import markdown_table
 from .tp import machine
 
 LLAMACPP_HOWTO = ("python3 -m venv .venv-llamacpp && .venv-llamacpp/bin/pip install "
@@ -313,7 +314,7 @@ def bench_quant(model: str | None, args) -> None:
 
 
 def print_default_choice(rows: dict) -> None:
-    """The default model's configurations in one table (results-file form): each one's
+    """The default model's configurations in one table (`markdown_table`): each one's
     weights and dtype, batch-1 ms/token, throughput, and whether it is exact (the same
     batch-1 greedy ids as the float32 folder, which the file dequantizes to, bit for bit by
     design for the file and the folder); then the fastest exact path at batch 1 and in
@@ -325,11 +326,9 @@ def print_default_choice(rows: dict) -> None:
     exact = {label: r["config"].endswith("float32") and "int8" not in label and r["ids"] == reference
              for label, r in rows.items()}
     print(f"  the default model on this CPU (class {cpu_class()}, {cpu_flags()}):")
-    print("  | configuration | weights, dtype | batch 1 (ms/token) | throughput (tok/s) | exact |")
-    print("  |---|---|---|---|---|")
-    for label, r in rows.items():
-        print(f"  | {label} | {r['config']} | {1e3 * r['batch1']:.1f} | {r['tokens'] / r['wall']:.1f} | "
-              f"{'yes' if exact[label] else 'no'} |")
+    print(markdown_table(["configuration", "weights, dtype", "batch 1 (ms/token)", "throughput (tok/s)", "exact"],
+                         [[label, r["config"], f"{1e3 * r['batch1']:.1f}", f"{r['tokens'] / r['wall']:.1f}",
+                           "yes" if exact[label] else "no"] for label, r in rows.items()]))
     candidates = {label: r for label, r in rows.items() if exact[label] and "default" not in label}
     fastest1 = min(candidates, key=lambda label: candidates[label]["batch1"])
     fastest_t = max(candidates, key=lambda label: candidates[label]["tokens"] / candidates[label]["wall"])

@@ -17,7 +17,7 @@ With --overlap, nanopaged runs twice more, async scheduling off and on. With
 --dashboard-viewer, each nanopaged server then runs every rate 2 x VIEWER_ROUNDS more
 times on the same server, alternately without and with one viewer reading GET
 /dashboard/events the whole time (as an open browser tab does; it parses every
-snapshot), and the ratios of the median and of the best throughputs are printed (issue 27's target: >= 0.97).
+snapshot), and the ratios of the median and of the best throughputs are printed (the target: >= 0.97).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""spec: speculative decoding (issue 25) vs plain decoding: output tokens/s of chat
+"""spec: speculative decoding vs plain decoding: output tokens/s of chat
 requests, copy-heavy and plain, at batch 1 and batch 8, with n-gram proposals (prompt
 lookup) and with a draft model made of the target's first layers (targets: n-gram
 >= 1.5x at batch 1 on the copy-heavy workload, >= 0.95x on plain chat)."""
@@ -186,7 +186,7 @@ def _print_summary(rows: list[dict]) -> None:
         print("!" * 78)
     else:
         print(f"spec: every output of every method is token for token the baseline's ({len(rows)} rows)")
-    for r in rows:                      # issue 25: n-gram >= 1.5x on copy at batch 1, >= 0.95x on chat
+    for r in rows:                      # the targets: n-gram >= 1.5x on copy at batch 1, >= 0.95x on chat
         if not r["method"].startswith("ngram") or (r["workload"] == "copy" and r["batch"] != 1):
             continue
         ratio = r["on"] / r["off"]

@@ -59,7 +59,7 @@ def machine() -> str:
         model = "?"
     cores, load = len(os.sched_getaffinity(0)), os.getloadavg()
     busy = (" (BUSY: the load average is at the cores already; another job runs and every figure "
-            "below is slowed; README's Tests section: OMP_NUM_THREADS=1 on a busy machine)") if load[0] >= cores else ""
+            "below is slowed; docs/tests.md: OMP_NUM_THREADS=1 on a busy machine)") if load[0] >= cores else ""
     return f"{model}, {cores} cores, load average {' '.join(f'{x:.1f}' for x in load)} at start{busy}"
 
 

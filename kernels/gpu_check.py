@@ -4,7 +4,7 @@
 
 run from the repository root, with a CUDA build of torch, nvcc, ninja and pytest:
 
-1. build the extension (kernels/paged_attention.cu) as the loader does;
+1. build the extension (kernels/cuda/attention.cu) as the loader does;
 2. pytest tests/layers/test_kernels_cuda.py on the GPU (the CPU-side layers of that file, the
    nvcc compile check and the SIMT emulator, run in CI already and are skipped here);
 3. build and run kernels/dev/paged_attention_dev.cu (versions 1-5, each checked against
@@ -70,7 +70,7 @@ def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 def load_extension():
     """The tests' own loader (same name and flags, so pytest reuses this build)."""
-    spec = importlib.util.spec_from_file_location("test_kernels_cuda", ROOT / "tests" / "test_kernels_cuda.py")
+    spec = importlib.util.spec_from_file_location("test_kernels_cuda", ROOT / "tests" / "layers" / "test_kernels_cuda.py")
     module = importlib.util.module_from_spec(spec)
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     spec.loader.exec_module(module)

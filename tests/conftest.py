@@ -82,7 +82,6 @@ def pytest_terminal_summary(terminalreporter, config):
     """Which kernel builds ran in the test processes, and which of their instruction-set
     paths: the vector body (AVX512, AVX2 or the portable one lane), AVX512-BF16's
     vdpbf16ps, AMX tiles."""
-    from nanopaged.layers.build import cpu_build_name
     if not hasattr(config, "workerinput") and not config.pluginmanager.hasplugin("dsession"):
         _merge_paths(config, _kernel_paths())                 # one process (-n 0): its own counts
     report = config.__dict__.get("_nanopaged_kernel_paths", {})
@@ -91,12 +90,11 @@ def pytest_terminal_summary(terminalreporter, config):
                                 "counted); VNNI is in no body: int8 x int8 runs on AVX2's vpmaddubsw")
     if not report:
         terminalreporter.write_line("no CPU kernel build was loaded in the test processes")
-    own = cpu_build_name()
     for name, info in sorted(report.items()):
         ran = info["ran"]
         special = [f"{ran[path]} on {label}" if ran[path] else f"{label} compiled in, never ran"
                    for path, label in (("avx512_bf16", "vdpbf16ps"), ("amx", "AMX tiles")) if info[path]]
-        role = "this run's build" if name == own else "loaded to compare"
+        role = "this run's build" if info["own"] else "loaded to compare"
         terminalreporter.write_line(
             f"{name} ({role}; flags: {info['flags']}): {info['vector']} body, {ran['vector']} kernel calls"
             + (f"; of them {', '.join(special)}" if special else ""))

@@ -1,7 +1,8 @@
 """`pip install .` (not editable) ships every package and the kernel sources: the wheel
 carries each package that setup.py finds (a hand-kept list once left out
 nanopaged.exercises, so `python -m nanopaged.exercise` failed after a wheel install) and
-kernels/ as nanopaged/_kernels/ (pyproject.toml), and the dashboard page's files
+kernels/ as nanopaged/_kernels/ (pyproject.toml; every source and header, in every
+folder), and the dashboard page's files
 (nanopaged/dashboard/page/, package data), and the course's chapters/ as
 nanopaged/_chapters/ with their figures; an installed nanopaged finds them there, runs
 the course's exercise runner (whose `start` names a chapter that is on disk) and the
@@ -20,7 +21,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["paged_attention_cpu.cpp", "paged_attention.cu", "dev/paged_attention_cpu_dev.cpp"]
+# every kernel source and header of the checkout, in every folder of kernels/
+SOURCES = sorted(str(p.relative_to(ROOT / "kernels")) for p in (ROOT / "kernels").rglob("*")
+                 if p.suffix in (".cpp", ".h", ".cu"))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,8 @@ def test_the_wheel_carries_every_package_of_the_checkout(installed):
     packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "nanopaged").rglob("__init__.py")}
     assert packages and all(f"{p}/__init__.py" in names for p in packages), sorted(packages - {
         n.rsplit("/", 1)[0] for n in names})
-    assert all(f"nanopaged/_kernels/{s}" in names for s in SOURCES), sorted(names)
+    assert len(SOURCES) > 10 and all(f"nanopaged/_kernels/{s}" in names for s in SOURCES), sorted(
+        set(SOURCES) - {n.removeprefix("nanopaged/_kernels/") for n in names})
     page = {f"nanopaged/dashboard/page/{f}" for f in ("index.html", "dashboard.js", "dashboard.css")}
     assert page <= set(names), sorted(page - set(names))
     chapters = {f"nanopaged/_chapters/{p.relative_to(ROOT / 'chapters')}" for p in (ROOT / "chapters").rglob("*")
@@ -67,8 +71,9 @@ def test_the_wheel_carries_every_package_of_the_checkout(installed):
 @pytest.mark.timeout(180)
 def test_an_installed_wheel_carries_and_finds_the_kernel_sources(installed, tmp_path):
     target, _ = installed
-    check = ("import nanopaged.layers.build as k; "
-             "print(k.KERNELS_DIR); print(all((k.KERNELS_DIR / s).is_file() for s in k.KERNEL_SOURCES.values()))")
+    check = ("import nanopaged.layers.build as k, nanopaged.quantization.kernels as q; print(k.KERNELS_DIR); "
+             "print(all((k.KERNELS_DIR / s).is_file() for s in [*q.SOURCES, *(s for g in k.KERNEL_SOURCES.values() "
+             "for s in g)]))")
     out = run_installed(target, ["-c", check], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     kernels_dir, found = out.stdout.split()

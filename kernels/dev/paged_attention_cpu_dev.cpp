@@ -3,7 +3,7 @@
 //
 //   decode(version, out, query, key_cache, value_cache, block_tables, seq_lens, scale)
 //
-// fp32 only (the shipped kernel, ../paged_attention_cpu.cpp, adds fp16/bf16). Shapes as
+// fp32 only (the shipped kernel, ../cpu/attention.cpp, adds fp16/bf16). Shapes as
 // there: query/out [num_seqs, num_heads, head_size]; caches [num_blocks, block_size,
 // num_kv_heads, head_size]; block_tables [num_seqs, max_blocks] int64; seq_lens int64.
 //

@@ -16,7 +16,7 @@ kernel is memory-bound, and its figure of merit is KV bytes read per second agai
 GPU's memory bandwidth (H200: 4.8 TB/s on the datasheet).
 
 This file is plain CUDA (no torch) with bf16 K/V, like llm.c's floatX. Versions 4 and 5
-are not copies: they run the kernel of ../paged_attention.cu, included below.
+are not copies: they run the kernel of ../cuda/attention.cu, included below.
 
 Compile and run (a GPU machine; kernels/gpu_check.py does this and fills in the
 "measured" lines below):
@@ -55,7 +55,7 @@ token's row is contiguous, so a warp load touches block_size rows with 16 bytes 
 (half of every 32-byte sector per instruction), and the lane map changes with block_size.
 measured v3: <not yet: no GPU>
 
-version 4: the shipped kernel's algorithm (../paged_attention.cu), one query head per
+version 4: the shipped kernel's algorithm (../cuda/attention.cu), one query head per
 thread block. The lane map follows the row, not the block: head_size / 8 adjacent lanes
 read a token's row, 16 bytes each, so a warp load reads whole rows; a warp takes 8 such
 loads' worth of consecutive tokens at a time wherever the block boundaries fall, with
@@ -75,7 +75,7 @@ measured v5: <not yet: no GPU>
 */
 
 #define NANOPAGED_NO_TORCH
-#include "../paged_attention.cu"
+#include "../cuda/attention.cu"
 
 #include <cuda_runtime.h>
 

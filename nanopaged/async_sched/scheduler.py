@@ -107,7 +107,9 @@ class AsyncScheduler(Scheduler):
         """A forward raised, so the steps in `lost` produced nothing and the runner's record
         of their sequences is stale. Each unfinished request they scheduled goes back to
         waiting as a recompute preemption leaves it (blocks freed, nothing computed, no
-        placeholder, sent in full next time); its tokens so far are kept (C39)."""
+        placeholder, sent in full next time); its tokens so far are kept.
+        tests/engine/test_engine_v1.py::test_c39_an_interrupted_forward_leaves_no_named_block
+        checks this with async scheduling on."""
         seqs = self.queues.seqs
         groups = {seqs[i][1] for so in lost for i in (*so.num_scheduled_tokens, *so.sample_from) if i in seqs}
         for group in groups:

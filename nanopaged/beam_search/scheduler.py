@@ -11,7 +11,8 @@ generation:
    the best `num_candidates(beam_width, eos ids)` of them, best first: 2 * beam_width,
    or (1 + number of eos ids) * beam_width when there are several eos ids, so that
    enough candidates survive to fill beam_width live beams even when many of the top
-   ones end (transformers' `beams_to_keep`; field case C25): `top_candidates`;
+   ones end (transformers' `beams_to_keep`; tests/engine/test_engine_v1_real.py::
+   test_c25_beam_search_with_several_eos_ids checks it): `top_candidates`;
 2. a candidate that ends (EOS, or reaching max_tokens) and ranks among the first
    beam_width becomes a finished hypothesis, scored cum_logprob / length ** length_penalty
    (length = generated tokens); the best beam_width hypotheses are kept;

@@ -119,7 +119,8 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Name the blocks filled by computing seq's positions [start, end); only after the forward
-        that wrote their K/V, or a failed forward leaves a named block of garbage (case C39)."""
+        that wrote their K/V, or a failed forward leaves a named block of garbage
+        (tests/engine/test_engine_v1.py::test_c39_an_interrupted_forward_leaves_no_named_block)."""
         if not self.enable_prefix_caching:
             return
         bs, table = self.block_size, seq.block_table

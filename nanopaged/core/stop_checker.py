@@ -19,7 +19,8 @@ def check_stop(seq: Sequence, group: SequenceGroup, max_model_len: int) -> Seque
     In this order: eos (unless ignore_eos), then a stop token id, once min_tokens are
     out: FINISHED_STOPPED; seq.stop_reason is set to the token only for a stop token
     id the user asked for, and stays None for an eos (vLLM's rule: stop_reason is a
-    stop string or a stop_token_ids id, never the eos; issue 34). Then max_tokens
+    stop string or a stop_token_ids id, never the eos; tests/engine/test_admission.py::
+    test_stop_reason_is_none_on_eos_and_the_id_for_a_stop_token_id). Then max_tokens
     outputs, or prompt + output reaching max_model_len (the Processor admits only
     prompt + max_tokens <= max_model_len): FINISHED_LENGTH. seq.status is left alone:
     the scheduler frees the blocks first, then sets it.

@@ -1,8 +1,8 @@
 """CPU graphs: a decode step's kernel calls recorded once and replayed, without the module calls.
 
-At batch 1 SmolLM2's quantized matmuls took ~6 ms a token on two cores, and the Python
-that drives them (module calls, views, allocations: ~300 kernel calls a step) another
-~2.4 ms (2026-12-03, 2-core AMD EPYC, avx2, float32; chapters/12-kernels.md). vLLM removes the same cost on a GPU with CUDA graphs (`vllm/v1/worker/
+Once the matmuls are fast, the Python that drives a small decode step (module calls,
+views, allocations around ~300 kernel calls) is a large share of it (chapter 12).
+vLLM removes the same cost on a GPU with CUDA graphs (`vllm/v1/worker/
 gpu_model_runner.py`, capture_model; `--enforce-eager` turns them off): it records a
 decode step's kernel launches once per batch size, with the inputs in static buffers,
 and later steps copy their inputs into those buffers and launch the record.

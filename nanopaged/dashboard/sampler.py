@@ -30,8 +30,8 @@ from collections import deque
 from .messages import DashboardRequest, DashboardSequence, DashboardSnapshot, DashboardStage, DashboardStep
 from ..events import (BlockCached, BlockFreed, CopyOnWrite, DraftsVerified, Event, Preempted, RequestAdded, RequestFinished, SequenceScheduled)
 
-SNAPSHOT_INTERVAL_S = 0.2    # at most 5 snapshots a second: on 2 cores, 10 a second of SmolLM2's
-                             # pool cost a viewer's server ~4% of its throughput (README)
+SNAPSHOT_INTERVAL_S = 0.2    # at most 5 snapshots a second: a snapshot takes CPU from the
+                             # server it watches, and a viewer does not need more
 MAX_STEPS = 20               # the decisions of at most this many steps per snapshot
 RATE_WINDOW_S = 1.0          # tokens_per_s: generated tokens over the last second
 MAX_BLOCKS = 16384           # per pool: the first this many blocks are drawn (a tiny model's
@@ -116,8 +116,8 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
     """
     s, bm = engine_core.scheduler, engine_core.block_manager
     num_gpu, num_cpu = min(bm.num_gpu_blocks, MAX_BLOCKS), min(bm.num_cpu_blocks, MAX_BLOCKS)
-    # Every free block shares one empty owner list: pickle then writes it once, which
-    # makes a snapshot of a 32768-block pool ~10x cheaper to send (readers never mutate).
+    # Every free block shares one empty owner list: pickle then writes it once, so a large
+    # pool's snapshot costs little to send (readers never mutate).
     nobody: list[str] = []
     owners: list[list[str]] = [nobody] * num_gpu
     cpu_owners: dict[int, str] = {}       # only the held CPU blocks: most of the pool is free

@@ -35,10 +35,10 @@ _CONTENT_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; ch
 
 
 def snapshot_json(snapshot) -> str:
-    """json.dumps(dataclasses.asdict(snapshot)), compact, and ~10x faster: asdict copies
-    every one of the pool's per-block lists in Python, which for a pool of 32768 blocks
-    took the event loop ~0.1 s a snapshot; the dataclasses here hold only plain values
-    and lists, so their __dict__s are the same JSON."""
+    """json.dumps(dataclasses.asdict(snapshot)), compact, without asdict's copies:
+    asdict copies every one of the pool's per-block lists in Python, which stalls the
+    event loop on a large pool; the dataclasses here hold only plain values and lists,
+    so their __dict__s are the same JSON."""
     d = dict(vars(snapshot))
     d["requests"] = [{**vars(r), "seqs": [vars(q) for q in r.seqs]} for r in snapshot.requests]
     d["steps"] = [vars(st) for st in snapshot.steps]

@@ -26,7 +26,8 @@ Watchers: `watch(name, factory, callback)` runs a watcher inside the core proces
 handler hands each payload it sends to `callback`; `unwatch(name)` stops it.
 
 Leaving a `generate` loop early (break, the task cancelled, an HTTP client gone) aborts
-the request: the core frees its blocks before its next step (field case C23). If the
+the request: the core frees its blocks before its next step (tests/engine/
+test_async_llm.py::test_c23_leaving_a_stream_aborts_the_request). If the
 core process dies, every waiting `generate` raises `EngineDeadError` at once.
 vLLM: `vllm/v1/engine/async_llm.py`.
 """

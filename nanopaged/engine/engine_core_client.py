@@ -95,7 +95,8 @@ class EngineCoreProc:
     there is work, send each step's outputs back (with the core's stats).
 
     Requests arrive between steps, so a new one joins the very next batch; an abort
-    frees the request's blocks before the next step (field case C23). When idle it
+    frees the request's blocks before the next step (tests/engine/test_engine.py::
+    test_abort_frees_blocks). When idle it
     blocks on the input socket, waking each second to check that its parent lives and
     to ask its watchers (CoreWatcher) whether they want it awake.
     """

@@ -3,10 +3,11 @@
 Everything a request can get wrong is found here, before the core does any work for
 it: the prompt is tokenized (or the chat template applied), its token ids and length are
 checked against the model, and the SamplingParams against the vocabulary,
-max_model_len and the engine's bounds on what one request may cost (issue 34: n and
-beam_width at most max_num_seqs, logprobs at most max_logprobs, a step's logits rows
-within max_logits_bytes). What leaves is tokens and numbers only; the core never sees a
-string (but a structured-output spec, a schema or regex, which it compiles: chapter 18).
+max_model_len and the engine's bounds on what one request may cost (n and beam_width
+at most max_num_seqs, logprobs at most max_logprobs, a step's logits rows within
+max_logits_bytes: tests/engine/test_admission.py). What leaves is tokens and numbers
+only; the core never sees a string (but a structured-output spec, a schema or regex,
+which it compiles: chapter 18).
 vLLM: `vllm/v1/engine/processor.py`; the length rule and its message are vLLM's OpenAI
 server's (`serving_engine.py`, `_validate_input`).
 """
@@ -75,8 +76,8 @@ class Processor:
                 is prompt_len + 1 <= max_model_len, for every path); prompt_len +
                 max_tokens > max_model_len (vLLM's rule and message: "This model's
                 maximum context length is ..."; max_tokens=None means up to
-                max_model_len); a request that costs more than the engine allows
-                (issue 34): n or beam_width > max_num_seqs, logprobs or prompt_logprobs
+                max_model_len); a request that costs more than the engine allows:
+                n or beam_width > max_num_seqs, logprobs or prompt_logprobs
                 > max_logprobs, its rows of logits past max_logits_bytes; a
                 SamplingParams field the model cannot honour (a token id outside the
                 vocabulary); structured outputs that do not compile (llguidance's
@@ -137,7 +138,8 @@ class Processor:
 
     def _check_num_seqs(self, name: str, rows: int) -> None:
         """A request's `rows` sequences (n, beam_width) fit in one step's batch, and their
-        rows of fp32 logits (one per sequence per step) in max_logits_bytes (issue 34)."""
+        rows of fp32 logits (one per sequence per step) in max_logits_bytes: a request must
+        not cost a step more memory than the engine was sized for."""
         if self.max_num_seqs is not None and rows > self.max_num_seqs:
             raise ValueError(f"{name}={rows} is more than max_num_seqs={self.max_num_seqs}: a request's "
                              f"sequences must fit in one step's batch")
@@ -214,8 +216,9 @@ def check_chat_template_kwargs(chat_template_kwargs: dict | None) -> dict:
 def apply_chat_template(tokenizer, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a chat with the generation prompt, exactly as the tokenizer's
     `apply_chat_template(tokenize=True, add_generation_prompt=True, **chat_template_kwargs)`
-    gives them: the template writes the BOS itself, so nothing adds a second one (field
-    case C19). `chat_template_kwargs` are extra template variables (see
+    gives them: the template writes the BOS itself, so nothing adds a second one
+    (tests/engine/test_engine_v1_real.py::test_c19_one_bos_with_a_chat_template).
+    `chat_template_kwargs` are extra template variables (see
     check_chat_template_kwargs, which raises for a bad one); every front end (the
     Processor, LLM.chat, the server, the REPL) renders a chat here."""
     kwargs = check_chat_template_kwargs(chat_template_kwargs)
@@ -228,8 +231,9 @@ def apply_chat_template(tokenizer, messages: list[dict], chat_template_kwargs: d
 
 def eos_token_ids_of(model_folder, model_config, tokenizer) -> frozenset[int]:
     """Every id that ends a sequence: config.json's eos_token_id, generation_config.json's
-    (which may list several, e.g. the eos and a chat end-of-turn id; field case C17) and
-    the tokenizer's eos."""
+    (which may list several, e.g. the eos and a chat end-of-turn id: tests/engine/
+    test_engine_v1_real.py::test_c17_several_eos_ids_stop_at_the_first) and the
+    tokenizer's eos."""
     ids = list(model_config.eos_token_id)
     path = os.path.join(model_folder, "generation_config.json")
     if os.path.isfile(path):

@@ -35,7 +35,7 @@ def build_prompt(tokenizer, messages: list[dict], max_prompt_tokens: int,
     """
     msgs = list(messages)
     while True:
-        ids = apply_chat_template(tokenizer, msgs, chat_template_kwargs)   # the template's ids (C19)
+        ids = apply_chat_template(tokenizer, msgs, chat_template_kwargs)   # the template's ids: one BOS
         if len(ids) <= max_prompt_tokens:
             return ids
         first = 1 if msgs and msgs[0]["role"] == "system" else 0

@@ -8,7 +8,7 @@ TARGETS = ["nanopaged.layers.attention:_decode"]
 TASK = """
 Write the decode attention of the PyTorch backend: one query per sequence, attending to
 that sequence's keys and values where they lie in the block pool. Write it the way the
-kernels do (kernels/paged_attention_cpu.cpp, attention_kernel; v2 of
+kernels do (kernels/cpu/attention.cpp, attention_kernel; v2 of
 kernels/dev/paged_attention_cpu_dev.cpp): for each sequence, walk its block table a
 block at a time; token t of block b is row t of key_cache[block_tables[s][b]], and only
 the first seq_len tokens count (the last block may be partly filled, the table is

@@ -5,10 +5,10 @@ One object holds every op a Llama layer runs through a kernel: the KV-cache ops
 `rms_norm` (optionally fused with the residual add), `silu_and_mul` and
 `rotary_embedding` (vLLM keeps these as CustomOps with per-device forwards).
 
-`TorchOps` is plain PyTorch (attention.py); `KernelOps` calls `kernels/paged_attention.cu`
-on a GPU and its C++ twin `kernels/paged_attention_cpu.cpp` on the CPU, compiled on
-first use (build.py). The CPU kernel takes every row of a step; the CUDA kernel decode
-rows only, and the layer ops are CPU-only so far (CUDA runs the reference's).
+`TorchOps` is plain PyTorch (attention.py); `KernelOps` calls `kernels/cuda/attention.cu`
+on a GPU and its C++ twin in `kernels/cpu/` on the CPU, compiled on first use (build.py).
+The CPU kernel takes every row of a step; the CUDA kernel decode rows only, and the layer
+ops are CPU-only so far (CUDA runs the reference's).
 
 `get_ops(attention_backend, device)` picks them (config's "auto" | "torch" | "cpu" |
 "cuda"); "auto" takes the device's kernel when it builds, else warns once per process
@@ -22,6 +22,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +131,16 @@ class TorchOps:
         return rotate(query), rotate(key)
 
 
+class JoinedKernels:
+    """Several compiled extension modules called as one (KernelOps.ops after add_kernels):
+    each op is an attribute, the first module's that has it."""
+
+    def __init__(self, *modules) -> None:
+        self.modules = modules
+        for module in reversed(modules):
+            vars(self).update((name, getattr(module, name)) for name in dir(module) if not name.startswith("_"))
+
+
 class KernelOps(TorchOps):
     """The compiled kernels: attention, the three cache ops and (CPU) the layer ops.
 
@@ -147,9 +158,21 @@ class KernelOps(TorchOps):
         """The compiled op `name`, or None where this build has none (CUDA's has fewer)."""
         return getattr(self.ops, name, None)
 
+    def add_kernels(self, module) -> None:
+        """Join a feature's own compiled extension (the quantized matmuls') to this
+        backend's: kernel(name) finds its ops too, through `ops` like every kernel call
+        (a CPU graph records what goes through `ops`, so join before a graph is captured:
+        quantization/kernels.py joins at a model's first step, a prefill)."""
+        if not isinstance(self.ops, (ModuleType, JoinedKernels)):
+            raise RuntimeError(f"add_kernels: this backend's ops are wrapped ({type(self.ops).__name__}: a CPU "
+                               "graph being captured?); join a feature's kernels before")
+        modules = self.ops.modules if isinstance(self.ops, JoinedKernels) else (self.ops,)
+        if module not in modules:
+            self.ops = JoinedKernels(*modules, module)
+
     def pack_weight(self, weight):
         """weight [n, k] in the AMX kernel's tile layout, [ceil(n / 16), k / 32, 16, 32]
-        bf16 (kernels/paged_attention_cpu.cpp, linear_amx), or None where that kernel does
+        bf16 (kernels/cpu/gemm_amx.cpp, linear_amx), or None where that kernel does
         not apply: no AMX, not bf16, or k not a multiple of 32. The choice depends on the
         weight alone, never on a batch, so every row of every step takes the same kernel."""
         if not hasattr(self.ops, "linear_amx") or weight.dtype != torch.bfloat16 or weight.shape[1] % 32:
@@ -179,7 +202,7 @@ class KernelOps(TorchOps):
         return out
 
     def rms_norm(self, x, weight, eps, residual=None):
-        """One fused pass (kernels/paged_attention_cpu.cpp); with `residual`, in place:
+        """One fused pass (kernels/cpu/layer_ops.cpp); with `residual`, in place:
         residual += x, x = norm(residual)."""
         if not self.fused_layer_ops or x.stride(-1) != 1:
             return super().rms_norm(x, weight, eps, residual)

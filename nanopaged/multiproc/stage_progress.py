@@ -1,5 +1,5 @@
 """Stage progress: which batch each pipeline stage is on and what it is doing, for the
-live dashboard (issue 36: "the dashboard showing each stage's batch").
+live dashboard, which shows each stage's batch.
 
 MultiprocExecutor makes a board of one 8-byte word per stage: a file in its folder,
 mapped into memory (mmap) by the engine-core process and by each stage's first

@@ -17,10 +17,10 @@ QK weights along k. A block is fp16 scales and small integers q:
 
 In Q4_0/Q4_1/Q5 blocks the low nibble of byte i is weight i, the high nibble weight i + 16,
 and bit i of the 4 bytes (little-endian) a Q5 weight's fifth bit. The K-quants ("super-
-blocks") order their nibbles in runs (`dequantize`; the kernel's comment has the bytes). A layer
+blocks") order their nibbles in runs (`dequantize`; kernels/cpu/quant/ggml.h has the bytes). A layer
 keeps those bytes (uint8 [rows, k / QK * block bytes]): SmolLM2's Q4_1 file is 5 bits a
 weight where fp32 is 32, Q4_K 4.5, and a decode step is a walk through the weights. Its matmul
-(`gguf_linear`: the kernel's, kernels/paged_attention_cpu.cpp) widens each block in registers and
+(`gguf_linear`: the kernel's, kernels/cpu/quant/gguf.cpp) widens each block in registers and
 sums exactly as the fp32 matmul does on the dequantized weights, bit for bit; from 3 rows
 of x (12 for Q8_0) a task widens its 32 weight rows into an fp32 panel first, and from 1024
 rows (long prefill steps) the whole matrix once into an fp32 scratch it keeps between calls
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.parallel import VocabParallelEmbedding
+from .kernels import quant_kernel
 
 
 @dataclass(frozen=True)
@@ -164,11 +165,11 @@ def gguf_linear(ops, out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, 
     """out [m, n] float32 (a view: rows may be further apart) = x [m, k] @ W^T, W the
     packed rows uint8 [n, k / QK * block bytes] of GGML block type `type_id`.
 
-    With x float32 and a kernel backend that has it (`ops.kernel("gguf_linear")`, the CPU
-    kernel): each block widened in registers, summed as `ops.linear` sums the dequantized
-    weights (the same bits, batch-invariant). Otherwise (other dtypes, CUDA, the
-    reference backend) the PyTorch reference: dequantized, then F.linear."""
-    kernel = ops.kernel("gguf_linear")
+    With x float32 and a kernel backend that has it (`quant_kernel(ops, "gguf_linear")`,
+    the CPU kernel): each block widened in registers, summed as `ops.linear` sums the
+    dequantized weights (the same bits, batch-invariant). Otherwise (other dtypes, CUDA,
+    the reference backend) the PyTorch reference: dequantized, then F.linear."""
+    kernel = quant_kernel(ops, "gguf_linear")
     if kernel is None or x.dtype != torch.float32:
         out.copy_(F.linear(x, dequantize(qweight, type_id)))
         return

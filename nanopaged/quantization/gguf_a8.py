@@ -18,18 +18,18 @@ A Q6_K block is two sub-blocks of 16 with their own scales and signed q - 32 (no
 Here q . qx is a sum of small integers, exact in int32: AVX2's vpmaddubsw multiplies 32
 unsigned q by 32 signed qx and adds pairs in one instruction, where the exact path widens
 each weight to fp32 and spends two FMAs on it. At batch 1 the exact path is bound by that
-widening, not by DRAM (chapter 21): SmolLM2's matmuls of a batch-1 step take 1.4x less
-time here, a layer in cache up to 1.8x (kernels/paged_attention_cpu.cpp, namespace a8, has
-the numbers). The price: x keeps 8 bits a value (a relative error up to 1/254 of its
+widening, not by DRAM (chapter 21), so SmolLM2's matmuls of a batch-1 step take less
+time here (the kernel: kernels/cpu/quant/gguf_a8.cpp, namespace a8; the runs:
+benchmarks/RESULTS.md). The price: x keeps 8 bits a value (a relative error up to 1/254 of its
 block's largest value), so the logits move, and the greedy ids can part from the exact
 model's (chapter 21's accuracy table: greedy agreement and mean |delta logprob|). The
 kernel is deterministic and batch-invariant like the exact one: each (row of x, row of W)
 pair is summed in one fixed order whatever the batch.
 
 Every block format the engine loads runs here (float segments keep the exact path); a
-Q4_K_M file (Q4_K and Q6_K) or a Q5_K_M one (Q5_K and Q6_K) runs here whole. Q6_K at one
-row of x: 1.7-2.4x the exact path's speed, from 8 rows 0.7-1.1x; Q4_K 1.5-1.8x, from 8 rows
-1.0-1.6x; Q5_0, Q5_1 and Q5_K 1.8-2.2x, from 8 rows 0.9-1.3x (the kernel's comment).
+Q4_K_M file (Q4_K and Q6_K) or a Q5_K_M one (Q5_K and Q6_K) runs here whole. It gains
+most at one row of x, where the widening binds; from 8 rows on, the exact path reuses
+each widened weight across the rows and the two come near each other.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .gguf import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGUFLinearMethod, Segment, dequantize
+from .kernels import quant_kernel
 
 logger = logging.getLogger(__name__)
 A8_TYPES = frozenset(f.type_id for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))   # run against int8 x
@@ -61,11 +62,11 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 def gguf_linear_a8(ops, out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, type_id: int) -> None:
     """gguf.gguf_linear with x first rounded to int8 blocks of 32 (every block format).
 
-    With x float32 and a kernel backend that has it (`ops.kernel("gguf_linear_a8")`, the
-    CPU kernel): integer block dots, batch-invariant. Otherwise the PyTorch reference: x's
+    With x float32 and a kernel backend that has it (`quant_kernel(ops, "gguf_linear_a8")`,
+    the CPU kernel): integer block dots, batch-invariant. Otherwise the PyTorch reference: x's
     rounded values times the dequantized weights, F.linear (the kernel's result within
     fp32 summation error, not its bits)."""
-    kernel = ops.kernel("gguf_linear_a8")
+    kernel = quant_kernel(ops, "gguf_linear_a8")
     if kernel is None or x.dtype != torch.float32:
         qx, dx, _ = quantize_activations(x)
         x_hat = (qx.float().view(x.shape[0], -1, 32) * dx[..., None]).view(x.shape)

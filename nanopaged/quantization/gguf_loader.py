@@ -38,6 +38,7 @@ import torch
 
 from ..layers.parallel import VocabParallelEmbedding
 from .gguf import BLOCK_FORMATS, GGUFEmbedding, GGUFLinearMethod, check_type, type_name
+from .kernels import join_quant_kernels
 from ..utils.files import apply_umask_permissions, move_into_place
 from ..utils.paths import cache_dir
 from ..model.gguf_families import gguf_family
@@ -205,7 +206,7 @@ class TensorIndex:
     """Where a GGUF file's tensors lie (name, type, shape, byte offset), and the three
     numbers of its metadata the weights need (architecture, head counts): read once with
     gguf.GGUFReader when gguf_model_dir prepares the folder, and kept there (INDEX_NAME).
-    The reader parses every metadata field on each open, 3-6 s for SmolLM2's file, nearly
+    The reader parses every metadata field on each open, seconds for SmolLM2's file, nearly
     all of it the 49,152-entry vocabulary the tokenizer folder already holds; a start reads
     the index and maps the file instead (the same bytes, as the tests check).
     vLLM's GGUF loader re-reads the file with the reader each time.
@@ -292,6 +293,10 @@ class GGUFQuantizedModel:
             tensor and the type), a tensor of the wrong shape, or one missing.
         FileNotFoundError: the folder's GGUF file is gone.
     """
+
+    def set_ops(self, ops) -> None:
+        join_quant_kernels(ops)         # at load, before any CPU graph is captured (kernels.py)
+        super().set_ops(ops)
 
     def load_weights(self, folder: str | os.PathLike) -> None:
         src = gguf_source(folder)

@@ -8,7 +8,7 @@ Each row of a projection's weight W [n, k] gets one fp32 scale and k int8s:
 
 and the "dequantized model" is q * scale in fp32 (`dequantize`). A layer keeps q and
 scale (1 byte a weight where fp32 keeps 4); its matmul (`int8_linear`: the kernel's,
-kernels/paged_attention_cpu.cpp) widens q, multiplies by the row's scale (one rounding,
+kernels/cpu/quant/int8.cpp) widens q, multiplies by the row's scale (one rounding,
 as here) and sums as the fp32 `linear` does, so it equals the fp32 matmul on the
 dequantized weights bit for bit. The embedding and the LM head stay fp32, as vLLM keeps
 lm_head unquantized for its weight-only methods: the head's rounding goes straight into
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layers.parallel import ColumnParallelLinear, RowParallelLinear
+from .kernels import join_quant_kernels, quant_kernel
 
 QMAX = 127                          # symmetric: -127..127 (-128 unused)
 
@@ -50,11 +51,11 @@ def int8_linear(ops, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
     """x [m, k] float32 @ (qweight int8 [n, k] * scale float32 [n] per row)^T -> [m, n]
     float32.
 
-    With x float32 and a kernel backend that has it (`ops.kernel("int8_linear")`, the CPU
-    kernel): each row widened and scaled in registers, summed as `ops.linear` sums the
+    With x float32 and a kernel backend that has it (`quant_kernel(ops, "int8_linear")`,
+    the CPU kernel): each row widened and scaled in registers, summed as `ops.linear` sums the
     dequantized weights (the same bits, batch-invariant). Otherwise the PyTorch
     reference: dequantized, then F.linear."""
-    kernel = ops.kernel("int8_linear")
+    kernel = quant_kernel(ops, "int8_linear")
     if kernel is None or x.dtype != torch.float32:
         return F.linear(x, dequantize(qweight, scale))
     out = torch.empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
@@ -110,6 +111,10 @@ class Int8QuantizedModel:
     model's dtype), then each projection's fp32 weight is replaced by an Int8LinearMethod
     (the weight freed).
     """
+
+    def set_ops(self, ops) -> None:
+        join_quant_kernels(ops)         # at load, before any CPU graph is captured (kernels.py)
+        super().set_ops(ops)
 
     def load_weights(self, folder) -> None:
         self._row_absmax: dict[str, torch.Tensor] = {}

@@ -1,4 +1,4 @@
-"""Logits in bounded chunks of rows: no step holds more than max_logits_bytes of them (issue 34).
+"""Logits in bounded chunks of rows: no step holds more than max_logits_bytes of them.
 
 A step samples one row per running sequence, one per fork of a fresh n > 1 request
 (they all sample from their parent's last hidden row), and k + 1 per sequence that

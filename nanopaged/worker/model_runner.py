@@ -126,7 +126,8 @@ class ModelRunner:
         """Flatten the scheduled sequences into one batch, decodes first."""
         scheduled = [(self.input_batch.seqs[i], n) for i, n in so.num_scheduled_tokens.items() if n > 0]
         # A decode computes one *output* token; a prompt's last token (left after a prefix
-        # hit) is prefill, the path the same prompt takes without the hit (field case C36).
+        # hit) is prefill, the path the same prompt takes without the hit, so both give
+        # the same bits (tests/model/test_c36_bf16_prefix_hit.py).
         is_decode = [n == 1 and s.num_computed_tokens >= len(s.prompt_token_ids) for s, n in scheduled]
         order = sorted(range(len(scheduled)), key=lambda i: not is_decode[i])
         scheduled, num_decodes = [scheduled[i] for i in order], sum(is_decode)

@@ -13,7 +13,8 @@ with structured outputs (`apply_grammar_bitmask`, below; chapter 18):
 
 A stage no row of the batch uses costs nothing, so an unconstrained greedy batch is one
 argmax. Stages 2-3 only ever change a row from that row's own settings and tokens, so a
-request's tokens never depend on what else shares the batch (field case C41).
+request's tokens never depend on what else shares the batch (tests/worker/
+test_sampler.py::test_c41_penalised_tokens_do_not_depend_on_batch_mates).
 
 The draw is the inverse CDF over each row's candidates (the tokens that survive min_p /
 top-k, most likely first): one uniform number u per row, and the token where the
@@ -22,8 +23,8 @@ torch.Generator and gets the same tokens whatever else is in the batch; requests
 a seed share the engine's generator (seeded by `LLM(seed=...)`), so a whole run is
 reproducible too. vLLM on a GPU uses the "exponential race" instead (argmax(p / E),
 E ~ Exp(1) per token: no cumulative sum, but one random number per vocabulary entry).
-We measured the race at 190 ms a step for 64 rows on a 2-core AVX2 CPU (49152 draws a
-row at ~60 ns each, one thread per generator); the inverse CDF costs one cumsum.
+On a CPU those draws cost more than the rest of sampling (chapter 06); the inverse CDF
+costs one draw and one cumsum.
 
 The Sampler holds no per-sequence state: everything it reads arrives in the step's
 SamplingMetadata (sampling_metadata.py), the penalty rows' token counts and the seeded
@@ -251,7 +252,7 @@ class Sampler:
         # The candidates, most likely first. Dividing by the temperature keeps the order,
         # so they are picked before it, on the raw logits. After min_p (or top-k) most
         # rows keep a few tokens, and a top-k of that many is far cheaper than sorting
-        # the whole vocabulary (both measured in chapter 06).
+        # the whole vocabulary.
         vocab, floor = logits.shape[-1], None
         num_candidates = vocab
         if meta.min_p is not None:

@@ -1,5 +1,5 @@
 """bench.py's compute roofline (benchmarks/quant.py, `workload_flops`): the FLOPs a
-workload needs at the least, which README and chapter 21 divide by this machine's sgemm
+workload needs at the least, which RESULTS.md and chapter 21 divide by this machine's sgemm
 rate to bound the throughput any float32-exact engine could reach."""
 from types import SimpleNamespace
 
@@ -31,7 +31,7 @@ def test_a_token_costs_two_flops_per_projection_weight_plus_head_and_attention(t
 
 def test_the_docs_throughput_workload_is_1_74_tflop():
     """The 32-request workload of bench.py (4,681 prompt and 2,582 output tokens) on
-    SmolLM2's shape: the 1.74 TFLOP README and chapter 21 quote."""
+    SmolLM2's shape: the 1.74 TFLOP benchmarks/RESULTS.md and chapter 21 quote."""
     prompts, out_lens = workload(32, 49152)
     assert (sum(map(len, prompts)), sum(out_lens)) == (4681, 2582)
     assert round(workload_flops(SMOLLM2, prompts, out_lens) / 1e12, 2) == 1.74

@@ -1,7 +1,8 @@
 """Every instruction-set body of the CPU kernel against the portable one, in one process.
 
-kernels/paged_attention_cpu.cpp is one source with a body per instruction set, picked when
-it is compiled (namespace mm): AVX512 (16 lanes; with AVX512-BF16's vdpbf16ps for bf16
+The CPU kernels (kernels/cpu/, and the quantized matmuls' extension, kernels/cpu/quant/)
+are one source with a body per instruction set, picked when it is compiled (vec.h's
+namespace mm): AVX512 (16 lanes; with AVX512-BF16's vdpbf16ps for bf16
 `linear` and AMX tiles for `linear_amx` where the CPU has them), AVX2 (8 lanes), and the
 portable one (one lane, no vector extension). This run's own build (load_kernels) and, on
 an AVX512 CPU, the AVX2 build too, are each compared with the portable build
@@ -29,6 +30,7 @@ from test_kernels import mixed_batch
 
 from nanopaged.layers import build
 from nanopaged.quantization.gguf_a8 import quantize_activations
+from nanopaged.quantization.kernels import load_quant_kernels
 
 T = gguf.GGMLQuantizationType
 GGUF_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -50,6 +52,18 @@ def body(request):
         pytest.skip(f"torch runs this CPU at capability {OWN}: its build is the portable body itself")
     own = OWN.startswith(request.param)
     return request.param, build.load_kernels("cpu") if own else build.load_cpu_build(request.param)
+
+
+@pytest.fixture(scope="module")
+def quant_portable():
+    return load_quant_kernels("DEFAULT")
+
+
+@pytest.fixture(scope="module")
+def quant_body(body):
+    """(name, module): the quantization extension built as `body` is."""
+    name, _ = body
+    return name, load_quant_kernels(None if OWN.startswith(name) else name)
 
 
 def test_each_build_compiled_the_body_it_is_named_for(body, portable):
@@ -83,12 +97,12 @@ def test_cache_ops_are_the_same_copies(body, portable):
         assert torch.equal(copies[0], copies[1]) and torch.equal(pool[0], pool[1])
 
 
-def test_int8_rounding_of_activations_is_the_same(body, portable):
-    _, ops = body
+def test_int8_rounding_of_activations_is_the_same(quant_body, quant_portable):
+    _, ops = quant_body
     x = torch.randn(7, 320, generator=torch.Generator().manual_seed(1)) * 3
     x[0, :32] = 0
     x[2, :32] = torch.arange(32) * 0.5 - 8                          # ties
-    for a, b in zip(ops.quantize_activations_a8(x), portable.quantize_activations_a8(x)):
+    for a, b in zip(ops.quantize_activations_a8(x), quant_portable.quantize_activations_a8(x)):
         assert torch.equal(a, b)
 
 
@@ -188,21 +202,21 @@ def test_amx_tiles_agree_with_the_portable_matmul(portable):
 
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
-def test_gguf_matmuls_agree_within_fp32_summation(body, portable, qtype):
+def test_gguf_matmuls_agree_within_fp32_summation(quant_body, quant_portable, qtype):
     """gguf_linear: each body widens the blocks to the dequantized weights exactly and runs
     its fp32 matmul on them (tests/quantization/test_gguf_linear.py), so k + 1 roundings a side;
     gguf_linear_a8: integer block products (exact), then kernel_roundings(k) a side."""
-    _, ops = body
+    _, ops = quant_body
     k = 512 if qtype in K_QUANTS else 160
     qw, w = random_quantized(37, k, qtype)
     for m in (1, 3, 20):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         got, want = torch.empty(m, 37), torch.empty(m, 37)
         ops.gguf_linear(got, x, qw, int(qtype))
-        portable.gguf_linear(want, x, qw, int(qtype))
+        quant_portable.gguf_linear(want, x, qw, int(qtype))
         assert_both_near_the_product(got, want, x, w)
         ops.gguf_linear_a8(got, x, qw, int(qtype))
-        portable.gguf_linear_a8(want, x, qw, int(qtype))
+        quant_portable.gguf_linear_a8(want, x, qw, int(qtype))
         qx, dx, _ = quantize_activations(x)
         x_hat = (qx.double().view(m, -1, 32) * dx.double()[..., None]).view(m, k)
         exact = x_hat @ w.double().T
@@ -210,10 +224,10 @@ def test_gguf_matmuls_agree_within_fp32_summation(body, portable, qtype):
         assert_within(want, exact, matmul_bound(x_hat, w, kernel_roundings(k)))
 
 
-def test_int8_weights_agree_within_fp32_summation(body, portable):
+def test_int8_weights_agree_within_fp32_summation(quant_body, quant_portable):
     """int8_linear: each row widened to q * scale (one rounding, the same in every body)
     and summed as `linear` sums it: k + 1 roundings a side."""
-    _, ops = body
+    _, ops = quant_body
     g = torch.Generator().manual_seed(5)
     qw = torch.randint(-127, 128, (37, 576), generator=g, dtype=torch.int8)
     scale = torch.rand(37, generator=g) * 0.02
@@ -222,7 +236,7 @@ def test_int8_weights_agree_within_fp32_summation(body, portable):
         x = torch.randn(m, 576, generator=g)
         got, want = torch.empty(m, 37), torch.empty(m, 37)
         ops.int8_linear(got, x, qw, scale)
-        portable.int8_linear(want, x, qw, scale)
+        quant_portable.int8_linear(want, x, qw, scale)
         assert_both_near_the_product(got, want, x, w)
 
 

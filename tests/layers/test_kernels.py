@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/paged_attention_cpu.cpp) against the PyTorch reference,
+"""The C++ CPU kernels (kernels/cpu/) against the PyTorch reference,
 and how the engine picks an attention backend.
 
 Kernel against reference is a "close" claim: both compute in fp32 from the same inputs,
@@ -293,9 +293,10 @@ def test_a_broken_cached_library_is_not_loaded(tmp_path):
 
 
 def test_checkouts_with_the_same_kernel_source_share_one_build(tmp_path, monkeypatch):
-    """The build folder is named by the source's contents and flags, not its path: a
-    second clone, or the test suite's scratch wheel install, loads the build the first
-    one made (and does not push it out of the cache); an edited source gets its own."""
+    """The build folder is named by the sources' (and their headers') contents and flags,
+    not their path: a second clone, or the test suite's scratch wheel install, loads the
+    build the first one made (and does not push it out of the cache); an edited header
+    gets its own."""
     monkeypatch.setenv("NANOPAGED_CACHE", str(tmp_path / "cache"))
     asked = []
 
@@ -304,14 +305,15 @@ def test_checkouts_with_the_same_kernel_source_share_one_build(tmp_path, monkeyp
         asked.append(library)
         return object()
     monkeypatch.setattr(build, "_load_cached_build", cached)
-    source = build.KERNELS_DIR / build.KERNEL_SOURCES["cpu"]
-    copy = tmp_path / "another-clone" / source.name
-    copy.parent.mkdir()
-    copy.write_bytes(source.read_bytes())
-    build.build_extension("nanopaged_cpu", source, "cpu")
-    build.build_extension("nanopaged_cpu", copy, "cpu")
-    copy.write_bytes(source.read_bytes() + b"\n// edited\n")
-    build.build_extension("nanopaged_cpu", copy, "cpu")
+    clone = tmp_path / "another-clone"
+    shutil.copytree(build.KERNELS_DIR / "cpu", clone / "cpu")
+    sources = [build.KERNELS_DIR / s for s in build.KERNEL_SOURCES["cpu"]]
+    copies = [clone / s for s in build.KERNEL_SOURCES["cpu"]]
+    build.build_extension("nanopaged_cpu", sources, "cpu")
+    build.build_extension("nanopaged_cpu", copies, "cpu")
+    header = clone / "cpu" / "vec.h"
+    header.write_bytes(header.read_bytes() + b"\n// edited\n")
+    build.build_extension("nanopaged_cpu", copies, "cpu")
     assert asked[0] == asked[1] != asked[2]
 
 

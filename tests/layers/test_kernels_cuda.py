@@ -1,4 +1,4 @@
-"""The CUDA kernels (kernels/paged_attention.cu) agree with the PyTorch reference.
+"""The CUDA kernels (kernels/cuda/attention.cu) agree with the PyTorch reference.
 
 Three layers, so that the kernels are checked on every machine, GPU or not:
 
@@ -38,10 +38,10 @@ from nanopaged.model.model_loader import cache_dir
 from nanopaged.layers.attention import _decode, write_kv
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL = ROOT / "kernels" / "paged_attention.cu"
+KERNEL = ROOT / "kernels" / "cuda" / "attention.cu"
 DEV = ROOT / "kernels" / "dev" / "paged_attention_dev.cu"
 SIMT = ROOT / "tests" / "layers" / "simt"
-EXTENSION_FLAGS = ["-O3"]          # what kernels/paged_attention.cu needs from the loader
+EXTENSION_FLAGS = ["-O3"]          # what kernels/cuda/attention.cu needs from the loader
 FP32_U = 2.0 ** -24
 # a rounding to nearest moves a value by at most u of it: p significant bits, u = 2^-p
 OUTPUT_U = {torch.float32: 0.0, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
@@ -150,7 +150,7 @@ def test_extension_compiles_with_nvcc(tmp_path):
              "-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE",
              *COMMON_NVCC_FLAGS, "--compiler-options", "-fPIC", *EXTENSION_FLAGS,
              *(arg for p in includes for arg in ("-isystem", p))]
-    nvcc_compile(KERNEL, tmp_path / "paged_attention.o", flags)
+    nvcc_compile(KERNEL, tmp_path / "attention.o", flags)
 
 
 @needs_nvcc
@@ -234,7 +234,7 @@ def simt_ops(tmp_path_factory):
     # The one rewrite: dynamic shared memory becomes the emulator's per-block buffer.
     source, n = re.subn(r"extern __shared__ (\w+) (\w+)\[\];",
                         r"\1* \2 = reinterpret_cast<\1*>(::simt::dynamic_smem.data());", KERNEL.read_text())
-    assert n == 1, "expected one `extern __shared__` declaration in paged_attention.cu"
+    assert n == 1, "expected one `extern __shared__` declaration in cuda/attention.cu"
     (folder / "kernel.inc").write_text(source)
     lib = folder / "libsimt.so"
     cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", f"-I{include}", f"-I{SIMT}",

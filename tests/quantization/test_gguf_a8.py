@@ -18,6 +18,7 @@ from gguf_blocks import assert_both_near_the_exact_product, kernel_roundings, ra
 
 from nanopaged.layers.backends import TorchOps, get_ops
 from nanopaged.quantization.gguf_a8 import A8_TYPES, gguf_linear_a8, quantize_activations
+from nanopaged.quantization.kernels import join_quant_kernels
 
 T = gguf.GGMLQuantizationType
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -27,6 +28,7 @@ K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)                             # rows of whole 
 @pytest.fixture(scope="module")
 def ops():
     ops = get_ops("cpu", "cpu")
+    join_quant_kernels(ops)                    # as a layer's first quantized matmul does
     assert hasattr(ops.ops, "gguf_linear_a8"), "the CPU kernel has no gguf_linear_a8"
     return ops
 

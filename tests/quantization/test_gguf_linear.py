@@ -1,6 +1,6 @@
 """GGUF's block formats (Q8_0, Q4_0/1, Q5_0/1 and the K-quants Q4_K, Q5_K, Q6_K) in the
 layers: the PyTorch dequantizer and the CPU kernel `gguf_linear`
-(kernels/paged_attention_cpu.cpp) against the `gguf` package's reference,
+(kernels/cpu/quant/gguf.cpp) against the `gguf` package's reference,
 `gguf.quants.dequantize`. gguf has no quantizer for the K-quants: tests/gguf_blocks.py
 writes their blocks in llama.cpp's layout (its round trip is checked here).
 
@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
 from gguf_blocks import quantize
 
+from nanopaged.layers import build
 from nanopaged.layers.backends import TorchOps, get_ops
 from nanopaged.quantization.gguf import BLOCK_FORMATS, GGUFLinearMethod, dequantize, gguf_linear
+from nanopaged.quantization.kernels import join_quant_kernels, load_quant_kernels, quant_kernel
 
 T = gguf.GGMLQuantizationType
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -41,6 +43,7 @@ def qk(qtype) -> int:
 @pytest.fixture(scope="module")
 def ops():
     ops = get_ops("cpu", "cpu")
+    join_quant_kernels(ops)                    # as a layer's first quantized matmul does
     assert hasattr(ops.ops, "gguf_linear"), "the CPU kernel has no gguf_linear"
     return ops
 
@@ -202,3 +205,14 @@ def test_kernel_refuses_packed_rows_of_the_wrong_width(ops):
         gguf_linear(ops, torch.empty(1, 4), torch.randn(1, 96), torch.zeros(4, 54, dtype=torch.uint8), int(T.Q4_K))
     with pytest.raises(RuntimeError, match="GGML type 10 is not supported"):
         gguf_linear(ops, torch.empty(1, 4), torch.randn(1, 256), torch.zeros(4, 84, dtype=torch.uint8), int(T.Q2_K))
+
+
+def test_the_kernels_are_an_extension_of_their_own_joined_to_the_cpu_backend():
+    """The base CPU extension has no quantized matmul. A layer's first one joins the
+    quantization extension to its backend, so its calls go through the backend's `ops` as
+    the base's do (what a CPU graph records); the reference backend has none."""
+    ops = get_ops("cpu", "cpu")
+    assert ops.kernel("gguf_linear") is None and not hasattr(build.load_kernels("cpu"), "int8_linear")
+    assert quant_kernel(ops, "gguf_linear") is ops.ops.gguf_linear is load_quant_kernels().gguf_linear
+    assert ops.ops.paged_attention is build.load_kernels("cpu").paged_attention
+    assert quant_kernel(TorchOps(), "gguf_linear") is None

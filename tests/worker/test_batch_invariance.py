@@ -12,7 +12,7 @@ floats, not close. Why a row could differ at all: MKL and oneDNN choose their bl
 and so the order of a dot product's additions, by the number of rows in the call
 (measured on an AMX Xeon: oneDNN's bf16 matmul gives a row other bits at 33 rows than at
 32; MKL's fp32 at 2 rows than at 1). The kernels' matmul adds in one order for every row
-(kernels/paged_attention_cpu.cpp, `linear` and `linear_amx`), and the attention kernel
+(kernels/cpu/gemm.cpp and gemm_amx.cpp, `linear` and `linear_amx`), and the attention kernel
 computes each query row alone.
 
 bfloat16 runs on every CPU: where the CPU has no bf16 units the kernels widen bf16 to

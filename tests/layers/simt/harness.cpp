@@ -1,10 +1,10 @@
-// C entry points that run kernels/paged_attention.cu's kernels under the SIMT emulator,
+// C entry points that run kernels/cuda/attention.cu's kernels under the SIMT emulator,
 // for tests/layers/test_kernels_cuda.py (ctypes). Pointers are CPU tensors' data; shapes and
 // strides as in the torch bindings. Each returns 0, or -1 on a deadlock.
 #include "simt.h"
 
 #define NANOPAGED_NO_TORCH
-#include KERNEL_SOURCE   // kernels/paged_attention.cu, its `extern __shared__` line rewritten
+#include KERNEL_SOURCE   // kernels/cuda/attention.cu, its `extern __shared__` line rewritten
 
 #include <cstdint>
 #include <cstdio>

@@ -7,7 +7,7 @@
 // by the threads of the one running block. Single core and slow: small problems only.
 // Not a CUDA implementation: no memory model, no race detection; 1-d thread blocks and
 // float shuffles are all our kernels use. tests/layers/test_kernels_cuda.py compiles
-// kernels/paged_attention.cu against it (rewriting only the `extern __shared__` line).
+// kernels/cuda/attention.cu against it (rewriting only the `extern __shared__` line).
 #pragma once
 #include <cuda_bf16.h>   // host-side __half / __nv_bfloat16 and their conversions
 #include <cuda_fp16.h>
