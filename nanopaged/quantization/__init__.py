@@ -7,6 +7,6 @@ kernels.py (their compiled matmuls: kernels/cpu/quant/, an extension of their ow
 How it joins the base (features.py): each row puts a mixin in front of the model's family
 class ("int8 activations": Int8ActivationsModel, "GGUF weights": GGUFQuantizedModel, "int8
 weights": Int8QuantizedModel) that gives its layers their `quant_method`; "GGUF weights"
-also finds the model's folder (gguf_loader.resolve_gguf_model). On the CPU kernels, a
-layer's first quantized matmul joins kernels.py's extension to the backend
-(kernels.quant_kernel). Chapter 21."""
+also finds the model's folder (gguf_loader.resolve_gguf_model). The GGUF and int8
+weights' models override `set_ops` too: given the CPU kernels, they join kernels.py's
+extension to them at load (kernels.join_quant_kernels). Chapter 21."""
