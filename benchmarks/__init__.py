@@ -17,6 +17,8 @@
     kernels.py      the compiled paged-attention kernel vs the PyTorch reference
     serve.py        the OpenAI server vs `transformers serve`, Poisson arrivals (not default)
     tp.py           tensor parallelism vs one rank (not default)
+    lora.py         many LoRA adapters in one batch vs the base alone vs transformers + peft
+                    one adapter at a time (not default)
     vllm.py         vLLM's CPU backend, in a child process of its own venv (not default)
     quant.py, quant_accuracy.py, llama_server.py
                     GGUF weights as shipped vs the fp32 folder vs llama.cpp (its Python API

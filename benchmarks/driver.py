@@ -9,6 +9,7 @@
                     [--sections tp] [--sections vllm --vllm-python PATH] [--max-output 128]
                     [--sections soak --soak-rounds 8]
                     [--sections quant --llamacpp-python PATH --llama-server PATH]
+                    [--sections lora]
                     [--sections spec --spec-requests 8 --spec-max-tokens 48 --spec-batches 1,8
                                      --spec-k 2,4 --spec-draft-layers 10 --spec-draft-k 4 --spec-rounds 2]
                     [--results-entry [TITLE]]
@@ -81,6 +82,11 @@ quant:      (not in the default list: a few minutes, llama.cpp's venv for its ro
             benchmarks/llama_server.py), resident weight bytes vs the file, bytes read per
             decoded token vs the DRAM roofline (targets: batch 1 >= llama.cpp's speed,
             throughput >= 5x the serial rate, resident <= 1.25x the file; benchmarks/quant.py).
+lora:       (not in the default list: a few minutes, needs peft) multi-LoRA serving
+            (chapters/22-lora.md): 32 requests of the throughput workload spread over 1, 4
+            and 16 adapters of rank 8 and 64 (made by peft, random A and B, all seven
+            projections), every adapter in a slot, vs the base model alone, and vs
+            transformers + peft serving one adapter at a time (benchmarks/lora.py).
 vllm:       (not in the default list: needs vLLM's own venv) nanopaged vs vLLM's CPU
             backend on the throughput workload and batch-1 decode, vLLM in a child
             process of its own interpreter (benchmarks/vllm.py says how to make its venv).
@@ -100,6 +106,7 @@ import torch
 from .chat import bench_chat_latency
 from .common import cpu_flags
 from .kernels import bench_kernels
+from .lora import bench_lora
 from .memory import bench_memory_utilization
 from .overlap import bench_overlap
 from .pp import bench_pp
@@ -143,7 +150,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "cuda"])
     ap.add_argument("--sections",
                     default="throughput,chat,sampling,structured,overlap,prefix,sharing,pressure,memory,kernels",
-                    help="comma-separated, from the list above; serve, soak, spec, tp, pp, quant and vllm are not in "
+                    help="comma-separated, from the list above; serve, soak, spec, tp, pp, quant, lora and vllm are not in "
                          "the default")
     ap.add_argument("--kernels", action="store_true", help="only the kernels section")
     ap.add_argument("--request-rates", default="0.5,2,inf", help="serve: requests per second")
@@ -201,6 +208,8 @@ def run_sections(sections: list[str], args, quant_model: str | None) -> None:
         bench_pp()
     if "quant" in sections:
         bench_quant(quant_model, args)
+    if "lora" in sections:
+        bench_lora(args.model, args)
     if "sampling" in sections:
         bench_sampling(args.model, args)
     if "overlap" in sections:

@@ -12,7 +12,9 @@ run from the repository root, with a CUDA build of torch, nvcc, ninja and pytest
    "measured vN:" lines of its header comment (in place, and a copy in DIR);
 4. time the extension at 256 sequences x 2048 tokens, bf16, block_size 16: KV bytes read
    per second against the H200's 4.8 TB/s (target >= 60%), and against torch's
-   scaled_dot_product_attention on the same K/V laid out contiguously (target <= 1.5x).
+   scaled_dot_product_attention on the same K/V laid out contiguously (target <= 1.5x);
+5. pytest tests/lora/test_lora_kernels.py's GPU cases: the batched LoRA kernels
+   (kernels/cuda/lora.cu, built as the tests build it) against the PyTorch reference.
 
 Every check prints a PASS or FAIL line; the exit status is 1 if any failed. With --out,
 the whole output is also written to DIR/gpu_check.log.
@@ -215,6 +217,11 @@ def checks(out_dir: Path | None) -> int:
     for label, num_heads, num_kv_heads, head_size in PERF_PROBLEMS:
         perf(ext, label, num_heads, num_kv_heads, head_size)
         torch.cuda.empty_cache()
+
+    # 5. the LoRA kernels
+    proc = run([sys.executable, "-m", "pytest", "tests/lora/test_lora_kernels.py", "-q", "-n", "0", "-k", "cuda",
+                "-m", "not slow"], timeout=600)
+    check("pytest tests/lora/test_lora_kernels.py (GPU cases)", proc.returncode == 0)
     return 0 if all(ok for _, ok in results) else 1
 
 

@@ -12,8 +12,9 @@ from .config import EngineConfig
 from .engine.llm_engine import LLMEngine
 from .outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
 from .sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from .lora_request import LoRARequest
 from .entrypoints.llm import LLM
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LoRARequest"]
 __version__ = "0.1.0"

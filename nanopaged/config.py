@@ -1,6 +1,6 @@
 """EngineConfig: every knob of the engine, validated and frozen, composed of one part
 per subsystem as vLLM's VllmConfig is (CacheConfig, SchedulerConfig, ParallelConfig,
-SpeculativeConfig, QuantizationConfig).
+SpeculativeConfig, QuantizationConfig, LoRAConfig).
 
 `LLM(**kwargs)` and `LLMEngine(config)` take vLLM's flat names (`vllm/engine/arg_utils.py`'s
 EngineArgs); each goes to its part. An unknown keyword is a
@@ -134,6 +134,62 @@ class SpeculativeConfig:
         """Slots past a step's own tokens that the proposer writes (the draft model's K/V
         of its k proposals, vLLM's num_lookahead_tokens); n-gram proposing writes none."""
         return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (nanopaged/lora/): requests name a PEFT adapter
+    (LoRARequest) and rows of one batch run different adapters. vLLM's LoRAConfig names
+    (`vllm/config/lora.py`); LLM(...) takes them flat: `LLM(enable_lora=True, max_loras=2)`.
+
+    Args:
+        max_lora_rank: the largest adapter rank served (an adapter's r; smaller ranks are
+            padded with zeros in the slots).
+        max_loras: adapters resident in the model at once (its slots): at most this many
+            distinct adapters run in one step.
+        max_cpu_loras: adapters kept in host memory on the worker, so that reloading a
+            slot does not read the disk; None = max_loras. At least max_loras.
+
+    Raises:
+        ValueError: naming the field, for any bad value.
+    """
+
+    max_lora_rank: int = 16
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_lora_rank", "max_loras"):
+            check_int(name, getattr(self, name), minimum=1, rule="a positive integer")
+        if self.max_cpu_loras is not None:
+            check_int("max_cpu_loras", self.max_cpu_loras, minimum=self.max_loras,
+                      rule=f"an integer >= max_loras={self.max_loras}")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters the worker keeps in host memory: max_cpu_loras, or max_loras when None."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+LORA_FLAT_NAMES = ("max_lora_rank", "max_loras", "max_cpu_loras")
+
+
+def _lora_config(kwargs: dict) -> LoRAConfig | None:
+    """EngineConfig's lora_config from its keywords: `lora_config` (a LoRAConfig or None),
+    `enable_lora` (default: whether lora_config is given) and LoRAConfig's flat names."""
+    part = kwargs.get("lora_config")
+    if part is not None and not isinstance(part, LoRAConfig):
+        raise invalid("lora_config", part, "None or a LoRAConfig")
+    enable = kwargs.get("enable_lora", part is not None)
+    if not isinstance(enable, bool):
+        raise invalid("enable_lora", enable, "a bool")
+    flat = {name: kwargs[name] for name in LORA_FLAT_NAMES if name in kwargs}
+    if not enable:
+        if flat:
+            raise ValueError(f"{next(iter(flat))}={next(iter(flat.values()))!r} is a LoRA setting: it needs "
+                             "enable_lora=True")
+        return None
+    return replace(part or LoRAConfig(), **flat)
 
 
 @dataclass(frozen=True)
@@ -344,7 +400,8 @@ FLAT_NAMES = ("model", "dtype", "device", "block_size", "num_gpu_blocks", "kv_ca
               "num_cpu_blocks", "swap_space", "preemption_mode", "attention_backend", "async_scheduling",
               "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend", "nnodes", "node_rank",
               "master_addr", "master_port", "node_ip", "cluster_secret_file", "speculative_config", "max_logprobs",
-              "max_logits_bytes", "quantization", "activation_quantization", "enforce_eager")
+              "max_logits_bytes", "quantization", "activation_quantization", "enforce_eager", "enable_lora",
+              *LORA_FLAT_NAMES)
 _PART_OF = {f.name: attr for attr, cls in PARTS.items() for f in fields(cls)}
 
 
@@ -353,8 +410,9 @@ class EngineConfig:
     """Configuration of one LLMEngine: the model's own settings, and one part per
     subsystem (vLLM's VllmConfig): `cache_config` (CacheConfig), `scheduler_config`
     (SchedulerConfig), `parallel_config` (ParallelConfig), `speculative_config`
-    (SpeculativeConfig or None) and `quant_config` (QuantizationConfig). Passed whole and
-    frozen; a part reads its own (`config.cache_config.block_size`).
+    (SpeculativeConfig or None), `quant_config` (QuantizationConfig) and `lora_config`
+    (LoRAConfig or None). Passed whole and frozen; a part reads its own
+    (`config.cache_config.block_size`).
 
     It is built from vLLM's flat keyword names, as `LLM(...)` and the command line take
     them: `EngineConfig(block_size=4, max_num_seqs=8)` (each name goes to its part; the
@@ -387,6 +445,10 @@ class EngineConfig:
             the command line ('{"method": "ngram", "num_speculative_tokens": 4,
             "prompt_lookup_min": 2, "prompt_lookup_max": 5}'). Speculative steps are synchronous:
             async_scheduling is then turned off, with a warning.
+        enable_lora: serve LoRA adapters (vLLM's flag; off by default); with it, LoRAConfig's
+            max_lora_rank, max_loras and max_cpu_loras (given without it: a ValueError). The
+            engine keeps them as `lora_config` (None when off). One rank of tensor
+            parallelism only, and not with speculative decoding.
     """
 
     model: str | os.PathLike | None
@@ -402,12 +464,14 @@ class EngineConfig:
     parallel_config: ParallelConfig
     speculative_config: SpeculativeConfig | None
     quant_config: QuantizationConfig
+    lora_config: LoRAConfig | None
 
     _MODEL_DEFAULTS = {"model": None, "dtype": "auto", "device": "auto", "seed": 0, "max_model_len": None,
                        "max_logprobs": 20, "attention_backend": "auto", "enforce_eager": False}
 
     def __init__(self, **kwargs) -> None:
-        unknown = sorted(set(kwargs) - set(self._MODEL_DEFAULTS) - set(_PART_OF) - set(PARTS) - {"speculative_config"})
+        unknown = sorted(set(kwargs) - set(self._MODEL_DEFAULTS) - set(_PART_OF) - set(PARTS) - set(LORA_FLAT_NAMES)
+                         - {"speculative_config", "lora_config", "enable_lora"})
         if unknown:
             raise TypeError(f"EngineConfig got an unexpected keyword argument {unknown[0]!r}")
         for name, default in self._MODEL_DEFAULTS.items():
@@ -421,6 +485,7 @@ class EngineConfig:
             flat = {name: kwargs[name] for name in kwargs if _PART_OF.get(name) == attr}
             object.__setattr__(self, attr, replace(part, **flat) if flat else part)
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(kwargs.get("speculative_config")))
+        object.__setattr__(self, "lora_config", _lora_config(kwargs))
         self.__post_init__()
 
     @classmethod
@@ -429,14 +494,15 @@ class EngineConfig:
         one command-line flag each (engine/arg_utils.add_cli_args)."""
         own = {"model": "str | os.PathLike | None", "dtype": "str | torch.dtype", "device": "str", "seed": "int",
                "max_model_len": "int | None", "max_logprobs": "int", "attention_backend": "str",
-               "enforce_eager": "bool", "speculative_config": "SpeculativeConfig | dict | None"}
-        parts = {f.name: f for part in PARTS.values() for f in fields(part)}
+               "enforce_eager": "bool", "speculative_config": "SpeculativeConfig | dict | None",
+               "enable_lora": "bool"}
+        parts = {f.name: f for part in (*PARTS.values(), LoRAConfig) for f in fields(part)}
         out = []
         for name in FLAT_NAMES:
             if name in parts:
                 out.append(parts[name])
             else:
-                f = field(default=cls._MODEL_DEFAULTS.get(name))
+                f = field(default=cls._MODEL_DEFAULTS.get(name, False if name == "enable_lora" else None))
                 f.name, f.type = name, own[name]
                 out.append(f)
         return out
@@ -460,6 +526,15 @@ class EngineConfig:
             raise ValueError(f"speculative_config={self.speculative_config.method!r} is not supported with "
                              f"pipeline_parallel_size={pp}: the proposer needs every step's sampled token on "
                              "the first stage before the next step (vLLM v1 also started without it)")
+        tp = self.parallel_config.tensor_parallel_size
+        if self.lora_config is not None and tp > 1:
+            # a rank would hold a slice of each adapter's B (or A) and add partial deltas
+            raise ValueError(f"enable_lora is not supported with tensor_parallel_size={tp}: the adapters' "
+                             "matrices are not split over ranks (serve them with tensor_parallel_size=1)")
+        if self.lora_config is not None and self.speculative_config is not None:
+            # both add fields to the step's message by subclassing it: one class per message
+            raise ValueError(f"enable_lora is not supported with speculative_config="
+                             f"{self.speculative_config.method!r}: their step messages do not combine yet")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but torch sees no CUDA device")
 

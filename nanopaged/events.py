@@ -158,6 +158,24 @@ class Preempted:
         return f"request {self.request_id} preempted by {self.mode}"
 
 
+@dataclass(frozen=True)
+class WaitingForLoRASlot:
+    """A waiting request was passed over: its LoRA adapter is in none of the model's
+    slots and every slot holds an adapter that a running or swapped request uses
+    (lora/scheduler.py). Published once per wait, when it starts.
+
+    lora_int_id: its adapter. slots: the adapter id in each slot, all in use.
+    """
+
+    request_id: str
+    lora_int_id: int
+    slots: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return (f"request {self.request_id} waits for a LoRA slot: adapter {self.lora_int_id} is not loaded, "
+                f"and the slots hold adapters {list(self.slots)}, all in use")
+
+
 # -- the device pool (published by the block manager; BlockEvicted by block_pool.py) --------
 
 @dataclass(frozen=True)
@@ -293,7 +311,7 @@ class SwapIn:
         return f"swap in {self.request_id}: {pairs}"
 
 
-Event = Union[RequestAdded, RequestFinished, SequenceScheduled, DraftsVerified, Preempted, BlockAllocated,
-              BlockFreed, BlocksShared, PrefixCacheHit, CopyOnWrite, BlockCached, BlockEvicted,
+Event = Union[RequestAdded, RequestFinished, SequenceScheduled, DraftsVerified, Preempted, WaitingForLoRASlot,
+              BlockAllocated, BlockFreed, BlocksShared, PrefixCacheHit, CopyOnWrite, BlockCached, BlockEvicted,
               SwapOut, SwapIn]
 Observer = Callable[[Event], None]

@@ -93,6 +93,11 @@ FEATURES: list[Feature] = [
             {"model": "gguf_loader:GGUFQuantizedModel"}, model_folder="gguf_loader:resolve_gguf_model"),
     Feature("int8 weights", "quantization", lambda c: c.quant_config.quantization == "int8",
             {"model": "int8:Int8QuantizedModel"}),
+    # adapters add to whatever the base projections are (float, GGUF or int8 weights)
+    Feature("LoRA adapters", "lora", lambda c: c.lora_config is not None,
+            {"processor": "processor:LoRAProcessor", "scheduler": "scheduler:LoRAScheduler",
+             "worker": "worker:LoRAWorker", "model_runner": "model_runner:LoRAModelRunner",
+             "model": "model:LoRAModel"}),
     # decode steps replayed without the Python: last, nearest the base's forward
     Feature("CPU graphs", "cpu_graph",
             lambda c: not c.enforce_eager and c.parallel_config.world_size == 1 and c.attention_backend != "torch",

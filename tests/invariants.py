@@ -43,7 +43,7 @@ def check_block_invariants(engine) -> None:
         assert bm.block_hash[block_id] == h and bm.block_token_ids[block_id] is not None, block_id
     for group in sched.running:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
-            parent = None
+            parent = seq.cache_salt                                    # None: the plain hashes
             known = min(seq.num_computed_tokens, seq.num_tokens)      # async: placeholders
             for i, block_id in enumerate(seq.block_table.block_ids):
                 if (i + 1) * bm.block_size > known:

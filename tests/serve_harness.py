@@ -4,6 +4,7 @@ stand-in for the AsyncLLM that the dashboard's hub uses."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -93,6 +94,18 @@ class Server:
         self.left_in_tmp = sorted(os.listdir(self.tmpdir))
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         return alive
+
+
+@contextlib.contextmanager
+def running_server(model, *args: str, **kwargs):
+    """A Server for the length of a `with` block (a module fixture's body), stopped after
+    it and checked to have exited 0 with no child left behind."""
+    server = Server(model, *args, **kwargs)
+    try:
+        yield server
+    finally:
+        alive = server.stop()
+    assert server.proc.returncode == 0 and not alive, f"exit status {server.proc.returncode}, left behind: {alive}"
 
 
 

@@ -3,8 +3,8 @@
 Imports run downward only:
 
     entrypoints / trace / exercises  ->  every later feature  ->  engine  ->  core, worker
-        ->  model  ->  layers  ->  the vocabulary (config, sampling_params, outputs,
-        messages, events, features) and utils
+        ->  model  ->  layers  ->  the vocabulary (config, sampling_params, lora_request,
+        outputs, messages, events, features) and utils
 
 The base is layers, model, core, worker and engine, with the vocabulary and utils under
 them. Every later feature (async scheduling, speculative decoding, beam search,
@@ -28,7 +28,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nanopaged"
 
-VOCABULARY = {"config", "sampling_params", "outputs", "messages", "events"}
+VOCABULARY = {"config", "sampling_params", "outputs", "messages", "events", "lora_request"}
 # features: the composition table, which names each feature's classes by strings (it
 # imports them by computed name only, never by a literal)
 BASE = {"layers": 1, "model": 2, "core": 3, "worker": 3, "engine": 4}
@@ -268,7 +268,7 @@ def test_tests_mirror_the_package():
 BASE_PARTS = ["core/scheduler.py", "worker/model_runner.py"]
 BASE_RECORDS = ["core/sequence.py", "core/scheduler_output.py", "messages.py", "worker/model_input.py"]
 FEATURE_WORDS = ["draft", "spec_", "speculative", "placeholder", "grammar", "structured_output", "beam",
-                 "async_scheduling", "proposer"]
+                 "async_scheduling", "proposer", "lora", "adapter"]
 
 
 def feature_words(path: str) -> list[str]:

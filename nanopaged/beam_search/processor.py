@@ -13,9 +13,9 @@ from .scheduler import num_candidates
 
 
 class BeamSearchProcessor(Processor):
-    def process_inputs(self, request_id: str, prompt, params) -> tuple[EngineCoreRequest, str | None]:
+    def process_inputs(self, request_id: str, prompt, params, **kwargs) -> tuple[EngineCoreRequest, str | None]:
         """Processor.process_inputs; a BeamSearchParams' request is a BeamSearchRequest."""
-        request, text = super().process_inputs(request_id, prompt, params)
+        request, text = super().process_inputs(request_id, prompt, params, **kwargs)
         if isinstance(params, BeamSearchParams):
             fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
             request = BeamSearchRequest(**fields, beam_search=params)

@@ -85,11 +85,12 @@ class BlockManager:
     def _full_block_hashes(self, seq: Sequence) -> list[bytes]:
         """seq.block_hashes (kept across preemption), extended with the names of its full
         blocks: block i, positions [i * block_size, (i + 1) * block_size), is named
-        hash_block_tokens(name of block i - 1 or None, its tokens); a partial block has none."""
+        hash_block_tokens(name of block i - 1, its tokens), block 0's parent being
+        seq.cache_salt (None by default); a partial block has none."""
         bs, hashes = self.block_size, seq.block_hashes
         while len(hashes) < seq.num_tokens // bs:
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None,
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else seq.cache_salt,
                                             seq.token_ids_slice(i * bs, (i + 1) * bs)))
         return hashes
 

@@ -162,13 +162,18 @@ class Scheduler:
             self.queues.add_running(group)
 
     def _schedule_waiting(self, step: ScheduledStep) -> None:
-        """Waiting requests join in order (FCFS) while there is room; none when memory is tight."""
-        while (self.waiting and not step.preempted and not self.swapped
+        """Waiting requests join in order (FCFS) while there is room; none when memory is
+        tight. One that may not join this step (`_can_join`) is passed over, in place."""
+        i = 0                                     # the first waiting request not passed over
+        while (i < len(self.waiting) and not step.preempted and not self.swapped
                and len(self.running) < self.config.scheduler_config.max_num_seqs):
-            group = self.waiting[0]
+            group = self.waiting[i]
+            if not self._can_join(group, step):
+                i += 1
+                continue
             computed = self.block_manager.get_computed_blocks(group)   # cache hits: not computed
             if computed.never_fits:
-                self.waiting.popleft()
+                del self.waiting[i]
                 self.queues.finish_too_long(group)
                 continue
             first, *rest = group.seqs_to_compute()
@@ -182,8 +187,13 @@ class Scheduler:
             starts = self._allocate(group, computed, first_end)
             if starts is None:                    # not enough free blocks: wait
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self._admit(step, group, first_end, starts)
+
+    def _can_join(self, group: SequenceGroup, step: ScheduledStep) -> bool:
+        """Hook: may waiting `group` join this step? False passes it over (it keeps its
+        place) and the next waiting request is asked. Always True here: plain FCFS."""
+        return True
 
     def _allocate(self, group: SequenceGroup, computed: ComputedBlocks, first_end: int) -> list[int] | None:
         """Hook: blocks for a joining request (BlockManager.allocate: each sequence's start, or None)."""

@@ -67,6 +67,9 @@ class Sequence:
         block_table: where those K/V live (see block_table.py): ceil(num_computed_tokens
             / block_size) blocks, in the CPU swap pool while it is_swapped.
         block_hashes: prefix-cache hashes of its full blocks (kept across preemption).
+        cache_salt: bytes its first block's hash starts from (vLLM's cache_salt), so
+            that the same tokens computed under different weights or settings share no
+            block; None (the default): the plain hashes.
         status: a SequenceStatus.
         stop_reason: the stop_token_ids id that finished it, if one did (None for an eos).
         num_prompt_logprobs: prompt positions whose logprobs were reported.
@@ -82,6 +85,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = BlockTable(block_size)
         self.block_hashes: list[bytes] = []
+        self.cache_salt: bytes | None = None
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | None = None
         self.num_prompt_logprobs = 0

@@ -38,6 +38,8 @@ class DashboardRequest:
         num_output_tokens: the tokens all its sequences have generated.
         prompt, output: text (output: its first sequence's), None unless the front end
             fills them (--dashboard-show-text): the core has no text.
+        lora_name: the name of the LoRA adapter it runs with (LoRARequest.lora_name), or
+            None for the base model.
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class DashboardRequest:
     seqs: list[DashboardSequence]
     prompt: str | None = None
     output: str | None = None
+    lora_name: str | None = None
 
 
 @dataclass

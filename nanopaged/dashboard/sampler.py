@@ -14,6 +14,7 @@ snapshots ride in the next one (the last MAX_STEPS of them). In a server the sam
 is a watcher of the core process (engine_core_client.CoreWatcher); the tracer's replay
 page (dashboard/replay.py) polls it after every step. The pictures are trace/view.py's.
 
+With multi-LoRA each request names its adapter (lora_names: the scheduler's table).
 With pipeline parallelism (chapter 20) the scheduler has batches in flight
 (PipelineScheduler.in_flight_batches, seq ids); a snapshot names their requests, and
 each DashboardStep the batches that were in flight during it (batches_during_step).
@@ -43,6 +44,14 @@ def in_flight_batches(engine_core) -> list[tuple[int, ...]] | None:
     no batches in flight (no pipeline parallelism: one batch at a time)."""
     batches = getattr(engine_core.scheduler, "in_flight_batches", None)
     return None if batches is None else [tuple(b) for b in batches]
+
+
+def lora_names(engine_core) -> dict[str, str] | None:
+    """request id -> the name of its LoRA adapter, for the requests that run with one;
+    None when the engine serves no adapters. The dashboard's one meeting with multi-LoRA:
+    it reads LoRAScheduler.lora_requests."""
+    loras = getattr(engine_core.scheduler, "lora_requests", None)
+    return None if loras is None else {rid: lora.lora_name for rid, lora in loras.items()}
 
 
 def batches_during_step(before: list[tuple[int, ...]], after: list[tuple[int, ...]],
@@ -121,7 +130,7 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
     nobody: list[str] = []
     owners: list[list[str]] = [nobody] * num_gpu
     cpu_owners: dict[int, str] = {}       # only the held CPU blocks: most of the pool is free
-    requests, named = [], dict(seq_request or {})
+    requests, named, adapters = [], dict(seq_request or {}), lora_names(engine_core) or {}
     for status, queue in (("running", s.running), ("swapped", s.swapped), ("waiting", s.waiting)):
         for group in queue:
             rid, seqs = group.request_id, []
@@ -142,7 +151,8 @@ def build_snapshot(engine_core, steps: list[DashboardStep], step: int, now: floa
                 seqs.append(DashboardSequence(seq.seq_id, table, seq.is_swapped, seq.num_computed_tokens,
                                               seq.num_tokens))
             requests.append(DashboardRequest(rid, status, len(group.prompt_token_ids),
-                                             sum(len(q.output_token_ids) for q in group.seqs), seqs))
+                                             sum(len(q.output_token_ids) for q in group.seqs), seqs,
+                                             lora_name=adapters.get(rid)))
     total, free = bm.num_gpu_blocks, bm.get_num_free_gpu_blocks()
     queries = bm.prefix_cache_queries
     stats = {"tokens_per_s": tokens_per_s,

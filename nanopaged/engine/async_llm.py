@@ -195,8 +195,8 @@ class AsyncLLM:
         if self._watchers.pop(name, None) is not None and not self.errored and not self.engine_core._closed:
             self.engine_core.watch(name, None)
 
-    async def generate(self, prompt, sampling_params=None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, sampling_params=None, request_id: str | None = None,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """Stream the RequestOutputs of one request, as its output_kind asks (DELTA:
         only what is new; CUMULATIVE: everything so far; FINAL_ONLY: one at the end).
         The last output has finished=True.
@@ -211,6 +211,8 @@ class AsyncLLM:
                 by an internal id of its own (request_id + "-" + a counter), so outputs of
                 a left request still on their way from the core never reach a new one
                 (vLLM: the same cure for its issue #23697).
+            lora_request: the LoRA adapter it runs with (a LoRARequest; needs
+                enable_lora=True), or None for the base model.
 
         Raises (from the first iteration, before anything is queued):
             ValueError / TypeError: a bad prompt or parameter (Processor's messages name
@@ -228,7 +230,8 @@ class AsyncLLM:
         if request_id in self._internal_ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
         internal_id = f"{request_id}-{number}"
-        request, prompt_text = self.processor.process_inputs(internal_id, prompt, sampling_params)
+        request, prompt_text = self.processor.process_inputs(internal_id, prompt, sampling_params,
+                                                             lora_request=lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         self.output_processor.add_request(request, prompt_text, request.sampling_params.n)
         self._queues[internal_id] = queue

@@ -84,7 +84,7 @@ class LLMEngine:
     num_steps = property(lambda self: self.engine_core.num_steps)
     num_generated_tokens = property(lambda self: self.engine_core.scheduler.num_generated_tokens)
 
-    def add_request(self, request_id: str, prompt, sampling_params=None) -> None:
+    def add_request(self, request_id: str, prompt, sampling_params=None, lora_request=None) -> None:
         """Queue a request. All checks happen here, before any work is done for it.
 
         Args:
@@ -93,16 +93,20 @@ class LLMEngine:
                 chat as a list of {"role", "content"} dicts (the chat template applies).
             sampling_params: a SamplingParams (default SamplingParams()), or a
                 BeamSearchParams for a beam-search request.
+            lora_request: the LoRA adapter it runs with (a LoRARequest; needs
+                enable_lora=True), or None for the base model.
 
         Raises:
             ValueError: duplicate request_id; empty prompt; a token id outside the
                 vocabulary; a prompt of max_model_len tokens or more (no room for an
                 output token); a prompt needing more KV blocks than the whole pool; a
-                SamplingParams the model cannot honour.
+                SamplingParams the model cannot honour; a lora_request that cannot be
+                served (no enable_lora, or a bad adapter folder: named with the field).
                 The engine is unchanged and keeps serving.
             TypeError: prompt or sampling_params of the wrong type.
         """
-        request, prompt_text = self.processor.process_inputs(request_id, prompt, sampling_params)
+        request, prompt_text = self.processor.process_inputs(request_id, prompt, sampling_params,
+                                                             lora_request=lora_request)
         self.core_client.add_request(request)
         self.output_processor.add_request(request, prompt_text, request.sampling_params.n)
 

@@ -59,7 +59,8 @@ class Processor:
                    eos_token_ids_of(model_path, model_config, tokenizer), config.scheduler_config.max_num_seqs,
                    config.max_logprobs, config.scheduler_config.max_logits_bytes)
 
-    def process_inputs(self, request_id: str, prompt, params) -> tuple[EngineCoreRequest, str | None]:
+    def process_inputs(self, request_id: str, prompt, params,
+                       lora_request=None) -> tuple[EngineCoreRequest, str | None]:
         """Build the EngineCoreRequest of one request; also returns the prompt text (None
         when the prompt came as token ids).
 
@@ -68,6 +69,7 @@ class Processor:
             prompt: text, a list of token ids, or a chat (a list of {"role", "content"}
                 dicts, turned into ids by the tokenizer's chat template).
             params: a SamplingParams (None = SamplingParams()) or a BeamSearchParams.
+            lora_request: the LoRA adapter it runs with (a LoRARequest), or None.
 
         Raises:
             TypeError: a prompt, request_id or params of the wrong type.
@@ -81,10 +83,13 @@ class Processor:
                 > max_logprobs, its rows of logits past max_logits_bytes; a
                 SamplingParams field the model cannot honour (a token id outside the
                 vocabulary); structured outputs that do not compile (llguidance's
-                message, with the position). The message names field, value and limit.
+                message, with the position); a lora_request this engine cannot serve
+                (`_check_lora_request`). The message names field, value and limit.
         """
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if lora_request is not None:
+            self._check_lora_request(lora_request)
         text, prompt_ids = self._tokenize(prompt)
         self._check_prompt(prompt_ids)
         params = SamplingParams() if params is None else params
@@ -168,6 +173,12 @@ class Processor:
         request as its BeamSearchRequest)."""
         raise ValueError("BeamSearchParams needs the beam search feature, which is not available "
                          "in this installation (nanopaged/beam_search cannot be imported)")
+
+    def _check_lora_request(self, lora_request) -> None:
+        """Hook: raises ValueError when `lora_request` (not None) cannot be served. The base
+        engine serves no adapter (lora/processor.py reads and checks the adapter's folder)."""
+        raise ValueError(f"lora_request={lora_request!r} needs an engine built with enable_lora=True (and the "
+                         "nanopaged/lora package)")
 
     def _check_structured_outputs(self, spec) -> None:
         """Hook: raises ValueError when `spec` (SamplingParams.structured_outputs) cannot be

@@ -1,14 +1,16 @@
 """Chat REPL: `python -m nanopaged.chat`, a multi-turn conversation with the model.
 
     python -m nanopaged.chat [--max-tokens N] [--temperature T] [--top-p P] [--system TEXT]
-        [--chat-template-kwargs JSON] [the engine's flags: --model PATH --dtype D --seed S ...]
+        [--chat-template-kwargs JSON] [--lora [NAME=]PATH]
+        [the engine's flags: --model PATH --dtype D --seed S ...]
 
 Each turn renders the whole conversation with the chat template (the oldest turns
 dropped until --max-tokens fits in max_model_len), sends it as one request, and prints
 the text deltas as the engine makes them. /reset forgets the conversation, /exit (or end
 of input) quits, Ctrl-C stops an answer (its request aborted). Works with stdin piped:
-`printf 'What is the capital of France?\\n' | python -m nanopaged.chat`. (vLLM's
-`vllm chat` is a client of its server; this one runs the engine in this process.)
+`printf 'What is the capital of France?\\n' | python -m nanopaged.chat`. With --lora
+every turn runs with that LoRA adapter (a PEFT folder; it turns --enable-lora on).
+(vLLM's `vllm chat` is a client of its server; this one runs the engine in this process.)
 """
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ import argparse
 import copy
 import itertools
 import json
+import os
 import signal
 import sys
 
 from ..engine.arg_utils import add_cli_args, engine_kwargs
 from ..engine.processor import apply_chat_template, check_chat_template_kwargs
+from ..lora_request import LoRARequest
 from ..sampling_params import RequestOutputKind, SamplingParams
 from ..utils.cli import quiet_broken_pipe
 
@@ -59,13 +63,14 @@ def prompt_budget(engine, max_tokens: int) -> int:
 
 
 def stream_answer(engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  out=sys.stdout) -> str:
-    """Run one request to completion, writing its text to `out` as it grows; returns the
-    text, partial if Ctrl-C stopped it. Raises ValueError as add_request.
+                  out=sys.stdout, lora_request: LoRARequest | None = None) -> str:
+    """Run one request to completion (with `lora_request`'s adapter, if given), writing
+    its text to `out` as it grows; returns the text, partial if Ctrl-C stopped it.
+    Raises ValueError as add_request.
     """
     params = copy.copy(params)
     params.output_kind = RequestOutputKind.DELTA            # each output: the new text only
-    engine.add_request(request_id, prompt_ids, params)      # may raise ValueError: nothing to undo
+    engine.add_request(request_id, prompt_ids, params, lora_request=lora_request)   # may raise: nothing to undo
     stop = []       # Ctrl-C is only noted: the abort comes between two steps, never inside one
     previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     text = ""
@@ -86,6 +91,25 @@ def stream_answer(engine, request_id: str, prompt_ids: list[int], params: Sampli
     out.write("\n")
     out.flush()
     return text
+
+
+def lora_flag(text: str | None) -> LoRARequest | None:
+    """--lora's adapter: NAME=PATH, or PATH (named after its folder); None if not given.
+    A path that is a folder is taken whole, "=" and all."""
+    if text is None:
+        return None
+    name, sep, path = text.partition("=")
+    if not sep or os.path.isdir(text):
+        name, path = os.path.basename(os.path.normpath(text)), text
+    return LoRARequest(name, 1, path)                  # ValueError naming the field if empty
+
+
+def check_adapter(engine, lora_request: LoRARequest) -> None:
+    """Raises ValueError (naming the file and the field) when the engine cannot serve the
+    adapter. add_request checks a request whole before any work is done for it, so a
+    request added and aborted at once checks the folder now, not at the first turn."""
+    engine.add_request("chat-adapter-check", [0], SamplingParams(max_tokens=1), lora_request=lora_request)
+    engine.abort_request("chat-adapter-check")
 
 
 def _json_flag(flag: str, text: str | None):
@@ -110,6 +134,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                     help="extra chat template variables, as vLLM's chat_template_kwargs: "
                          "'{\"enable_thinking\": false}' (Qwen3: answer without thinking)")
+    ap.add_argument("--lora", default=None, metavar="[NAME=]PATH",
+                    help="run every turn with this LoRA adapter, a PEFT folder (adapter_config.json and "
+                         "adapter_model.safetensors); turns --enable-lora on")
     add_cli_args(ap, "the engine (EngineConfig's fields); turn k samples with seed --seed + k, "
                      "so answers are reproducible")
     return ap
@@ -129,9 +156,17 @@ def main(argv: list[str] | None = None) -> int:
                        seed=getattr(args, "seed", None))
         template_kwargs = _json_flag("--chat-template-kwargs", args.chat_template_kwargs)
         check_chat_template_kwargs(template_kwargs)
+        lora = lora_flag(args.lora)
+        kwargs = engine_kwargs(args)
+        if lora is not None:
+            if kwargs.get("enable_lora") is False:
+                raise ValueError("--lora needs LoRA in the engine: leave --no-enable-lora out")
+            kwargs["enable_lora"] = True
         with err.status("loading the model ..."):
             from .llm import LLM
-            engine = LLM(**engine_kwargs(args)).engine
+            engine = LLM(**kwargs).engine
+        if lora is not None:
+            check_adapter(engine, lora)
         prompt_limit = prompt_budget(engine, args.max_tokens)
         seed = engine.config.seed
     except (ValueError, TypeError, OSError, RuntimeError) as e:   # OSError: a missing model path, a file for a folder
@@ -143,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = engine.tokenizer
     interactive = sys.stdin.isatty()
     if interactive:
-        err.print(f"[dim]nanopaged chat - {engine.model_path.name}. /reset clears the "
+        adapter = "" if lora is None else f" with LoRA adapter {escape(lora.lora_name)}"
+        err.print(f"[dim]nanopaged chat - {engine.model_path.name}{adapter}. /reset clears the "
                   "conversation, /exit quits, Ctrl-C stops an answer.[/dim]")
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
@@ -173,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                                 top_p=args.top_p, seed=seed + turn)
         try:
             prompt_ids = build_prompt(tokenizer, messages, prompt_limit, template_kwargs)
-            answer = stream_answer(engine, f"chat-{turn}", prompt_ids, params)
+            answer = stream_answer(engine, f"chat-{turn}", prompt_ids, params, lora_request=lora)
         except ValueError as e:            # too long for the model or for the KV pool: the engine's message
             err.print("[red]error:[/red]", escape(str(e)), soft_wrap=True)
             messages.pop()

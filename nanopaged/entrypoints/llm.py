@@ -18,6 +18,7 @@ from typing import Sequence as Seq
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
 from ..engine.processor import apply_chat_template
+from ..lora_request import LoRARequest
 from ..outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from ..sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from ..utils.checks import is_int
@@ -54,7 +55,8 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate completions for a batch of prompts.
 
         Args:
@@ -63,6 +65,9 @@ class LLM:
             sampling_params: one SamplingParams for all prompts, or a list with one
                 per prompt; None means SamplingParams().
             use_tqdm: show a progress bar (rich) when there is more than one prompt.
+            lora_request: the LoRA adapter every prompt runs with (a LoRARequest), or a
+                list with one per prompt (None entries: the base model), as vLLM's;
+                None: the base model. Needs an engine built with enable_lora=True.
 
         Returns:
             One finished RequestOutput per prompt, in the order of `prompts`.
@@ -82,7 +87,7 @@ class LLM:
         else:
             raise TypeError("sampling_params must be a SamplingParams or a list of them, "
                             f"got {type(sampling_params).__name__}")
-        return self._add_and_run(prompt_list, params, use_tqdm)
+        return self._add_and_run(prompt_list, params, use_tqdm, _per_prompt(lora_request, len(prompt_list)))
 
     def beam_search(self, prompts: str | list[str] | list[int] | list[list[int]],
                     params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -102,7 +107,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to chats (vLLM's `LLM.chat`): one conversation as a list of
         {"role": ..., "content": ...} dicts, or a list of such conversations. The
         tokenizer's chat template makes the prompt, generation prompt included, exactly
@@ -115,6 +121,7 @@ class LLM:
                 {"enable_thinking": False} makes Qwen3's template write an empty
                 <think></think> block, so the model answers without reasoning. A
                 variable the template does not use changes nothing.
+            lora_request: as `generate`'s, one per conversation when a list.
 
         Returns one RequestOutput per conversation; raises as `generate`, and
         TypeError / ValueError for bad chat_template_kwargs (a key the engine sets
@@ -129,17 +136,18 @@ class LLM:
                                 f"lists, got a {type(conv).__name__} {conv!r:.40}")
         tokenizer = self.get_tokenizer()
         prompts = [apply_chat_template(tokenizer, list(conv), chat_template_kwargs) for conv in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def _add_and_run(self, prompt_list: list, params: list, use_tqdm: bool) -> list[RequestOutput]:
+    def _add_and_run(self, prompt_list: list, params: list, use_tqdm: bool,
+                     lora_requests: list | None = None) -> list[RequestOutput]:
         ids = []
         try:
-            for prompt, p in zip(prompt_list, params):
+            for prompt, p, lora in zip(prompt_list, params, lora_requests or [None] * len(prompt_list)):
                 if isinstance(p, SamplingParams) and p.output_kind != RequestOutputKind.FINAL_ONLY:
                     p = copy.copy(p)                  # we only want each request's last output
                     p.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = str(next(self._request_counter))
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, lora_request=lora)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)
@@ -164,6 +172,19 @@ class LLM:
             if progress:
                 progress.stop()
         return [finished[r] for r in request_ids]
+
+
+def _per_prompt(lora_request, num_prompts: int) -> list:
+    """One LoRARequest (or None) per prompt: `lora_request` for all, or its list.
+
+    Raises:
+        ValueError: a list whose length is not the number of prompts.
+    """
+    if not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * num_prompts
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"got {len(lora_request)} lora_request entries for {num_prompts} prompts")
+    return list(lora_request)
 
 
 def _as_prompt_list(prompts) -> list:

@@ -159,10 +159,10 @@ class KernelOps(TorchOps):
         return getattr(self.ops, name, None)
 
     def add_kernels(self, module) -> None:
-        """Join a feature's own compiled extension (the quantized matmuls') to this
-        backend's: kernel(name) finds its ops too, through `ops` like every kernel call
-        (a CPU graph records what goes through `ops`, so join before a graph is captured:
-        quantization/kernels.py joins at a model's first step, a prefill)."""
+        """Join a feature's own compiled extension (FeatureKernels: the quantized
+        matmuls', the LoRA kernels') to this backend's: kernel(name) finds its ops too,
+        through `ops` like every kernel call (a CPU graph records what goes through `ops`,
+        so join before a graph is captured: the feature's model joins in set_ops, at load)."""
         if not isinstance(self.ops, (ModuleType, JoinedKernels)):
             raise RuntimeError(f"add_kernels: this backend's ops are wrapped ({type(self.ops).__name__}: a CPU "
                                "graph being captured?); join a feature's kernels before")
@@ -257,6 +257,56 @@ class KernelOps(TorchOps):
         cpu = torch.device("cpu")
         src, dst = _pair_tensors(pairs, cpu, cpu)
         self.ops.swap_blocks(src_cache, dst_cache, src, dst)
+
+
+class FeatureKernels:
+    """A feature's own CPU extension beside the base's (the quantized matmuls', the LoRA
+    kernels'), which only that feature loads: built as the base's is (per instruction
+    set, cached, tried once per process: build.py), and joined to a CPU kernel backend
+    (KernelOps.add_kernels) so its calls go through the backend's `ops` as every kernel
+    call does, and a CPU graph records them. The reference and CUDA backends have none:
+    the feature's layer runs its PyTorch reference there.
+
+    Args:
+        name: the extension's module name (e.g. "nanopaged_cpu_quant").
+        sources: its files under kernels/.
+    """
+
+    def __init__(self, name: str, sources: tuple[str, ...]) -> None:
+        self.name, self.sources = name, sources
+
+    def load(self, capability: str | None = None):
+        """The extension built for torch's own instruction set, or for `capability`
+        ("AVX2", "DEFAULT": build.load_cpu_build's, for the tests that compare bodies).
+
+        Raises:
+            KernelBuildError: as build.load_extension.
+            ValueError: as build.load_cpu_build.
+        """
+        if capability is None:
+            return build.load_extension(self.name, self.sources)
+        return build.load_cpu_build(capability, self.name, self.sources)
+
+    def join(self, ops: TorchOps) -> None:
+        """Join the extension to a CPU kernel backend (once: a second call does nothing);
+        other backends are left as they are. Join before a CPU graph is captured (a
+        model's set_ops, at load).
+
+        Raises:
+            KernelBuildError: the extension cannot be built.
+        """
+        if ops.name == "cpu":
+            ops.add_kernels(self.load())
+
+    def kernel(self, ops: TorchOps, name: str):
+        """The compiled op `name` for a layer whose backend is `ops` (joining the extension
+        to a CPU kernel backend the first time, for a layer built alone, as in the tests),
+        or None where the backend has no kernels."""
+        kernel = ops.kernel(name)
+        if kernel is None and ops.name == "cpu":
+            self.join(ops)
+            kernel = ops.kernel(name)
+        return kernel
 
 
 def _pair_tensors(pairs, src_device, dst_device) -> tuple[torch.Tensor, torch.Tensor]:

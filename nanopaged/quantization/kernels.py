@@ -14,42 +14,14 @@ vLLM: `csrc/quantization/`.
 """
 from __future__ import annotations
 
-from ..layers import build
+from ..layers.backends import FeatureKernels
 
 NAME = "nanopaged_cpu_quant"
 SOURCES = ("cpu/quant/gguf.cpp", "cpu/quant/gguf_a8.cpp", "cpu/quant/int8.cpp", "cpu/quant/bindings.cpp")
+QUANT_KERNELS = FeatureKernels(NAME, SOURCES)
 
-
-def load_quant_kernels(capability: str | None = None):
-    """The extension built for torch's own instruction set, or for `capability` ("AVX2",
-    "DEFAULT": build.load_cpu_build's, for the tests that compare the bodies).
-
-    Raises:
-        KernelBuildError: as build.load_extension.
-        ValueError: as build.load_cpu_build.
-    """
-    if capability is None:
-        return build.load_extension(NAME, SOURCES)
-    return build.load_cpu_build(capability, NAME, SOURCES)
-
-
-def join_quant_kernels(ops) -> None:
-    """Join this extension to a CPU kernel backend (KernelOps.add_kernels; once, a second
-    call does nothing); other backends are left as they are.
-
-    Raises:
-        KernelBuildError: the extension cannot be built (as load_quant_kernels).
-    """
-    if ops.name == "cpu":
-        ops.add_kernels(load_quant_kernels())
-
-
-def quant_kernel(ops, name: str):
-    """The compiled op `name` for a layer whose backend is `ops` (joining this extension
-    to a CPU kernel backend the first time), or None where the backend has no kernels
-    (the reference, CUDA)."""
-    kernel = ops.kernel(name)
-    if kernel is None and ops.name == "cpu":
-        join_quant_kernels(ops)
-        kernel = ops.kernel(name)
-    return kernel
+# load_quant_kernels(capability=None), join_quant_kernels(ops), quant_kernel(ops, name):
+# FeatureKernels' load, join and kernel (layers/backends.py says what each does and raises)
+load_quant_kernels = QUANT_KERNELS.load
+join_quant_kernels = QUANT_KERNELS.join
+quant_kernel = QUANT_KERNELS.kernel

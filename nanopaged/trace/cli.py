@@ -9,10 +9,11 @@ It runs the real engine on a small pool (block size 4, so paging is visible) and
 every step draws the scheduler's decision (who ran, prefill or decode, who was preempted,
 swapped back or finished), what happened to blocks (allocated, shared, copied on write,
 cached, evicted, taken back from rejected drafts), each sequence's block table and the
-physical pool coloured by owner (view.py), and with pipeline parallelism the batches in
-flight. These are the PagedAttention paper's
-Figures 6 and 7 drawn from a live engine; the scenarios (scenarios.py) replay them. vLLM
-has no tracer, only the KV-cache events of `vllm/distributed/kv_events.py`.
+physical pool coloured by owner (view.py), with pipeline parallelism the batches in
+flight, and with multi-LoRA each request's adapter and who waits for an adapter slot.
+These are the PagedAttention paper's Figures 6 and 7 drawn from a live engine; the
+scenarios (scenarios.py) replay them. vLLM has no tracer, only the KV-cache events of
+`vllm/distributed/kv_events.py`.
 
 In a terminal Enter shows the next step and q quits; with --no-pause, or without a
 terminal, every step is printed. --export FILE.svg writes the trace as SVG, FILE.html
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from typing import TYPE_CHECKING, Callable
 
 from rich.console import Console
@@ -49,13 +51,16 @@ def run_trace(engine: LLMEngine, scenario: Scenario, console: Console, *, steps:
     run ends when nothing is left, or after `steps` steps. pause=True waits for a key
     after each step (q stops). on_step(number, events) runs after each step is drawn.
     With batches in flight (pipeline parallelism) a step's list ends with the tracer's
-    BatchesInFlight record.
+    BatchesInFlight record. A scenario's LoRA adapters are made in a temporary folder,
+    removed when the run ends.
 
     Raises:
         ValueError: as add_request (e.g. a prompt bigger than the whole pool).
     """
+    folder = tempfile.TemporaryDirectory(prefix="nanopaged-trace-lora-") if scenario.lora_adapters else None
+    loras = scenario.make_adapters(engine, folder.name) if folder is not None else {}
     view = TraceView(engine, console)
-    view.header(scenario)
+    view.header(scenario, loras)
     log: list[ev.Event] = []
     listen = log.append
     engine.add_observer(listen)
@@ -67,7 +72,7 @@ def run_trace(engine: LLMEngine, scenario: Scenario, console: Console, *, steps:
         while steps is None or len(history) < steps:
             while pending and (pending[0].arrival <= len(history) or not engine.has_unfinished_requests()):
                 r = pending.pop(0)
-                engine.add_request(r.request_id, r.prompt, r.params)
+                engine.add_request(r.request_id, r.prompt, r.params, lora_request=loras[r.lora] if r.lora else None)
             if not engine.has_unfinished_requests():
                 break
             engine.step()
@@ -91,6 +96,8 @@ def run_trace(engine: LLMEngine, scenario: Scenario, console: Console, *, steps:
                 break
     finally:
         engine.remove_observer(listen)
+        if folder is not None:
+            folder.cleanup()
     view.summary(scenario, history, finished=not (pending or engine.has_unfinished_requests()))
     return history
 

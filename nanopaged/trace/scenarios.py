@@ -18,6 +18,9 @@ run's events (events.py), the step where the point is made:
              (chapter 19)
     pipeline  the model split over 2 pipeline stages (worker processes): two requests
              in two batches in flight at once, each kept out of the other's (chapter 20)
+    lora     three LoRA adapters and two adapter slots: a request waits for a slot while
+             both hold adapters in use, then takes the one a finished request left
+             (chapter 22; the adapters are random, made for the run)
 
 `python -m nanopaged.trace --scenario NAME` runs one (cli.py). The engine settings are
 the scenario's; the engine's flags (--block-size, --num-gpu-blocks, --speculative-config,
@@ -26,9 +29,11 @@ the scenario's; the engine's flags (--block-size, --num-gpu-blocks, --speculativ
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .. import events as ev
+from ..lora_request import LoRARequest
 from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -53,12 +58,14 @@ class BatchesInFlight:
 @dataclass(frozen=True)
 class TraceRequest:
     """One request of a scenario, added before step `arrival + 1` (0: at the start).
-    prompt: text, or token ids (as LLMEngine.add_request takes them)."""
+    prompt: text, or token ids (as LLMEngine.add_request takes them). lora: the name of
+    the scenario's adapter it runs with (one of Scenario.lora_adapters), None: none."""
 
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
     arrival: int = 0
+    lora: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,8 @@ class Scenario:
             "prompt_lookup_max": 5}).
         pipeline_parallel_size, max_num_batched_tokens: EngineConfig's fields (the
             latter None: the engine's default).
+        lora_adapters, max_loras: multi-LoRA: the names of the adapters the run makes
+            (make_adapters), and the model's adapter slots; () : no LoRA.
         transition: the point, as a phrase ("a new block is allocated right after ...").
         find: the first step (1-based) of a run's history at which the point has been
             made, or None; see shown_at.
@@ -97,6 +106,8 @@ class Scenario:
     speculative_config: dict | None = None
     pipeline_parallel_size: int = 1
     max_num_batched_tokens: int | None = None
+    lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 1
     transition: str = ""
     find: Callable[[History], int | None] | None = field(default=None, repr=False)
 
@@ -113,7 +124,18 @@ class Scenario:
         if self.max_num_batched_tokens is not None:
             own.update(max_num_batched_tokens=self.max_num_batched_tokens,
                        max_num_seqs=min(self.max_num_batched_tokens, 128))   # a budget >= max_num_seqs
+        if self.lora_adapters:
+            own.update(enable_lora=True, max_loras=self.max_loras)
         return LLMEngine(EngineConfig(model=model, **{**own, **engine_args}))
+
+    def make_adapters(self, engine: LLMEngine, folder) -> dict[str, LoRARequest]:
+        """The scenario's adapters, written in `folder` for `engine`'s model (random, rank
+        4, seeded by their order: lora/random_adapter.py), by name; lora_int_id 1, 2, ...
+        in the order of lora_adapters."""
+        from ..lora.random_adapter import write_random_adapter
+        return {name: LoRARequest(name, i + 1, str(write_random_adapter(Path(folder) / name, engine.model_config,
+                                                                        seed=i)))
+                for i, name in enumerate(self.lora_adapters)}
 
     def shown_at(self, history: History) -> int | None:
         """The step at which this run made the scenario's point (None: it did not)."""
@@ -213,6 +235,14 @@ def _two_batches_in_flight(history: History) -> int | None:
     return _first_step(history, found)
 
 
+def _waits_for_a_lora_slot_then_runs(history: History) -> int | None:
+    """lora: a request passed over for want of a LoRA slot, scheduled in a later step."""
+    def found(step, seen):
+        waited = {e.request_id for e in _of(ev.WaitingForLoRASlot, seen)}
+        return any(e.request_id in waited for e in _of(ev.SequenceScheduled, step))
+    return _first_step(history, found)
+
+
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -288,6 +318,19 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
         num_gpu_blocks=16, pipeline_parallel_size=2, max_num_batched_tokens=8,
         transition="two batches in flight at once, no request in both",
         find=_two_batches_in_flight),
+    Scenario(
+        "lora", "Multi-LoRA: three adapters, two slots",
+        "A, B and C each run with an adapter of their own (x, y, z: random, made for this run), D with "
+        "none. The model holds 2 adapters at once (max_loras=2): A's and B's take both slots, so C waits "
+        "for a slot, and D, which needs none, joins past it. When A finishes, no running request uses x: "
+        "its slot takes z, and C runs beside B.",
+        (TraceRequest("A", "The best way to learn is", _greedy(3), lora="x"),
+         TraceRequest("B", "Once upon a time", _greedy(8), lora="y"),
+         TraceRequest("C", "The capital of France is", _greedy(4), lora="z"),
+         TraceRequest("D", "It was the best of times", _greedy(4))),
+        num_gpu_blocks=24, lora_adapters=("x", "y", "z"), max_loras=2,
+        transition="a request waits for a LoRA slot, then runs in the slot a finished request's adapter left",
+        find=_waits_for_a_lora_slot_then_runs),
 ]}
 
 

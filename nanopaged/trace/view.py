@@ -24,6 +24,8 @@ physical blocks. With speculative decoding (chapter 19) a verify step also shows
 sequence's drafts, the ones the model accepted, the model's own token where it first
 disagreed, and the blocks taken back because they held only rejected drafts' slots.
 With pipeline parallelism (chapter 20) a step shows the batches in flight during it.
+With multi-LoRA (chapter 22) a sequence's table names its request's adapter, and a step
+shows who waits for an adapter slot.
 """
 from __future__ import annotations
 
@@ -37,11 +39,13 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import events as ev
+from ..dashboard.sampler import lora_names
 from .scenarios import BatchesInFlight, taken_back
 
 if TYPE_CHECKING:
     from ..core.sequence import Sequence
     from ..engine.llm_engine import LLMEngine
+    from ..lora_request import LoRARequest
     from .scenarios import History, Scenario
 
 PALETTE = ["green", "magenta", "cyan", "yellow", "bright_blue", "red", "bright_green", "bright_magenta"]
@@ -92,8 +96,9 @@ class TraceView:
 
     # -- the trace ------------------------------------------------------------------------------
 
-    def header(self, scenario: Scenario) -> None:
-        """The scenario, the engine's settings and the requests, in a panel."""
+    def header(self, scenario: Scenario, loras: dict[str, LoRARequest] | None = None) -> None:
+        """The scenario, the engine's settings and the requests, in a panel; loras: the
+        scenario's adapters by name (Scenario.make_adapters)."""
         e, bm = self.engine, self.engine.block_manager
         body = Text.assemble((scenario.title, "bold"), "\n", scenario.watch, "\n\n",
                              f"model {e.model_path.name} · block size {bm.block_size} · {bm.num_gpu_blocks} "
@@ -107,12 +112,19 @@ class TraceView:
         pp = e.config.parallel_config.pipeline_parallel_size
         if pp > 1:
             body.append(f" · pipeline parallelism: {pp} stages (worker processes), up to {pp} batches in flight")
+        lc = e.config.lora_config
+        if lc is not None:
+            body.append(f" · LoRA: {lc.max_loras} adapter slot{'s' if lc.max_loras > 1 else ''} of rank "
+                        f"{lc.max_lora_rank}")
         for r in scenario.requests:
             p = r.params
             sampling = "greedy" if p.temperature == 0 else f"temperature {p.temperature}, seed {p.seed}"
             when = "at the start" if r.arrival == 0 else f"before step {r.arrival + 1}"
+            lora = (loras or {}).get(r.lora)
+            adapter = f", adapter {lora.lora_name} (lora_int_id {lora.lora_int_id})" if lora is not None else ""
             body.append_text(Text.assemble("\nrequest ", self.request(r.request_id),
-                                           f" ({when}, n={p.n}, {sampling}, max_tokens {p.max_tokens}): {r.prompt!r}"))
+                                           f" ({when}, n={p.n}, {sampling}, max_tokens {p.max_tokens}{adapter}): "
+                                           f"{r.prompt!r}"))
         self.console.print(Panel(body, title=f"nanopaged trace · {scenario.name}", title_align="left"))
 
     def step(self, number: int, events: list[ev.Event]) -> None:
@@ -149,7 +161,7 @@ class TraceView:
     def decision(self, events: list[ev.Event]) -> Table:
         """The scheduler's decision and what happened to blocks, from the step's events."""
         rows: dict[str, list[Text]] = {k: [] for k in ("added", "scheduled", "in flight", "drafts", "preempted",
-                                                       "swapped", "blocks", "finished", "queues")}
+                                                       "swapped", "lora", "blocks", "finished", "queues")}
         for e in events:
             if isinstance(e, ev.RequestAdded):
                 rows["added"].append(Text.assemble(self.request(e.request_id),
@@ -173,6 +185,10 @@ class TraceView:
                 pairs = ", ".join(f"{a}→cpu {b}" if out else f"cpu {a}→{b}" for a, b in e.block_pairs)
                 rows["swapped"].append(Text.assemble(self.request(e.request_id), " out to" if out else " back from",
                                                      f" the CPU pool, blocks copied {pairs}"))
+            elif isinstance(e, ev.WaitingForLoRASlot):
+                rows["lora"].append(Text.assemble(self.request(e.request_id), (
+                    f" waits for a LoRA slot: its adapter (lora_int_id {e.lora_int_id}) is in no slot, and all "
+                    f"{len(e.slots)} hold adapters in use ({', '.join(map(str, e.slots))})", "bold")))
             elif isinstance(e, ev.RequestFinished):
                 rows["finished"].append(Text.assemble(self.request(e.request_id),
                                                       f" ({', '.join(map(str, e.finish_reasons))}), blocks freed"))
@@ -269,14 +285,17 @@ class TraceView:
         return lines
 
     def block_tables(self) -> Columns:
-        """Each unfinished sequence's block table: logical -> physical (×ref_count), fill, tokens."""
-        tables = []
+        """Each unfinished sequence's block table: logical -> physical (×ref_count), fill, tokens;
+        its title names its state, and the adapter its request runs with (multi-LoRA)."""
+        tables, adapters = [], lora_names(self.engine) or {}
         for rid, group in self.engine.requests.items():
             for seq in group.seqs:
                 self.seq_request[seq.seq_id] = rid
                 self._seen[seq.seq_id] = seq
                 bt = seq.block_table
                 where = "CPU pool (swapped out)" if seq.is_swapped else seq.status.name.lower()
+                if rid in adapters:
+                    where += f" · adapter {adapters[rid]}"
                 t = Table(title=Text.assemble(self.seq(seq.seq_id), f" · {where}"), title_justify="left",
                           box=None, pad_edge=False, header_style="dim", caption_justify="left")
                 for name in ("logical", "physical", "filled"):

@@ -105,7 +105,7 @@ def test_python_blocks_parser():
 BASE_CHAPTERS = [p for p in CHAPTERS if re.match(r"(0[1-9]|11)[a-z]?-", p.name)]
 EXTENSION_CHAPTERS = {"10": "beam_search", "16": "async_sched", "17": "multiproc",
                       "18": "structured_output", "19": "spec_decode", "20": "pipeline",
-                      "21": "quantization"}
+                      "21": "quantization", "22": "lora"}
 BASE_FOLDERS = {"core", "worker", "engine", "model", "layers", "utils", "entrypoints", "trace", "exercises"}
 
 

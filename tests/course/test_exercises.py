@@ -89,7 +89,7 @@ def test_the_command_line_start_check_hint_reset(tmp_path, capsys):
     code, out = run("reset", "1", process=False)   # an untouched stub: nothing worth a .bak
     assert code == 0 and not (tmp_path / "ex01_block_table.py.bak").exists(), out
     code, out = run("start", process=False)
-    assert code == 1 and "`start` needs an exercise number (0 to 21)" in out, out
+    assert code == 1 and "`start` needs an exercise number (0 to 22)" in out, out
     piped = subprocess.run(f"{sys.executable} -m nanopaged.exercise list | head -1", shell=True,
                            capture_output=True, text=True, timeout=120)
     assert piped.stdout.count("\n") == 1 and "Traceback" not in piped.stderr, piped.stderr

@@ -445,6 +445,25 @@ def test_the_pipeline_figure_shows_the_batches_in_flight_in_chromium(browser, tm
                                     "stage 2 (ranks 4-5) not reported (another host)"], rows
 
 
+QUEUES = """
+return {index: +document.getElementById('replay-position').getAttribute('data-index'),
+        rows: Array.from(document.querySelectorAll('.queue li[data-request-id]'))
+                   .map(li => [li.getAttribute('data-request-id'), li.getAttribute('data-status'),
+                               li.getAttribute('data-lora'), (li.querySelector('.adapter') || {}).textContent])};
+"""
+
+
+def test_the_lora_figure_names_each_requests_adapter_in_chromium(browser):
+    """Chapter 13's lora figure (three adapters, two slots): after step 1 A, B and D run,
+    A's and B's lines naming their adapters x and y, D's none (the base model), and C
+    waits with adapter z."""
+    browser.get(Path(FIGURES, "trace-lora.html").as_uri())
+    first = _poll(lambda: browser.execute_script(QUEUES), lambda p: p["index"] == 1, 10, "the replay page to load")
+    assert sorted(first["rows"], key=lambda r: r[0]) == [
+        ["A", "running", "x", "adapter x"], ["B", "running", "y", "adapter y"], ["C", "waiting", "z", "adapter z"],
+        ["D", "running", "", None]], first
+
+
 def test_the_tracers_replay_page_steps_back_and_forth_in_chromium(browser, tmp_path):
     """`python -m nanopaged.trace --export FILE.html` on the tiny model, opened as a file:
     the first snapshot is shown, the buttons and the arrow keys move through the steps,

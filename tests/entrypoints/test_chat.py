@@ -87,3 +87,29 @@ def test_chat_answers_capital_of_france_with_paris(default_model_dir):
     r = run_chat("What is the capital of France?\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+def test_lora_runs_every_turn_with_the_adapter(tiny_model_dir, tmp_path):
+    """--lora NAME=PATH turns enable_lora on and sends each turn with the adapter: the
+    answers are LLM.chat's with that LoRARequest (and not the base model's); a bad
+    folder stops the chat before the first turn, naming the file and the field."""
+    from nanopaged import LoRARequest
+    from nanopaged.lora.random_adapter import write_random_adapter
+    from nanopaged.model.config import ModelConfig
+    folder = write_random_adapter(tmp_path / "poet", ModelConfig.from_pretrained(tiny_model_dir), rank=4)
+    flags = ["--model", str(tiny_model_dir), "--max-tokens", "6", "--temperature", "0", "--dtype", "float32",
+             "--block-size", "4", "--num-gpu-blocks", "64"]
+    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=4, num_gpu_blocks=64, enable_lora=True)
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    turn = [{"role": "user", "content": "Hello"}]
+    want = llm.chat(turn, greedy, use_tqdm=False, lora_request=LoRARequest("poet", 1, str(folder)))[0].outputs[0]
+    base = llm.chat(turn, greedy, use_tqdm=False)[0].outputs[0]
+    assert want.token_ids != base.token_ids
+    for lora in (f"poet={folder}", str(folder)):               # named, or after its folder
+        r = run_chat("Hello\n/exit\n", *flags, "--lora", lora)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == want.text + "\n"
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 64, "target_modules": ["q_proj"]}')
+    r = run_chat("Hello\n/exit\n", *flags, "--lora", f"poet={folder}")
+    assert r.returncode == 1 and f"{folder}/adapter_config.json" in r.stderr and "r=64" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

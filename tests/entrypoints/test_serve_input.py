@@ -30,7 +30,7 @@ from nanopaged.sampling_params import StructuredOutputsParams
 from nanopaged.utils.checks import MAX_NESTING_DEPTH, check_json_nesting, check_text
 
 from serve_harness import FakeEngine
-from serve_harness import KEY, TINY_ARGS, Server
+from serve_harness import KEY, TINY_ARGS, running_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,12 +147,8 @@ def test_the_dashboard_trades_the_key_once_for_a_cookie():
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    server = Server(tiny_model_dir, "--api-key", KEY, *TINY_ARGS, "--log-level", "info")
-    try:
+    with running_server(tiny_model_dir, "--api-key", KEY, *TINY_ARGS, "--log-level", "info") as server:
         yield server
-    finally:
-        alive = server.stop()
-    assert server.proc.returncode == 0 and not alive, f"exit status {server.proc.returncode}, left behind: {alive}"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The server's features join through its table (entrypoints/openai/server_features.py):
 with the dashboard's package unimportable, the server still parses its own flags and
 serves the API, and the dashboard's flags, routes and series are gone; with it, they
-are there."""
+are there. The same for LoRA's flags (lora/serving.py) with the lora package."""
 from __future__ import annotations
 
 import json
@@ -17,15 +17,15 @@ pytestmark = pytest.mark.timeout(120)
 
 SCRIPT = r'''
 import collections, importlib.abc, json, sys
-block = sys.argv[1] == "block"
+blocked = sys.argv[1]             # a package of nanopaged made unimportable, or ""
 
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name == "nanopaged.dashboard" or name.startswith("nanopaged.dashboard."):
+        if name == f"nanopaged.{blocked}" or name.startswith(f"nanopaged.{blocked}."):
             raise ImportError(f"{name} is blocked in this test")
         return None
 
-if block:
+if blocked:
     sys.meta_path.insert(0, Refuse())
 from fastapi.testclient import TestClient
 from nanopaged.entrypoints.openai.api_server import build_app, parse_args, ready_line
@@ -40,6 +40,11 @@ try:
     result["no_dashboard_flag"] = "parsed"
 except SystemExit as e:
     result["no_dashboard_flag"] = f"exit {e.code}"
+try:
+    parse_args(["--lora-modules", "a=/p"])
+    result["lora_modules_flag"] = "parsed"
+except SystemExit as e:
+    result["lora_modules_flag"] = f"exit {e.code}"
 args = parse_args(["--api-key", "k"])
 app = build_app(engine, "m", api_key="k", args=args)
 client = TestClient(app)
@@ -49,6 +54,7 @@ result["page"] = client.get("/dashboard", headers={"Authorization": "Bearer k"})
 result["dashboard_series"] = "nanopaged:dashboard_viewers" in client.get("/metrics").text
 result["ready"] = ready_line(args, "m", app)
 result["dashboard_modules"] = sorted(m for m in sys.modules if m.startswith("nanopaged.dashboard"))
+result["lora_modules"] = sorted(m for m in sys.modules if m.startswith("nanopaged.lora."))
 print(json.dumps(result))
 '''
 
@@ -62,7 +68,7 @@ def _run(mode: str) -> dict:
 
 
 def test_the_server_serves_without_the_dashboard_package():
-    got = _run("block")
+    got = _run("dashboard")
     assert got["no_dashboard_flag"] == "exit 2"             # argparse: an unknown flag
     assert got["features"] == [] and got["dashboard_modules"] == []
     assert got["models"] == 200 and got["page"] == 404 and not got["dashboard_series"]
@@ -70,7 +76,16 @@ def test_the_server_serves_without_the_dashboard_package():
 
 
 def test_with_its_package_the_dashboard_joins_through_the_table():
-    got = _run("plain")
+    got = _run("")
     assert got["no_dashboard_flag"] == "parsed" and got["features"] == ["dashboard"]
     assert got["models"] == 200 and got["page"] == 200 and got["dashboard_series"]
     assert "the dashboard at http://127.0.0.1:8000/dashboard?key=<api-key>" in got["ready"]
+
+
+def test_loras_flags_come_with_its_package():
+    """--lora-modules is LoRA's flag (parsed with the package; without it, unknown), and
+    without --enable-lora or --lora-modules the feature is off: the server is the plain one."""
+    assert _run("")["lora_modules_flag"] == "parsed"
+    got = _run("lora")
+    assert got["lora_modules_flag"] == "exit 2" and got["lora_modules"] == []
+    assert got["features"] == ["dashboard"] and got["models"] == 200 and got["page"] == 200

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 from contextlib import contextmanager
 from dataclasses import replace
@@ -68,7 +69,7 @@ def tiny_variant(name):
         prompts = [PREFIX + [1, 2, 3], PREFIX + [4, 5, 6]]
     else:
         lengths = {"fig6": [7], "fig7": [7, 6], "cow": [7], "preempt": [6, 4, 5], "speculative": [27],
-                   "pipeline": [10, 10]}[name]
+                   "pipeline": [10, 10], "lora": [6, 4, 5, 7]}[name]
         prompts = [list(range(20 * i + 1, 20 * i + 1 + n)) for i, n in enumerate(lengths)]
     return replace(s, requests=tuple(replace(r, prompt=p) for r, p in zip(s.requests, prompts)))
 
@@ -165,6 +166,30 @@ def test_pipeline_shows_two_batches_in_flight_and_no_request_in_both(tiny_model_
     assert "in flight batch 1: A (output taken in) · batch 2: B" in flat
     assert "pipeline parallelism: 2 stages (worker processes), up to 2 batches in flight" in flat
     assert scenario.shown_at(history) == 1
+
+
+def test_lora_shows_a_request_waiting_for_a_slot_then_taking_the_one_left_free(tiny_model_dir, tmp_path,
+                                                                               monkeypatch):
+    """Three adapters, two slots: A's and B's adapters take both, so C waits (one
+    WaitingForLoRASlot, printed) and D, which needs no adapter, joins past it; the step
+    after A finishes, C runs. Each table names its request's adapter, and the adapters'
+    folder (random ones, made by the tracer, no peft) is gone once the run ends."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    scenario = tiny_variant("lora")
+    history, text = traced(scenario.build_engine(str(tiny_model_dir)), scenario)
+    [wait] = [e for step in history for e in of(ev.WaitingForLoRASlot, step)]
+    assert (wait.request_id, wait.lora_int_id, wait.slots) == ("C", 3, (1, 2))
+    scheduled = [{e.request_id for e in of(ev.SequenceScheduled, step)} for step in history]
+    a_done = next(k for k, step in enumerate(history) if "A" in {e.request_id for e in of(ev.RequestFinished, step)})
+    assert scheduled[0] == {"A", "B", "D"} and all("C" not in s for s in scheduled[:a_done + 1])
+    assert "C" in scheduled[a_done + 1] and scenario.shown_at(history) == a_done + 2
+    flat = " ".join(text.split())
+    assert ("C waits for a LoRA slot: its adapter (lora_int_id 3) is in no slot, and all 2 hold adapters in use "
+            "(1, 2)") in flat
+    assert "A/seq 0 · running · adapter x" in flat and "C/seq 2 · waiting · adapter z" in flat
+    assert "D/seq 3 · running logical" in flat                    # the base model: no adapter named
+    assert "LoRA: 2 adapter slots of rank 16" in flat and "max_tokens 4, adapter z (lora_int_id 3))" in flat
+    assert os.listdir(tmp_path) == []
 
 
 def test_requests_arrive_at_their_step_and_an_idle_engine_does_not_wait(tiny_model_dir):

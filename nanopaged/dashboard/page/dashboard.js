@@ -19,7 +19,8 @@
  *   #cpu-pool               a <details>, data-used (blocks in use); open while any is in use,
  *                           folded to its summary line while none is, unless the viewer
  *                           opened or closed it by hand (then it stays as they left it)
- *   #queue-running / -waiting / -swapped li[data-request-id]  (data-status, data-num-tokens)
+ *   #queue-running / -waiting / -swapped li[data-request-id]  (data-status, data-num-tokens,
+ *                           data-lora: its LoRA adapter's name, "" for the base model)
  *   #block-table            data-request-id of the request shown; tr[data-logical][data-physical]
  *                           per logical block, with data-seq-id and data-on-cpu
  *   #step-log li[data-step], #spark-tokens / #spark-kv / #spark-hit [data-value]
@@ -188,6 +189,13 @@
             r.seqs.length + " seq" + (r.seqs.length > 1 ? "s" : "") + " · " + blocks + " blocks";
           li.appendChild(line);
           li.appendChild(counts);
+          li.setAttribute("data-lora", r.lora_name || "");
+          if (r.lora_name != null) {                            // multi-LoRA: the adapter it runs with
+            var adapter = document.createElement("span");
+            adapter.className = "adapter";
+            adapter.textContent = "adapter " + r.lora_name;
+            li.appendChild(adapter);
+          }
         } else {
           line.textContent = id;
           li.appendChild(line);
@@ -215,6 +223,7 @@
     if (selected === null) return note(panel, "Click a request or a block.");
     var r = s.requests.filter(function (q) { return q.request_id === selected; })[0];
     if (!r) return note(panel, selected + " is not in the engine any more (finished or aborted).");
+    if (r.lora_name != null) $("block-table-title").textContent = selected + " · adapter " + r.lora_name;
     r.seqs.forEach(function (q) {
       var h = document.createElement("h3");
       h.textContent = "seq " + q.seq_id + " ";

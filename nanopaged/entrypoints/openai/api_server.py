@@ -6,7 +6,8 @@ vLLM: `vllm/entrypoints/openai/api_server.py`.
 
 Endpoints (routes.py): GET /v1/models, POST /v1/completions and /v1/chat/completions
 (server-sent events with "stream": true), GET /health, GET /metrics (metrics.py), GET /docs,
-and what the server's features add (server_features.py: the dashboard's page and stream).
+and what the server's features add (server_features.py: the dashboard's page and stream;
+LoRA adapters as models, and their load and unload).
 Errors are OpenAI's JSON body (exception_handlers.py); the key, the body's size and
 depth are checked first (middleware.py, auth.py). The engine core runs in its own
 process, so the event loop never waits for a forward pass. How the server stops

@@ -361,11 +361,14 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One model of GET /v1/models; parent: the model it adapts (a LoRA adapter's base
+    model), None for the base model itself (vLLM's ModelCard)."""
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "nanopaged"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

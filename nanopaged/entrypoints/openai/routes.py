@@ -1,7 +1,7 @@
 """The server's routes: the OpenAI API, /health and /metrics (a feature's own come with
 it: server_features.py). Each reads what it serves from `request.app.state` (engine,
-served_model_name, lifecycle, metrics: set by api_server.build_app). vLLM: the `router` of
-`vllm/entrypoints/openai/api_server.py`.
+served_model_name, lifecycle, metrics, server_features: set by api_server.build_app).
+vLLM: the `router` of `vllm/entrypoints/openai/api_server.py`.
 """
 from __future__ import annotations
 
@@ -15,16 +15,26 @@ from starlette.background import BackgroundTask
 from ...utils.proc import EngineDeadError
 from . import serving
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, OpenAIError, random_id
+from .server_features import feature_model_cards, model_kwargs
 
 logger = logging.getLogger("nanopaged.entrypoints.openai.api_server")
 router = APIRouter()
 
 
+def _model_name(request: Request, body) -> str:
+    """The name a response carries: the `model` the request named (the base model's or
+    one a server feature serves), else the base model's (vLLM's
+    OpenAIServingModels.model_name)."""
+    return body.model or request.app.state.served_model_name
+
+
 async def _run(request: Request, body, prompt, params_fn, prefix: str, respond):
     """Start the request (an error before any byte is sent is a 4xx/5xx), then answer
-    it whole or as a stream: respond(first, rest, request_id, stream)."""
+    it whole or as a stream: respond(first, rest, request_id, stream). Its `model` picks
+    the base model or one a server feature serves (server_features.model_kwargs)."""
     state = request.app.state
-    if body.model is not None and body.model != state.served_model_name:
+    kwargs = model_kwargs(state.server_features, state.served_model_name, body.model)
+    if kwargs is None:
         raise OpenAIError(404, f"The model `{body.model}` does not exist.", "model", "model_not_found")
     if state.engine.errored:
         raise OpenAIError(500, serving.DEAD_ENGINE_MESSAGE)
@@ -33,7 +43,7 @@ async def _run(request: Request, body, prompt, params_fn, prefix: str, respond):
     request_id = random_id(prefix)
     try:
         first, rest = await serving.cancel_on_disconnect(
-            request, serving.start(state.engine, state.metrics, prompt(), params_fn(), request_id))
+            request, serving.start(state.engine, state.metrics, prompt(), params_fn(), request_id, **kwargs))
     except (ValueError, TypeError, EngineDeadError, serving.ShuttingDown) as e:
         raise OpenAIError(*serving.error_for_client(e)) from None
     if body.stream:
@@ -48,7 +58,7 @@ async def _run(request: Request, body, prompt, params_fn, prefix: str, respond):
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request):
     """OpenAI's completions (vLLM: serving_completion.py)."""
-    tokenizer, name = request.app.state.engine.tokenizer, request.app.state.served_model_name
+    tokenizer, name = request.app.state.engine.tokenizer, _model_name(request, body)
     usage = body.stream_options is not None and body.stream_options.include_usage
 
     def respond(first, rest, rid, stream):
@@ -61,7 +71,7 @@ async def create_completion(body: CompletionRequest, request: Request):
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     """OpenAI's chat completions; the chat template makes the prompt (vLLM: serving_chat.py)."""
-    tokenizer, name = request.app.state.engine.tokenizer, request.app.state.served_model_name
+    tokenizer, name = request.app.state.engine.tokenizer, _model_name(request, body)
     usage = body.stream_options is not None and body.stream_options.include_usage
     top = (body.top_logprobs or 0) if body.logprobs else None
 
@@ -75,9 +85,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    engine = request.app.state.engine
-    return ModelList(data=[ModelCard(id=request.app.state.served_model_name, root=str(engine.model_path),
-                                     max_model_len=engine.config.max_model_len)])
+    """The base model, then the models the server's features serve (their `parent`: the
+    base model)."""
+    state = request.app.state
+    base = ModelCard(id=state.served_model_name, root=str(state.engine.model_path),
+                     max_model_len=state.engine.config.max_model_len)
+    return ModelList(data=[base] + [ModelCard(**card) for card in
+                                    feature_model_cards(state.server_features, state.served_model_name)])
 
 
 @router.get("/health")

@@ -19,6 +19,16 @@ A server feature is a class with (the dashboard's: dashboard/routes.py):
                                 its browser pages under --api-key (auth.check_key), or
                                 key_pages = guarded = () when it has none
 
+and, where it serves models of its own besides the base model (LoRA adapters:
+lora/serving.py), these two, which a feature without them does not define:
+
+    request_kwargs(model_name) -> dict | None
+                                the extra AsyncLLM.generate keywords of a request whose
+                                OpenAI `model` is model_name; None: not a name it serves
+    model_cards(base_name) -> list[dict]
+                                its models in GET /v1/models, each ModelCard's fields
+                                ({"id", "root", "parent"}), under the base model's name
+
 A feature needs no base class: the server only calls these, so the feature's package
 never imports the server.
 """
@@ -42,6 +52,7 @@ class ServerFeatureRow:
 
 SERVER_FEATURES: list[ServerFeatureRow] = [
     ServerFeatureRow("dashboard", "dashboard.routes:DashboardServer"),
+    ServerFeatureRow("LoRA adapters", "lora.serving:LoRAServer"),
 ]
 
 
@@ -65,3 +76,22 @@ def add_server_feature_args(parser: argparse.ArgumentParser) -> None:
 def build_server_features(engine, args: argparse.Namespace) -> list:
     """One instance per feature that `args` turns on."""
     return [cls(engine, args) for cls in load_server_features() if cls.enabled(args)]
+
+
+def model_kwargs(features: list, base_name: str, model_name: str | None) -> dict | None:
+    """The extra AsyncLLM.generate keywords for a request naming `model_name`: {} for the
+    base model (or no name), a feature's request_kwargs for a name it serves, None for a
+    name nobody serves (the caller's 404). vLLM: OpenAIServing._check_model and
+    _maybe_get_adapters."""
+    if model_name is None or model_name == base_name:
+        return {}
+    for feature in features:
+        kwargs = feature.request_kwargs(model_name) if hasattr(feature, "request_kwargs") else None
+        if kwargs is not None:
+            return kwargs
+    return None
+
+
+def feature_model_cards(features: list, base_name: str) -> list[dict]:
+    """The fields of the ModelCard of each model the features serve (model_cards)."""
+    return [card for f in features if hasattr(f, "model_cards") for card in f.model_cards(base_name)]

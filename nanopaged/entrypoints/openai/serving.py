@@ -30,8 +30,9 @@ logger = logging.getLogger("nanopaged.entrypoints.openai.api_server")
 _MIN_LOGPROB = -9999.0     # OpenAI's JSON stand-in for -inf (as vLLM clamps)
 
 
-async def start(engine, metrics, prompt, params, request_id: str):
-    """Start a request and wait for its first output.
+async def start(engine, metrics, prompt, params, request_id: str, **kwargs):
+    """Start a request and wait for its first output; kwargs: the extra keywords of
+    engine.generate that the request's model asks for (server_features.model_kwargs).
 
     Returns (first RequestOutput, the generator for the rest). The generator records
     TTFT, inter-token and end-to-end latency in `metrics` (seconds).
@@ -41,7 +42,7 @@ async def start(engine, metrics, prompt, params, request_id: str):
         EngineDeadError: the engine core is gone.
     """
     arrival = time.monotonic()
-    gen = engine.generate(prompt, params, request_id)
+    gen = engine.generate(prompt, params, request_id, **kwargs)
     first = await gen.__anext__()
     now = time.monotonic()
     metrics.ttft.observe(now - arrival)
