@@ -4,7 +4,8 @@ kernels/cuda/lora.cu), against the PyTorch reference (nanopaged/lora/punica.py).
 Close to the reference, within bounds derived from each sum's length (tests/error_bounds.py).
 Equal, bit for bit, where the kernel promises it: a row alone and in a batch (batch
 invariance), rows without an adapter (slot -1), and every instruction-set body of the CPU
-kernel (each dot product in 16 fp32 lanes and one fixed tree, in every body). The CUDA
+kernel (shrink's dot products in 16 fp32 lanes and one fixed tree, expand's one chain of
+FMAs per output column, in every body). The CUDA
 kernel is compiled by nvcc here, and run on a GPU by kernels/gpu_check.py.
 """
 from __future__ import annotations
@@ -157,7 +158,8 @@ def other_body(request):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_body_gives_the_native_bits(lora, other_body, dtype):
     """16 lanes in one AVX512 register, two AVX2 ones or 16 portable floats: the same FMAs
-    and the same tree, so the same bits; lengths below, at and past the 16 lanes."""
+    and the same tree (shrink), the same chain per column (expand), so the same bits;
+    lengths below, at and past the 16 lanes, 300 columns (a partial tile of 64)."""
     name, other = other_body
     assert other.build_info()["vector"] == {"AVX2": "avx2", "DEFAULT": "portable"}[name]
     for rank, in_features in ((1, 64), (8, 333), (16, 2048), (64, 1000), (3, 7)):

@@ -8,11 +8,15 @@
 // with s = slots[i] (-1: no adapter; the row is left alone). vLLM: vllm/lora/ops/
 // (bgmv_shrink, bgmv_expand); our PyTorch reference is nanopaged/lora/punica.py.
 //
-// Every dot product is summed in 16 fp32 lanes, whatever the body: lane j takes the
-// elements j, j + 16, ... by fused multiply-adds, then one fixed tree adds the lanes. An
-// AVX512 build keeps the 16 lanes in one register, an AVX2 build in two, the portable
-// build in 16 floats: the same operations in the same order, so the same bits in every
-// body, and a row's bits depend on that row alone, never on the batch around it.
+// The same operations in the same order in every body, so the same bits, and a row's bits
+// depend on that row alone, never on the batch around it:
+// - shrink's dot products (length in: hundreds) are summed in 16 fp32 lanes: lane j takes
+//   the elements j, j + 16, ... by fused multiply-adds, then one fixed tree adds the lanes
+//   (an AVX512 build keeps the 16 lanes in one register, an AVX2 build in two, the
+//   portable build in 16 floats);
+// - expand's (length r: a handful) are one chain of fused multiply-adds each, k = 0, 1,
+//   ..., r - 1, computed for 16 (or 8, or 1) output columns at once from a tile of B
+//   transposed and widened once for every row of that adapter.
 
 #include <ATen/Parallel.h>
 #include <torch/types.h>
@@ -30,7 +34,7 @@ namespace {
 
 constexpr int64_t kWidth = 16;                   // fp32 lanes of every dot product, in every body
 constexpr int64_t kRegs = kWidth / mm::kLanes;   // AVX512: 1 register, AVX2: 2, portable: 16 floats
-constexpr int64_t kColumns = 256;                // lora_expand's columns a task: one decode row still spreads
+constexpr int64_t kColumns = 64;                 // lora_expand's columns a task (a multiple of 16 lanes)
 
 // The mm::kLanes values p[at, at + kLanes) widened to fp32, those at n and beyond zeros.
 template <typename T>
@@ -167,14 +171,32 @@ void lora_expand(torch::Tensor y, const torch::Tensor& t, const torch::Tensor& b
     const T* bp = b.data_ptr<T>();
     const float* sc = scales.data_ptr<float>();
     const int64_t ys = y.stride(0), ts = t.stride(0), tiles = (out + kColumns - 1) / kColumns;
-    at::parallel_for(0, n * tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t i = task / tiles, from = task % tiles * kColumns, to = std::min(out, from + kColumns);
-        if (s[i] < 0) continue;
-        const T* w = bp + s[i] * out * r;
-        T* row = yp + i * ys;
-        for (int64_t o = from; o < to; ++o) {
-          row[o] = from_f32<T>(std::fma(dot(tp + i * ts, w + o * r, r), sc[s[i]], to_f32(row[o])));
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> bt(r * kColumns);         // b[s][from, to)^T widened: bt[k * kColumns + c]
+      alignas(64) float delta[kColumns];
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t from = tile * kColumns, cols = std::min(kColumns, out - from);
+        int64_t held = -1;                           // the slot whose B tile is in bt
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t slot = s[i];
+          if (slot < 0) continue;
+          if (slot != held) {                        // rows of one adapter share the tile
+            const T* w = bp + (slot * out + from) * r;
+            for (int64_t c = 0; c < kColumns; ++c) {
+              for (int64_t k = 0; k < r; ++k) bt[k * kColumns + c] = c < cols ? to_f32(w[c * r + k]) : 0.f;
+            }
+            held = slot;
+          }
+          const float* ti = tp + i * ts;
+          for (int64_t c = 0; c < cols; c += mm::kLanes) {     // lane c: output column from + c
+            mm::vec acc = mm::vzero();
+            for (int64_t k = 0; k < r; ++k) {
+              acc = mm::vfma(mm::vset1(ti[k]), mm::vload(bt.data() + k * kColumns + c, mm::kLanes), acc);
+            }
+            mm::vstore(delta + c, acc, mm::kLanes);
+          }
+          T* row = yp + i * ys + from;
+          for (int64_t c = 0; c < cols; ++c) row[c] = from_f32<T>(std::fma(delta[c], sc[slot], to_f32(row[c])));
         }
       }
     });
