@@ -16,7 +16,7 @@
 //   portable build in 16 floats);
 // - expand's (length r: a handful) are one chain of fused multiply-adds each, k = 0, 1,
 //   ..., r - 1, computed for 16 (or 8, or 1) output columns at once from a tile of B
-//   transposed and widened once for every row of that adapter.
+//   transposed and widened once per adapter for all the rows of the batch.
 
 #include <ATen/Parallel.h>
 #include <torch/types.h>
@@ -172,26 +172,30 @@ void lora_expand(torch::Tensor y, const torch::Tensor& t, const torch::Tensor& b
     const float* sc = scales.data_ptr<float>();
     const int64_t ys = y.stride(0), ts = t.stride(0), tiles = (out + kColumns - 1) / kColumns;
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> bt(r * kColumns);         // b[s][from, to)^T widened: bt[k * kColumns + c]
+      // per slot, b[slot][from, to)^T widened: bt[(slot * r + k) * kColumns + c], made the first
+      // time a row of that slot meets this tile, so rows of many adapters in any order share it
+      std::vector<float> bt(num_slots * r * kColumns);
+      std::vector<int64_t> made(num_slots);
       alignas(64) float delta[kColumns];
       for (int64_t tile = begin; tile < end; ++tile) {
         const int64_t from = tile * kColumns, cols = std::min(kColumns, out - from);
-        int64_t held = -1;                           // the slot whose B tile is in bt
+        std::fill(made.begin(), made.end(), -1);
         for (int64_t i = 0; i < n; ++i) {
           const int64_t slot = s[i];
           if (slot < 0) continue;
-          if (slot != held) {                        // rows of one adapter share the tile
+          float* tile_t = bt.data() + slot * r * kColumns;
+          if (made[slot] != tile) {
             const T* w = bp + (slot * out + from) * r;
             for (int64_t c = 0; c < kColumns; ++c) {
-              for (int64_t k = 0; k < r; ++k) bt[k * kColumns + c] = c < cols ? to_f32(w[c * r + k]) : 0.f;
+              for (int64_t k = 0; k < r; ++k) tile_t[k * kColumns + c] = c < cols ? to_f32(w[c * r + k]) : 0.f;
             }
-            held = slot;
+            made[slot] = tile;
           }
           const float* ti = tp + i * ts;
           for (int64_t c = 0; c < cols; c += mm::kLanes) {     // lane c: output column from + c
             mm::vec acc = mm::vzero();
             for (int64_t k = 0; k < r; ++k) {
-              acc = mm::vfma(mm::vset1(ti[k]), mm::vload(bt.data() + k * kColumns + c, mm::kLanes), acc);
+              acc = mm::vfma(mm::vset1(ti[k]), mm::vload(tile_t + k * kColumns + c, mm::kLanes), acc);
             }
             mm::vstore(delta + c, acc, mm::kLanes);
           }
