@@ -225,8 +225,8 @@ ENGINE_FLAGS: dict[str, tuple[type, str | None, str]] = {
                                 "accuracy table; not given: exact float activations)"),
     "enforce_eager": (bool, "BOOL", "run every step eagerly; else small all-decode batches on the CPU kernels "
                       "replay their recorded kernel calls without the module calls (cpu_graph/model_runner.py)"),
-    "enable_lora": (bool, "BOOL", "serve LoRA adapters: a request may name a PEFT adapter folder (a LoRARequest), "
-                    "and one batch runs several (nanopaged/lora/)"),
+    "enable_lora": (bool, "BOOL", "serve LoRA adapters (PEFT folders), several in one batch: a request names one "
+                    "(LoRARequest; in the server, its model name: --lora-modules) (nanopaged/lora/)"),
     "max_lora_rank": (int, "R", "the largest adapter rank served, with --enable-lora"),
     "max_loras": (int, "N", "adapters resident at once, with --enable-lora: at most N distinct ones in a step"),
     "max_cpu_loras": (int, "N", "adapters cached in host memory, with --enable-lora (not given: --max-loras)"),

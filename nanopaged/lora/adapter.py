@@ -144,6 +144,9 @@ def _modules(config: dict, bad) -> list[str]:
         raise bad("target_modules", f"must be a list of projection names among {list(TARGET_MODULES)}")
     for t in targets:
         name = t.rsplit(".", 1)[-1]
+        if any(part.isdigit() for part in t.split(".")):    # PEFT matches a suffix: this one, some layers only
+            raise bad("target_modules", f"{t!r} names some layers' modules by path; give the projection's name "
+                      f"and layers_to_transform for the layers")
         if name in ("embed_tokens", "lm_head"):
             raise bad("target_modules", f"{t!r}: adapters on the embedding or the LM head are not served")
         if name not in TARGET_MODULES:

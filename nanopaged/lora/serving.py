@@ -11,8 +11,9 @@ vLLM serves them (`vllm/entrypoints/openai/serving_models.py`, `api_server.py`).
 - With --allow-runtime-lora-updating (vLLM's environment variable
   VLLM_ALLOW_RUNTIME_LORA_UPDATING, a flag here as every other setting is):
   POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
-  POST /v1/unload_lora_adapter {"lora_name"}, under /v1/ so that --api-key guards them;
-  without the flag both are 404s.
+  POST /v1/unload_lora_adapter {"lora_name"}, under /v1/ so that --api-key guards them
+  (the flag without --api-key is refused at start: a load makes the server read a folder
+  the client names); without the flag both are 404s.
 
 A folder is checked (adapter.load_adapter) before its name is served: at the start, a
 bad one stops the server (exit status 1, the error naming the file and the field, as
@@ -119,7 +120,8 @@ class LoRAServer:
         args: the parsed flags (enable_lora, lora_modules, allow_runtime_lora_updating).
 
     Raises:
-        ValueError: --lora-modules without --enable-lora; a name given twice; a folder
+        ValueError: --lora-modules without --enable-lora; --allow-runtime-lora-updating
+            without --api-key; a name given twice; a folder
             the engine cannot serve (LoRAAdapterError: the file and the field).
 
     Attributes:
@@ -135,8 +137,8 @@ class LoRAServer:
                             'name=path or \'{"name": ..., "path": ...}\' each; a request\'s "model" picks one')
         parser.add_argument("--allow-runtime-lora-updating", action="store_true",
                             help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-                                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING): whoever holds the API key can make the "
-                                 "server read any folder it can see")
+                                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING); needs --api-key: whoever holds the key can "
+                                 "make the server read any folder it can see")
 
     @staticmethod
     def enabled(args: argparse.Namespace) -> bool:
@@ -148,6 +150,10 @@ class LoRAServer:
         self.model_config = engine.processor.model_config
         self.max_lora_rank = engine.config.lora_config.max_lora_rank
         self.allow_updating = args.allow_runtime_lora_updating
+        if self.allow_updating and not getattr(args, "api_key", None):
+            # loading makes the server read a folder a client names: only a client with the key may
+            raise ValueError("--allow-runtime-lora-updating needs --api-key: without a key, anyone who can reach "
+                             "the server could make it read any folder it can see")
         self.base_name: str | None = None             # the base model's name, once mounted
         self.lora_requests: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)

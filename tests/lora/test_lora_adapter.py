@@ -39,6 +39,8 @@ CASES = {
     "embedding": (setting("target_modules", ["q_proj", "embed_tokens"]), None, ["target_modules", "embed_tokens"]),
     "head": (setting("target_modules", ["lm_head"]), None, ["target_modules", "lm_head"]),
     "unknown_target": (setting("target_modules", ["q_proj", "c_attn"]), None, ["target_modules", "c_attn"]),
+    "one_layers_path": (setting("target_modules", ["model.layers.0.self_attn.q_proj"]), None,
+                        ["target_modules", "model.layers.0.self_attn.q_proj", "layers_to_transform"]),
     "bias": (setting("bias", "all"), None, ["bias"]),
     "lora_bias": (setting("lora_bias", True), None, ["lora_bias"]),
     "rank_pattern": (setting("rank_pattern", {"q_proj": 2}), None, ["rank_pattern"]),

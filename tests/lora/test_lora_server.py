@@ -187,6 +187,15 @@ def test_lora_modules_without_enable_lora_is_an_error_naming_both_flags(tiny_mod
     assert "--lora-modules needs --enable-lora" in err, err
 
 
+def test_runtime_updating_without_an_api_key_is_refused_at_the_start(tiny_model_dir, capsys):
+    """A load makes the server read a folder the client names: never for a client without the key."""
+    from nanopaged.entrypoints.openai.api_server import main
+    assert main(["--model", str(tiny_model_dir), "--port", str(_free_port()), *TINY_ARGS, "--enable-lora",
+                 "--allow-runtime-lora-updating"]) == 1
+    err = capsys.readouterr().err
+    assert "--allow-runtime-lora-updating needs --api-key" in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("item, words", [("a", "expected name=path"), ('{"name": "a"', "is not JSON"),
                                          ('{"name": "a", "path": "/p", "rank": 2}', "unknown field 'rank'"),
                                          ("=/p", "non-empty")])
